@@ -1,0 +1,261 @@
+//! Kubernetes API types of the Multi-Cluster Services API as mcs-dataplane reads them.
+//!
+//! # Layout
+//!
+//! - [`ServiceImportSpec`] and friends: one definition of the schema, served under two
+//!   versions ([`v1alpha1::ServiceImport`], [`v1beta1::ServiceImport`]; v1beta1 is the storage
+//!   version). The schemas are identical, so the CRD uses conversion strategy `None`, as
+//!   upstream (kubernetes-sigs/mcs-api) does.
+//! - [`v1alpha1::ServiceExport`], [`v1beta1::ServiceExport`]: for clusters that lack the CRD.
+//! - [`ClusterProperty`] (`about.k8s.io`, cluster-scoped): the cluster's id lives in the one
+//!   named [`CLUSTER_ID_PROPERTY`].
+//! - [`crds`]: the CRDs written to `deploy/crds/` by the `crdgen` binary.
+//! - Label names of MCS EndpointSlices: [`LABEL_SERVICE_NAME`], [`LABEL_SOURCE_CLUSTER`].
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::{CustomResource, CustomResourceExt as _};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Label on an MCS EndpointSlice naming the imported service.
+pub const LABEL_SERVICE_NAME: &str = "multicluster.kubernetes.io/service-name";
+/// Label on an MCS EndpointSlice naming the cluster its endpoints are in.
+pub const LABEL_SOURCE_CLUSTER: &str = "multicluster.kubernetes.io/source-cluster";
+/// Label naming the controller that manages an EndpointSlice.
+pub const LABEL_MANAGED_BY: &str = "endpointslice.kubernetes.io/managed-by";
+/// `managed-by` value of the default Kubernetes EndpointSlice controller: such slices are for
+/// ordinary Services, never MCS.
+pub const DEFAULT_SLICE_CONTROLLER: &str = "endpointslice-controller.k8s.io";
+/// Name of the ClusterProperty holding this cluster's id (KEP-2149).
+pub const CLUSTER_ID_PROPERTY: &str = "cluster.clusterset.k8s.io";
+/// Name of the ClusterProperty holding the ClusterSet's id (KEP-2149).
+pub const CLUSTERSET_ID_PROPERTY: &str = "clusterset.k8s.io";
+/// Default ClientIP affinity timeout (seconds), as for Services.
+pub const DEFAULT_AFFINITY_TIMEOUT_SECONDS: i32 = 10_800;
+
+/// Labels of the generated CRDs.
+const CRD_LABELS: [(&str, &str); 1] = [("app.kubernetes.io/part-of", "mcs-dataplane")];
+
+/// ServiceImport type.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ServiceImportType {
+    /// The service has ClusterSetIPs (VIPs).
+    #[default]
+    ClusterSetIP,
+    /// No VIP: DNS answers with the endpoints.
+    Headless,
+}
+
+/// A port of a ServiceImport. There is no targetPort: the EndpointSlice ports carry it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ServicePort {
+    /// Port name; matches the EndpointSlice port of the same name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// `TCP` (default), `UDP` or `SCTP`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<String>,
+    /// Application protocol hint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub app_protocol: Option<String>,
+    /// The port on the ClusterSetIP.
+    pub port: i32,
+}
+
+/// Session affinity settings.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionAffinityConfig {
+    /// ClientIP affinity settings.
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "clientIP")]
+    pub client_ip: Option<ClientIpConfig>,
+}
+
+/// ClientIP affinity settings.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientIpConfig {
+    /// Affinity timeout, 1..=86400 seconds; default 10800.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<i32>,
+}
+
+/// Status of a ServiceImport.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceImportStatus {
+    /// Clusters that export the service.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub clusters: Vec<ClusterStatus>,
+    /// Conditions (`Ready`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
+}
+
+/// A cluster that exports a service.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ClusterStatus {
+    /// Cluster id.
+    pub cluster: String,
+}
+
+/// Status of a ServiceExport.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ServiceExportStatus {
+    /// Conditions (`Valid`, `Ready`, `Conflict`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
+}
+
+// One definition of each spec, stamped out per served version (the schemas are identical, as
+// upstream; kube's derive needs a literal version string, hence the macro).
+macro_rules! mcs_version {
+    ($version:ident, $name:literal) => {
+        /// The kinds of `multicluster.x-k8s.io/
+        #[doc = $name]
+        /// `.
+        pub mod $version {
+            use super::*;
+
+            /// Spec of a ServiceImport.
+            #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema, CustomResource)]
+            #[kube(
+                group = "multicluster.x-k8s.io",
+                version = $name,
+                kind = "ServiceImport",
+                namespaced,
+                status = "ServiceImportStatus",
+                shortname = "svcim",
+                shortname = "svcimport",
+                printcolumn = r#"{"name":"Type","type":"string","jsonPath":".spec.type"}"#,
+                printcolumn = r#"{"name":"IP","type":"string","jsonPath":".spec.ips"}"#,
+                printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+            )]
+            #[serde(rename_all = "camelCase")]
+            pub struct ServiceImportSpec {
+                /// The ports of the service. Each names its own protocol.
+                #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
+                pub ports: Vec<ServicePort>,
+                /// ClusterSetIPs (VIPs), in `ipFamilies` order; empty for Headless.
+                #[serde(default, skip_serializing_if = "Vec::is_empty")]
+                #[schemars(length(max = 2))]
+                pub ips: Vec<String>,
+                /// `ClusterSetIP` or `Headless`.
+                #[serde(rename = "type")]
+                pub type_: ServiceImportType,
+                /// `None` (default) or `ClientIP`.
+                #[serde(default, skip_serializing_if = "Option::is_none")]
+                pub session_affinity: Option<String>,
+                /// Session affinity settings.
+                #[serde(default, skip_serializing_if = "Option::is_none")]
+                pub session_affinity_config: Option<SessionAffinityConfig>,
+                /// IP families of `ips`, in order (`IPv4`, `IPv6`).
+                #[serde(default, skip_serializing_if = "Vec::is_empty")]
+                #[schemars(length(max = 2))]
+                pub ip_families: Vec<String>,
+                /// `Cluster` or `Local`, as for Services.
+                #[serde(default, skip_serializing_if = "Option::is_none")]
+                pub internal_traffic_policy: Option<String>,
+                /// e.g. `PreferClose`: prefer endpoints in the client's zone.
+                #[serde(default, skip_serializing_if = "Option::is_none")]
+                pub traffic_distribution: Option<String>,
+            }
+
+            /// Spec of a ServiceExport.
+            #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema, CustomResource)]
+            #[kube(
+                group = "multicluster.x-k8s.io",
+                version = $name,
+                kind = "ServiceExport",
+                namespaced,
+                status = "ServiceExportStatus",
+                shortname = "svcex",
+                shortname = "svcexport",
+                printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+            )]
+            #[serde(rename_all = "camelCase")]
+            pub struct ServiceExportSpec {
+                /// Labels to put on the derived ServiceImport.
+                #[serde(default, skip_serializing_if = "Option::is_none")]
+                pub exported_labels: Option<BTreeMap<String, String>>,
+                /// Annotations to put on the derived ServiceImport.
+                #[serde(default, skip_serializing_if = "Option::is_none")]
+                pub exported_annotations: Option<BTreeMap<String, String>>,
+            }
+        }
+    };
+}
+mcs_version!(v1alpha1, "v1alpha1");
+mcs_version!(v1beta1, "v1beta1");
+
+/// The storage version, which is what the agent watches (the apiserver serves every object
+/// in it, whatever version it was written in).
+pub use v1beta1::{ServiceExport, ServiceExportSpec, ServiceImport, ServiceImportSpec};
+
+/// Spec of a ClusterProperty.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema, CustomResource)]
+#[kube(
+    group = "about.k8s.io",
+    version = "v1beta1",
+    kind = "ClusterProperty",
+    status = "ClusterPropertyStatus",
+    category = "multicluster",
+    printcolumn = r#"{"name":"value","type":"string","jsonPath":".spec.value"}"#,
+    printcolumn = r#"{"name":"age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+pub struct ClusterPropertySpec {
+    /// The property's value (for `cluster.clusterset.k8s.io`: the cluster id, a DNS label).
+    #[schemars(length(min = 1, max = 128000))]
+    pub value: String,
+}
+
+/// Status of a ClusterProperty (empty).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ClusterPropertyStatus {}
+
+/// The CRDs that `deploy/crds/` holds, in file order: `(file name, CRD)`.
+///
+/// Each multi-version CRD serves `v1alpha1` and `v1beta1` with `v1beta1` as storage.
+/// ClusterProperty's `v1alpha1` is derived from the same schema.
+pub fn crds() -> Vec<(&'static str, CustomResourceDefinition)> {
+    let service_imports = kube::core::crd::merge_crds(
+        vec![v1alpha1::ServiceImport::crd(), v1beta1::ServiceImport::crd()],
+        "v1beta1",
+    )
+    .expect("ServiceImport versions merge");
+    let service_exports = kube::core::crd::merge_crds(
+        vec![v1alpha1::ServiceExport::crd(), v1beta1::ServiceExport::crd()],
+        "v1beta1",
+    )
+    .expect("ServiceExport versions merge");
+    let mut cluster_properties = ClusterProperty::crd();
+    let mut alpha = cluster_properties.spec.versions[0].clone();
+    alpha.name = "v1alpha1".into();
+    alpha.storage = false;
+    cluster_properties.spec.versions.insert(0, alpha);
+    let mut out = vec![
+        ("multicluster.x-k8s.io_serviceimports.yaml", service_imports),
+        ("multicluster.x-k8s.io_serviceexports.yaml", service_exports),
+        ("about.k8s.io_clusterproperties.yaml", cluster_properties),
+    ];
+    for (_, crd) in &mut out {
+        let labels = crd.metadata.labels.get_or_insert_with(Default::default);
+        for (k, v) in CRD_LABELS {
+            labels.insert(k.into(), v.into());
+        }
+    }
+    out
+}
+
+/// The YAML text of a CRD as written to `deploy/crds/`.
+pub fn crd_yaml(crd: &CustomResourceDefinition) -> String {
+    let body = serde_yaml::to_string(crd).expect("CRD serializes");
+    format!("# Generated by `cargo run -p mcs-api --bin crdgen`; do not edit.\n{body}")
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,51 @@
+use super::*;
+
+#[test]
+fn service_import_round_trips_upstream_shape() {
+    let yaml = r#"
+apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceImport
+metadata: { name: web, namespace: shop }
+spec:
+  type: ClusterSetIP
+  ips: ["198.18.0.10"]
+  ports:
+  - { name: http, protocol: TCP, port: 80 }
+  sessionAffinity: ClientIP
+  sessionAffinityConfig: { clientIP: { timeoutSeconds: 60 } }
+  trafficDistribution: PreferClose
+status:
+  clusters: [{ cluster: c1 }]
+"#;
+    let si: ServiceImport = serde_yaml::from_str(yaml).unwrap();
+    assert_eq!(si.spec.ips, vec!["198.18.0.10"]);
+    assert_eq!(si.spec.type_, ServiceImportType::ClusterSetIP);
+    assert_eq!(si.spec.ports[0].port, 80);
+    let cfg = si.spec.session_affinity_config.as_ref().unwrap();
+    assert_eq!(cfg.client_ip.as_ref().unwrap().timeout_seconds, Some(60));
+    let back = serde_json::to_value(&si).unwrap();
+    assert_eq!(back["spec"]["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"], 60);
+    assert_eq!(back["spec"]["type"], "ClusterSetIP");
+}
+
+#[test]
+fn crds_serve_two_versions_and_store_v1beta1() {
+    for (file, crd) in crds() {
+        let versions: Vec<(&str, bool, bool)> = crd
+            .spec
+            .versions
+            .iter()
+            .map(|v| (v.name.as_str(), v.served, v.storage))
+            .collect();
+        assert_eq!(versions, vec![("v1alpha1", true, false), ("v1beta1", true, true)], "{file}");
+        assert!(crd.spec.conversion.is_none(), "{file}: same schema, no conversion webhook");
+    }
+}
+
+#[test]
+fn cluster_property_is_cluster_scoped() {
+    let crds = crds();
+    let (_, cp) = crds.iter().find(|(f, _)| f.starts_with("about")).unwrap();
+    assert_eq!(cp.spec.scope, "Cluster");
+    assert_eq!(cp.spec.group, "about.k8s.io");
+}

@@ -1,0 +1,147 @@
+//! Map key and value types shared by the kernel-side programs (`ebpf/programs`) and the
+//! userspace loader (`proxy`). Defined once here so the two sides cannot drift.
+//!
+//! # Layout rules
+//!
+//! - Every type is `#[repr(C)]`, `Copy`, and has explicit `_pad*` fields so that there is no
+//!   implicit padding (the kernel compares keys byte-wise; uninitialised padding would make
+//!   equal keys differ). Padding fields are always written as zero.
+//! - No `bool`: flags are `u8`/`u32` bit sets.
+//! - Each network field documents its byte order. Addresses and ports are kept in **network
+//!   byte order** exactly as the kernel hands them to `cgroup/connect4` (`bpf_sock_addr`
+//!   `user_ip4` and the low 16 bits of `user_port`), so the hot path never swaps bytes.
+//! - Map names carry a version suffix (`_V1`); a layout change gets a new name, so an agent
+//!   never adopts a pinned map of another layout.
+//!
+//! # Services map (`MCS_SVC4_V1`)
+//!
+//! Key [`Svc4Key`] `{vip, port, proto, slot}`. Slot 0 is the frontend: its [`SvcValue`] holds
+//! the number of backends `count` and flags. Slots `1..=count` hold one backend id each in
+//! [`SvcValue::backend_id`]. Writers put new backend slots first and the frontend (with the
+//! new count) last, and free stale slots after that, so a concurrent `connect()` never sees a
+//! count that points to a missing slot.
+//!
+//! # Backends map (`MCS_BE4_V1`)
+//!
+//! Backend id (`u32`, never 0) → [`Backend4`].
+#![no_std]
+// `unsafe` is denied (workspace lint) and allowed only in the `pod` module below, which says why.
+
+/// Name of the IPv4 services map (frontend at slot 0, backends at 1..=count).
+pub const SVC4_MAP: &str = "MCS_SVC4_V1";
+/// Name of the IPv4 backends map (backend id → address).
+pub const BE4_MAP: &str = "MCS_BE4_V1";
+/// Maximum number of entries of the services map (frontends + backend slots).
+pub const SVC_MAP_MAX_ENTRIES: u32 = 65_536;
+/// Maximum number of entries of the backends map.
+pub const BE_MAP_MAX_ENTRIES: u32 = 65_536;
+/// Largest number of backends one frontend may have (slots 1..=MAX_BACKENDS_PER_SVC).
+pub const MAX_BACKENDS_PER_SVC: u16 = 1024;
+
+/// IP protocol numbers as used in [`Svc4Key::proto`] (IANA, same as `IPPROTO_*`).
+pub mod proto {
+    /// `IPPROTO_TCP`.
+    pub const TCP: u8 = 6;
+    /// `IPPROTO_UDP`.
+    pub const UDP: u8 = 17;
+    /// `IPPROTO_SCTP`.
+    pub const SCTP: u8 = 132;
+}
+
+/// Key of the services map, IPv4.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Svc4Key {
+    /// ClusterSetIP, network byte order (as `bpf_sock_addr.user_ip4`).
+    pub vip: u32,
+    /// Service port, network byte order (low 16 bits of `bpf_sock_addr.user_port`).
+    pub port: u16,
+    /// IP protocol number, see [`proto`].
+    pub proto: u8,
+    /// Always 0.
+    pub _pad0: u8,
+    /// 0 = frontend, `1..=count` = backend slots. Host byte order.
+    pub slot: u16,
+    /// Always 0.
+    pub _pad1: [u8; 2],
+}
+
+impl Svc4Key {
+    /// Key of slot `slot` of the frontend `vip:port/proto` (both in network byte order).
+    pub const fn new(vip_be: u32, port_be: u16, proto: u8, slot: u16) -> Self {
+        Self { vip: vip_be, port: port_be, proto, _pad0: 0, slot, _pad1: [0; 2] }
+    }
+}
+
+/// `SvcValue::flags` bit: ClientIP session affinity is on for this frontend.
+pub const SVC_FLAG_AFFINITY: u8 = 1;
+
+/// Value of the services map. Slot 0 uses `count`, `flags`, `affinity_timeout_s`,
+/// `rev_nat_id`; slots 1.. use `backend_id`. Host byte order throughout.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SvcValue {
+    /// Backend id (slots 1..), 0 in slot 0.
+    pub backend_id: u32,
+    /// Number of backend slots (slot 0).
+    pub count: u16,
+    /// `SVC_FLAG_*` bits (slot 0).
+    pub flags: u8,
+    /// Always 0.
+    pub _pad0: u8,
+    /// ClientIP affinity timeout in seconds (slot 0).
+    pub affinity_timeout_s: u32,
+    /// Id that maps a translated socket back to this frontend (slot 0).
+    pub rev_nat_id: u32,
+}
+
+/// Value of the backends map, IPv4.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Backend4 {
+    /// Backend address, network byte order.
+    pub addr: u32,
+    /// Backend (target) port, network byte order.
+    pub port: u16,
+    /// IP protocol number, see [`proto`].
+    pub proto: u8,
+    /// Always 0.
+    pub _pad0: u8,
+    /// Small integer naming the backend's source cluster (assigned by the agent). Host order.
+    pub cluster_id: u32,
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY (of the `unsafe impl`s below; the one use of `unsafe` in this crate, allowed
+    // here only): every type is `#[repr(C)]`, `Copy`, made of plain integers with explicit
+    // padding fields, so any bit pattern is valid and there are no implicit padding bytes.
+    #![allow(unsafe_code)]
+    unsafe impl aya::Pod for super::Svc4Key {}
+    unsafe impl aya::Pod for super::SvcValue {}
+    unsafe impl aya::Pod for super::Backend4 {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::{align_of, size_of};
+
+    // The layouts are an ABI between kernel and userspace and with pinned maps of a running
+    // agent: changing one needs a new map name (version suffix).
+    #[test]
+    fn layouts_have_no_implicit_padding() {
+        assert_eq!(size_of::<Svc4Key>(), 4 + 2 + 1 + 1 + 2 + 2);
+        assert_eq!(align_of::<Svc4Key>(), 4);
+        assert_eq!(size_of::<SvcValue>(), 4 + 2 + 1 + 1 + 4 + 4);
+        assert_eq!(size_of::<Backend4>(), 4 + 2 + 1 + 1 + 4);
+    }
+
+    #[test]
+    fn key_constructor_zeroes_padding() {
+        let k = Svc4Key::new(0x0a00_12c6, 0x5000, proto::TCP, 3);
+        assert_eq!(k._pad0, 0);
+        assert_eq!(k._pad1, [0, 0]);
+        assert_eq!(k.slot, 3);
+    }
+}

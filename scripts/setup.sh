@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One-time, idempotent set-up of everything mcs-dataplane builds and tests with, on a Debian 12
+# machine as root. Caches outside the repo in $MCS_CACHE (default ~/.cache/mcs-dataplane).
+#
+#   - Debian packages: etcd-server, nftables, iproute2, bpftool, openssl, ...
+#   - the pinned stable toolchain (rust-toolchain.toml) and the pinned nightly with rust-src
+#     that builds the kernel-side eBPF crate
+#   - bpf-linker 0.13.0 linked against the stable toolchain's own LLVM 22
+#   - kube-apiserver + kubectl, built from the Go module proxy with the machine's Go
+#
+# Prints the environment to use afterwards as `export` lines on fd 3 when asked:
+#   source <(bash scripts/setup.sh --print-env)   # or simply `. scripts/env.sh`
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=scripts/env.sh
+. "$HERE/env.sh"
+
+log() { printf '\033[1msetup:\033[0m %s\n' "$*"; }
+t0=$(date +%s)
+
+# --- Debian packages ---------------------------------------------------------------------------
+APT_PKGS=(etcd-server nftables iproute2 bpftool openssl jq procps psmisc)
+missing=()
+for p in "${APT_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  log "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # The etcd-server package may start a system etcd; tests start their own.
+  if command -v systemctl >/dev/null 2>&1; then systemctl disable --now etcd >/dev/null 2>&1 || true; fi
+else
+  log "Debian packages present"
+fi
+
+# --- Rust toolchains ---------------------------------------------------------------------------
+command -v rustup >/dev/null || { echo "setup: rustup is required (this machine kind ships it)" >&2; exit 1; }
+if ! rustup run "$MCS_STABLE" rustc --version >/dev/null 2>&1 ||
+   ! rustup component list --toolchain "$MCS_STABLE" --installed 2>/dev/null | grep -q '^clippy'; then
+  log "installing Rust $MCS_STABLE with rustfmt and clippy"
+  rustup toolchain install "$MCS_STABLE" --profile minimal -c rustfmt -c clippy
+fi
+if ! rustup component list --toolchain "$MCS_NIGHTLY" --installed 2>/dev/null | grep -q '^rust-src'; then
+  log "installing $MCS_NIGHTLY with rust-src (kernel-side eBPF build)"
+  rustup toolchain install "$MCS_NIGHTLY" --profile minimal -c rust-src
+fi
+
+# --- bpf-linker for LLVM 22, against the stable toolchain's libLLVM -----------------------------
+if [[ ! -x "$MCS_TOOLS/bin/bpf-linker" ]] || ! "$MCS_TOOLS/bin/bpf-linker" --version 2>/dev/null | grep -q "$BPF_LINKER_VERSION"; then
+  log "building bpf-linker $BPF_LINKER_VERSION (about 2 min)"
+  sysroot=$(rustup run "$MCS_STABLE" rustc --print sysroot)
+  lib=$(ls "$sysroot"/lib/libLLVM.so.22* 2>/dev/null | head -1)
+  [[ -n "$lib" ]] || { echo "setup: no libLLVM.so.22* in $sysroot/lib" >&2; exit 1; }
+  prefix="$MCS_CACHE/llvm-prefix"
+  rm -rf "$prefix"; mkdir -p "$prefix/lib"
+  ln -s "$lib" "$prefix/lib/libLLVM.so"
+  ln -s "$lib" "$prefix/lib/$(basename "$lib")"
+  LLVM_PREFIX="$prefix" LD_LIBRARY_PATH="$prefix/lib" rustup run "$MCS_STABLE" cargo install --locked --quiet \
+    --root "$MCS_TOOLS" "bpf-linker@$BPF_LINKER_VERSION" --no-default-features --features llvm-22
+fi
+log "bpf-linker $("$MCS_TOOLS/bin/bpf-linker" --version | awk '{print $2}')"
+
+# --- kube-apiserver + kubectl ------------------------------------------------------------------
+KUBE_VERSION="$KUBE_VERSION" MCS_CACHE="$MCS_CACHE" bash "$HERE/build-kube-apiserver.sh"
+
+# --- bpffs (eBPF maps are pinned there) ---------------------------------------------------------
+if ! mount | grep -q ' /sys/fs/bpf type bpf'; then
+  mkdir -p /sys/fs/bpf && mount -t bpf bpf /sys/fs/bpf || log "could not mount bpffs (not root?)"
+fi
+
+log "done in $(( $(date +%s) - t0 ))s"

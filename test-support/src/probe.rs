@@ -1,0 +1,130 @@
+//! A network client that runs as a child process, so that a test can place it in a cgroup
+//! (where eBPF socket hooks apply) and a network namespace.
+//!
+//! The child is the test binary itself: put [`probe_entry!`](crate::probe_entry) at the root
+//! of the integration test file; it defines a test `mcs_probe_entry` that does nothing in a
+//! normal run and, when started by [`Probe::command`] with the probe's spec in its
+//! environment, performs the probe, prints the result on a marked line and exits.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
+    path::PathBuf,
+    process::{Command, Output},
+    time::Duration,
+};
+
+use anyhow::Context as _;
+use serde::{Deserialize, Serialize};
+
+const SPEC_ENV: &str = "MCS_PROBE_SPEC";
+const MARKER: &str = "MCS-PROBE-RESULT ";
+/// Bound on every probe's connect and reads.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Defines the test `mcs_probe_entry` that runs a probe when asked. Use it once, at the root
+/// of an integration test file.
+#[macro_export]
+macro_rules! probe_entry {
+    () => {
+        /// Entry point of probe child processes (a no-op in a normal test run).
+        #[test]
+        fn mcs_probe_entry() {
+            $crate::probe::entry();
+        }
+    };
+}
+
+/// What the probe does.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Probe {
+    /// TCP connect to `to`, send `send`, read until EOF.
+    Tcp {
+        /// Destination (e.g. a VIP).
+        to: SocketAddr,
+        /// Bytes to send, then half-close.
+        send: String,
+    },
+}
+
+/// What the kernel did with the probe's socket.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ProbeResult {
+    /// `getsockname()` after connect.
+    pub local: Option<SocketAddr>,
+    /// `getpeername()` after connect.
+    pub peer: Option<SocketAddr>,
+    /// What came back.
+    pub reply: String,
+    /// The error, if the probe failed.
+    pub error: Option<String>,
+}
+
+impl Probe {
+    /// The command that runs this probe in a child process (wrap it with
+    /// [`crate::cgroup::TestCgroup::command`] or [`crate::netns::Netns::command`] as needed:
+    /// use [`Probe::program`] and [`Probe::args`] for that).
+    pub fn command(&self) -> Command {
+        let mut cmd = Command::new(Self::program());
+        self.configure(&mut cmd);
+        cmd
+    }
+
+    /// The test binary.
+    pub fn program() -> PathBuf {
+        std::env::current_exe().expect("current test binary")
+    }
+
+    /// Adds the arguments and environment of this probe to `cmd` (whose program is, possibly
+    /// through wrappers, [`Probe::program`]).
+    pub fn configure(&self, cmd: &mut Command) {
+        cmd.args(["mcs_probe_entry", "--exact", "--nocapture", "--test-threads=1", "--quiet"])
+            .env(SPEC_ENV, serde_json::to_string(self).expect("probe spec"));
+    }
+
+    /// Parses a probe child's output.
+    pub fn parse(out: &Output) -> anyhow::Result<ProbeResult> {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout.lines().find_map(|l| l.strip_prefix(MARKER)).with_context(|| {
+            format!(
+                "probe printed no result ({}); stdout: {stdout}; stderr: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })?;
+        Ok(serde_json::from_str(line)?)
+    }
+}
+
+/// Body of `mcs_probe_entry`.
+pub fn entry() {
+    let Ok(spec) = std::env::var(SPEC_ENV) else { return };
+    let probe: Probe = serde_json::from_str(&spec).expect("probe spec from the parent test");
+    let result = run(&probe);
+    let mut stdout = std::io::stdout().lock();
+    let _ = writeln!(stdout, "{MARKER}{}", serde_json::to_string(&result).expect("json"));
+    let _ = stdout.flush();
+    std::process::exit(0);
+}
+
+fn run(probe: &Probe) -> ProbeResult {
+    let mut result = ProbeResult::default();
+    match probe {
+        Probe::Tcp { to, send } => {
+            let mut attempt = || -> std::io::Result<()> {
+                let mut s = TcpStream::connect_timeout(to, PROBE_TIMEOUT)?;
+                result.local = s.local_addr().ok();
+                result.peer = s.peer_addr().ok();
+                s.set_read_timeout(Some(PROBE_TIMEOUT))?;
+                s.write_all(send.as_bytes())?;
+                s.shutdown(std::net::Shutdown::Write)?;
+                s.read_to_string(&mut result.reply)?;
+                Ok(())
+            };
+            if let Err(e) = attempt() {
+                result.error = Some(e.to_string());
+            }
+        }
+    }
+    result
+}
