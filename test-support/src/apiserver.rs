@@ -102,14 +102,15 @@ pub fn prerequisites() -> Result<(), String> {
 /// printing why) when a prerequisite is missing on a laptop; panics in CI or when it fails to
 /// start.
 pub fn shared() -> Option<&'static ApiServer> {
-    static SHARED: OnceLock<ApiServer> = OnceLock::new();
+    // Started at most once: a failure fails every test that wants it, without retrying.
+    static SHARED: OnceLock<Result<ApiServer, String>> = OnceLock::new();
     if !crate::require(prerequisites()) {
         return None;
     }
-    Some(SHARED.get_or_init(|| match ApiServer::start() {
-        Ok(api) => api,
-        Err(e) => panic!("starting the test kube-apiserver: {e:#}"),
-    }))
+    match SHARED.get_or_init(|| ApiServer::start().map_err(|e| format!("{e:#}"))) {
+        Ok(api) => Some(api),
+        Err(e) => panic!("starting the test kube-apiserver: {e}"),
+    }
 }
 
 /// A running etcd + kube-apiserver.

@@ -36,6 +36,9 @@ pub const CLUSTERSET_ID_PROPERTY: &str = "clusterset.k8s.io";
 /// Default ClientIP affinity timeout (seconds), as for Services.
 pub const DEFAULT_AFFINITY_TIMEOUT_SECONDS: i32 = 10_800;
 
+/// The approval of the `about.k8s.io` API (KEP-2149), required on CRDs of protected groups.
+pub const ABOUT_API_APPROVAL: &str = "https://github.com/kubernetes/enhancements/pull/3084";
+
 /// Labels of the generated CRDs.
 const CRD_LABELS: [(&str, &str); 1] = [("app.kubernetes.io/part-of", "mcs-dataplane")];
 
@@ -237,12 +240,17 @@ pub fn crds() -> Vec<(&'static str, CustomResourceDefinition)> {
     alpha.name = "v1alpha1".into();
     alpha.storage = false;
     cluster_properties.spec.versions.insert(0, alpha);
+    // `*.k8s.io` groups are protected: the apiserver wants the KEP that approved the API.
+    cluster_properties.metadata.annotations = Some(
+        [("api-approved.kubernetes.io".to_string(), ABOUT_API_APPROVAL.to_string())].into(),
+    );
     let mut out = vec![
         ("multicluster.x-k8s.io_serviceimports.yaml", service_imports),
         ("multicluster.x-k8s.io_serviceexports.yaml", service_exports),
         ("about.k8s.io_clusterproperties.yaml", cluster_properties),
     ];
     for (_, crd) in &mut out {
+        crd.spec.versions.sort_by(|a, b| a.name.cmp(&b.name));
         let labels = crd.metadata.labels.get_or_insert_with(Default::default);
         for (k, v) in CRD_LABELS {
             labels.insert(k.into(), v.into());

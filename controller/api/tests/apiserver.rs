@@ -1,0 +1,161 @@
+//! The generated CRDs against a real kube-apiserver: they are accepted and established, a
+//! ServiceImport and an MCS EndpointSlice round-trip through kube-rs, and both served versions
+//! of ServiceImport read the same object.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::{
+    Api,
+    api::{ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams},
+};
+use mcs_api::{
+    ClusterProperty, LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER, ServiceImport, ServiceImportType,
+};
+use mcs_test_support::apiserver;
+
+fn service_import(ns: &str) -> ServiceImport {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "multicluster.x-k8s.io/v1beta1",
+        "kind": "ServiceImport",
+        "metadata": { "name": "web", "namespace": ns },
+        "spec": {
+            "type": "ClusterSetIP",
+            "ips": ["198.18.0.10"],
+            "ports": [{ "name": "http", "protocol": "TCP", "port": 80 }],
+            "sessionAffinity": "ClientIP",
+            "sessionAffinityConfig": { "clientIP": { "timeoutSeconds": 60 } }
+        }
+    }))
+    .unwrap()
+}
+
+fn endpoint_slice(ns: &str, cluster: &str) -> EndpointSlice {
+    serde_json::from_value(serde_json::json!({
+        "metadata": {
+            "name": format!("web-{cluster}"),
+            "namespace": ns,
+            "labels": {
+                LABEL_SERVICE_NAME: "web",
+                LABEL_SOURCE_CLUSTER: cluster,
+                "endpointslice.kubernetes.io/managed-by": "mcs-controller.example"
+            }
+        },
+        "addressType": "IPv4",
+        "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
+        "endpoints": [
+            { "addresses": ["198.18.1.2"], "conditions": { "ready": true }, "zone": "z1" },
+            { "addresses": ["198.18.1.3"], "conditions": { "ready": false, "serving": true, "terminating": true } }
+        ]
+    }))
+    .unwrap()
+}
+
+#[tokio::test]
+async fn service_import_and_mcs_endpoint_slice_round_trip() {
+    let Some(api) = apiserver::shared() else { return };
+    let ns = api.fresh_namespace("roundtrip").await;
+    let client = api.client().await;
+
+    let imports: Api<ServiceImport> = Api::namespaced(client.clone(), &ns);
+    imports.create(&PostParams::default(), &service_import(&ns)).await.expect("create import");
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &ns);
+    for cluster in ["c1", "c2"] {
+        slices.create(&PostParams::default(), &endpoint_slice(&ns, cluster)).await.expect("slice");
+    }
+
+    let got = imports.get("web").await.expect("read import back");
+    assert_eq!(got.spec.type_, ServiceImportType::ClusterSetIP);
+    assert_eq!(got.spec.ips, vec!["198.18.0.10"]);
+    assert_eq!(got.spec.ports[0].name.as_deref(), Some("http"));
+    assert_eq!(got.spec.ports[0].port, 80);
+    let timeout = got.spec.session_affinity_config.and_then(|c| c.client_ip).unwrap();
+    assert_eq!(timeout.timeout_seconds, Some(60));
+
+    // The agent selects MCS slices by the service-name label.
+    let lp = ListParams::default().labels(&format!("{LABEL_SERVICE_NAME}=web"));
+    let mut listed = slices.list(&lp).await.expect("list slices");
+    listed.items.sort_by_key(|s| s.metadata.name.clone());
+    let clusters: Vec<String> = listed
+        .items
+        .iter()
+        .map(|s| s.metadata.labels.as_ref().unwrap()[LABEL_SOURCE_CLUSTER].clone())
+        .collect();
+    assert_eq!(clusters, vec!["c1", "c2"]);
+    let eps = listed.items[0].endpoints.as_ref().expect("endpoints");
+    assert_eq!(eps[0].addresses, vec!["198.18.1.2"]);
+    assert_eq!(eps[0].zone.as_deref(), Some("z1"));
+    assert_eq!(eps[1].conditions.as_ref().unwrap().terminating, Some(true));
+}
+
+#[tokio::test]
+async fn v1alpha1_objects_are_served_as_v1beta1() {
+    let Some(api) = apiserver::shared() else { return };
+    let ns = api.fresh_namespace("versions").await;
+    let client = api.client().await;
+    let gvk = GroupVersionKind::gvk("multicluster.x-k8s.io", "v1alpha1", "ServiceImport");
+    let ar = ApiResource::from_gvk(&gvk);
+    let alpha: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &ar);
+    let mut obj = DynamicObject::new("db", &ar).within(&ns);
+    obj.data = serde_json::json!({
+        "spec": { "type": "ClusterSetIP", "ips": ["198.18.0.11"], "ports": [{ "port": 5432 }] }
+    });
+    alpha.create(&PostParams::default(), &obj).await.expect("create v1alpha1 import");
+
+    let beta: Api<ServiceImport> = Api::namespaced(client, &ns);
+    let got = beta.get("db").await.expect("read as v1beta1");
+    assert_eq!(got.spec.ips, vec!["198.18.0.11"]);
+    assert_eq!(got.spec.ports[0].port, 5432);
+}
+
+#[tokio::test]
+async fn invalid_service_import_is_rejected_by_the_schema() {
+    let Some(api) = apiserver::shared() else { return };
+    let ns = api.fresh_namespace("schema").await;
+    let imports: Api<DynamicObject> = Api::namespaced_with(
+        api.client().await,
+        &ns,
+        &ApiResource::from_gvk(&GroupVersionKind::gvk(
+            "multicluster.x-k8s.io",
+            "v1beta1",
+            "ServiceImport",
+        )),
+    );
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "multicluster.x-k8s.io",
+        "v1beta1",
+        "ServiceImport",
+    ));
+    let mut obj = DynamicObject::new("bad", &ar).within(&ns);
+    // Three ips (max 2) and a type outside the enum.
+    obj.data = serde_json::json!({
+        "spec": {
+            "type": "LoadBalancer",
+            "ips": ["198.18.0.1", "198.18.0.2", "198.18.0.3"],
+            "ports": [{ "port": 80 }]
+        }
+    });
+    let err = imports.create(&PostParams::default(), &obj).await.expect_err("must be rejected");
+    let msg = err.to_string();
+    assert!(msg.contains("spec.ips") && msg.contains("spec.type"), "{msg}");
+}
+
+#[tokio::test]
+async fn cluster_property_holds_the_cluster_id() {
+    let Some(api) = apiserver::shared() else { return };
+    let client = api.client().await;
+    let props: Api<ClusterProperty> = Api::all(client);
+    let mut cp = ClusterProperty::new(
+        mcs_api::CLUSTER_ID_PROPERTY,
+        mcs_api::ClusterPropertySpec { value: "c1".into() },
+    );
+    cp.metadata.labels = Some(BTreeMap::from([("test".to_string(), "yes".to_string())]));
+    match props.create(&PostParams::default(), &cp).await {
+        Ok(_) => {}
+        // Cluster-scoped and shared by the tests of this binary: another test may have made it.
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("create ClusterProperty: {e}"),
+    }
+    let got = props.get(mcs_api::CLUSTER_ID_PROPERTY).await.unwrap();
+    assert_eq!(got.spec.value, "c1");
+}
