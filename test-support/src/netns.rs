@@ -26,7 +26,7 @@ pub fn is_test_address(ip: IpAddr) -> bool {
 }
 
 /// Panics unless `cidr`'s address is a test address (see [`is_test_address`]).
-fn check_cidr(cidr: &str) {
+pub fn check_cidr(cidr: &str) {
     let addr = cidr.split('/').next().unwrap_or_default();
     let ip: IpAddr = addr.parse().unwrap_or_else(|_| panic!("not an IP address: {cidr}"));
     assert!(
@@ -191,6 +191,12 @@ pub(crate) fn sweep_stale() {
 #[cfg(test)]
 mod tests {
     use super::is_test_address;
+
+    #[test]
+    #[should_panic(expected = "outside 198.18.0.0/15")]
+    fn other_addresses_are_refused_before_touching_the_system() {
+        super::check_cidr("10.0.0.1/8");
+    }
 
     #[test]
     fn only_benchmarking_ranges_and_loopback_are_test_addresses() {

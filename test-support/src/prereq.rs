@@ -9,8 +9,10 @@ pub fn in_ci() -> bool {
 /// with the reason); elsewhere it prints `SKIP <test>: <reason>` and returns `false`, and the
 /// test returns early.
 ///
-/// ```ignore
+/// ```no_run
+/// # fn a_test() {
 /// if !mcs_test_support::require(mcs_test_support::prereq::root()) { return; }
+/// # }
 /// ```
 #[track_caller]
 pub fn require(check: Result<(), String>) -> bool {

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Runs the main job, `mcs-agent demo`, after installing what it needs (idempotent, cached in
+# ~/.cache/mcs-dataplane). As root on a Debian 12 machine of this kind:
+#
+#   bash scripts/demo.sh [--dataplane userspace|ebpf|auto]
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+. scripts/env.sh
+cargo build --locked --release -q -p mcs-agent
+exec target/release/mcs-agent demo "$@"

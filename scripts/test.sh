@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs every test of mcs-dataplane, after installing what they need (idempotent, cached in
+# ~/.cache/mcs-dataplane). As root on a Debian 12 machine of this kind:
+#
+#   bash scripts/test.sh
+#
+# With CI=true, a test whose prerequisite is missing (root, eBPF, kube-apiserver) fails
+# instead of skipping.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+. scripts/env.sh
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+t0=$(date +%s)
+
+step "format"
+cargo fmt --all -- --check
+
+step "generated CRDs are current"
+cargo run --locked -q -p mcs-api --bin crdgen -- --check
+
+step "clippy (-D warnings)"
+cargo clippy --locked --all-targets -- -D warnings
+
+step "tests"
+cargo test --locked --no-fail-fast 2>&1 | tee "${MCS_TEST_LOG:-/tmp/mcs-test.log}"
+status=${PIPESTATUS[0]}
+
+step "summary"
+# One closing line over all test binaries.
+awk '/^test result:/ { for (i=1;i<=NF;i++) { if ($(i+1) ~ /^passed;?$/) p+=$i; if ($(i+1) ~ /^failed;?$/) f+=$i; if ($(i+1) ~ /^ignored;?$/) ig+=$i } }
+     END { printf "%d passed, %d failed, %d skipped\n", p, f, ig }' "${MCS_TEST_LOG:-/tmp/mcs-test.log}"
+echo "total wall time: $(( $(date +%s) - t0 ))s (after set-up)"
+exit "$status"
