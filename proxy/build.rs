@@ -22,7 +22,11 @@ fn main() -> anyhow::Result<()> {
     let root = root.canonicalize().context("ebpf/programs not found")?;
     let root = root.to_str().context("non-UTF-8 path")?;
     aya_build::build_ebpf(
-        [aya_build::Package { name: "mcs-ebpf", root_dir: root, ..Default::default() }],
+        [aya_build::Package {
+            name: "mcs-ebpf",
+            root_dir: root,
+            ..Default::default()
+        }],
         aya_build::Toolchain::Custom(NIGHTLY),
     )
     .with_context(|| format!("building the eBPF programs with {NIGHTLY} (run scripts/setup.sh?)"))

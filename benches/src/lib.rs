@@ -19,11 +19,16 @@ pub mod fixtures {
         let mut t = ForwardingTable::default();
         for s in 0..services {
             let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 18, 0, 0)) + s);
-            let f = Frontend { vip: IpAddr::V4(vip), port: 80, protocol: Protocol::Tcp };
+            let f = Frontend {
+                vip: IpAddr::V4(vip),
+                port: 80,
+                protocol: Protocol::Tcp,
+            };
             let mut backends = Vec::new();
             for c in 0..clusters {
                 for e in 0..endpoints {
-                    let a = u32::from(Ipv4Addr::new(198, 19, 0, 0)) + (s * 64 + c * 16 + e) % 65_536;
+                    let a =
+                        u32::from(Ipv4Addr::new(198, 19, 0, 0)) + (s * 64 + c * 16 + e) % 65_536;
                     backends.push(Backend {
                         address: IpAddr::V4(Ipv4Addr::from(a)),
                         port: 8080,
@@ -36,7 +41,14 @@ pub mod fixtures {
                     });
                 }
             }
-            t.frontends.insert(f, Service { service: format!("ns/svc{s}"), affinity: None, backends });
+            t.frontends.insert(
+                f,
+                Service {
+                    service: format!("ns/svc{s}"),
+                    affinity: None,
+                    backends,
+                },
+            );
         }
         t
     }

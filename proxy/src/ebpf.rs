@@ -17,9 +17,7 @@ use aya::{
     maps::{HashMap, MapData},
     programs::{CgroupAttachMode, CgroupSockAddr},
 };
-use mcs_ebpf_common::{
-    BE4_MAP, Backend4, MAX_BACKENDS_PER_SVC, SVC4_MAP, Svc4Key, SvcValue,
-};
+use mcs_ebpf_common::{BE4_MAP, Backend4, MAX_BACKENDS_PER_SVC, SVC4_MAP, Svc4Key, SvcValue};
 
 /// The object built by `build.rs`, 8-byte aligned as the ELF parser wants.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/mcs-ebpf"));
@@ -108,18 +106,27 @@ impl SocketLb {
                 .ok_or(Error::MissingMap(name))?
                 .try_into()
                 .map_err(|source| Error::Program { name, source })?;
-            prog.load().map_err(|source| Error::Program { name, source })?;
+            prog.load()
+                .map_err(|source| Error::Program { name, source })?;
         }
         let services = take_hash_map(&mut ebpf, SVC4_MAP)?;
         let backends = take_hash_map(&mut ebpf, BE4_MAP)?;
-        Ok(Self { ebpf, services, backends, programmed: BTreeMap::new(), next_backend_id: 1 })
+        Ok(Self {
+            ebpf,
+            services,
+            backends,
+            programmed: BTreeMap::new(),
+            next_backend_id: 1,
+        })
     }
 
     /// Attaches every program to the cgroup v2 directory `cgroup` (it then applies to every
     /// process in that cgroup and below).
     pub fn attach(&mut self, cgroup: &Path) -> Result<(), Error> {
-        let file = File::open(cgroup)
-            .map_err(|source| Error::Cgroup { path: cgroup.to_path_buf(), source })?;
+        let file = File::open(cgroup).map_err(|source| Error::Cgroup {
+            path: cgroup.to_path_buf(),
+            source,
+        })?;
         for &name in PROGRAMS {
             let prog: &mut CgroupSockAddr = self
                 .ebpf
@@ -147,7 +154,10 @@ impl SocketLb {
             .ok_or(Error::TooManyBackends(backends.len()))?;
         let (vip_be, port_be) = (ip_be(*vip.ip()), vip.port().to_be());
         let p = proto.number();
-        let map_err = |source| Error::Map { name: SVC4_MAP, source };
+        let map_err = |source| Error::Map {
+            name: SVC4_MAP,
+            source,
+        };
         // 1. Backends, under fresh ids.
         let mut ids = Vec::with_capacity(backends.len());
         for be in backends {
@@ -160,22 +170,38 @@ impl SocketLb {
             };
             self.backends
                 .insert(id, value, 0)
-                .map_err(|source| Error::Map { name: BE4_MAP, source })?;
+                .map_err(|source| Error::Map {
+                    name: BE4_MAP,
+                    source,
+                })?;
             ids.push(id);
         }
         // 2. Slots 1..=count.
         for (i, &id) in ids.iter().enumerate() {
             let key = Svc4Key::new(vip_be, port_be, p, i as u16 + 1);
-            let value = SvcValue { backend_id: id, ..Default::default() };
+            let value = SvcValue {
+                backend_id: id,
+                ..Default::default()
+            };
             self.services.insert(key, value, 0).map_err(map_err)?;
         }
         // 3. The frontend last.
-        let front = SvcValue { count, ..Default::default() };
-        self.services.insert(Svc4Key::new(vip_be, port_be, p, 0), front, 0).map_err(map_err)?;
+        let front = SvcValue {
+            count,
+            ..Default::default()
+        };
+        self.services
+            .insert(Svc4Key::new(vip_be, port_be, p, 0), front, 0)
+            .map_err(map_err)?;
         // 4. Free what the previous version used beyond the new count, and its backends.
-        let old = self.programmed.insert((vip, proto), ids).unwrap_or_default();
+        let old = self
+            .programmed
+            .insert((vip, proto), ids)
+            .unwrap_or_default();
         for slot in (backends.len() + 1)..=old.len() {
-            let _ = self.services.remove(&Svc4Key::new(vip_be, port_be, p, slot as u16));
+            let _ = self
+                .services
+                .remove(&Svc4Key::new(vip_be, port_be, p, slot as u16));
         }
         for id in old {
             let _ = self.backends.remove(&id);
@@ -191,7 +217,11 @@ impl SocketLb {
 
     /// Number of frontends (slot-0 entries) in the services map, read back from the kernel.
     pub fn frontends_in_map(&self) -> usize {
-        self.services.keys().filter_map(Result::ok).filter(|k| k.slot == 0).count()
+        self.services
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.slot == 0)
+            .count()
     }
 }
 

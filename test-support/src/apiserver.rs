@@ -90,10 +90,12 @@ impl User {
 /// What a test needs for the apiserver: the binaries.
 pub fn prerequisites() -> Result<(), String> {
     prereq::all([
-        find_kube_binary("kube-apiserver").map(|_| ()).ok_or_else(|| {
-            "kube-apiserver not found (set MCS_KUBE_BIN_DIR or run `bash scripts/setup.sh`)"
-                .to_string()
-        }),
+        find_kube_binary("kube-apiserver")
+            .map(|_| ())
+            .ok_or_else(|| {
+                "kube-apiserver not found (set MCS_KUBE_BIN_DIR or run `bash scripts/setup.sh`)"
+                    .to_string()
+            }),
         prereq::program("etcd"),
     ])
 }
@@ -133,7 +135,11 @@ impl ApiServer {
         let apiserver_bin = find_kube_binary("kube-apiserver").context("kube-apiserver binary")?;
         let etcd_bin = prereq::find_program("etcd").context("etcd binary")?;
         // /dev/shm keeps etcd's fsyncs cheap; the supervisor removes the directory.
-        let base = if Path::new("/dev/shm").is_dir() { "/dev/shm" } else { "/tmp" };
+        let base = if Path::new("/dev/shm").is_dir() {
+            "/dev/shm"
+        } else {
+            "/tmp"
+        };
         let dir = tempfile::Builder::new()
             .prefix(&format!("{}-apiserver-", crate::resource_prefix()))
             .tempdir_in(base)?
@@ -153,7 +159,15 @@ impl ApiServer {
         let sa_pub = write("sa.pub", &pki.sa_pub_pem)?;
         let tokens: String = User::ALL
             .iter()
-            .map(|u| format!("{},{},{}-uid,\"{}\"\n", u.token(), u.name(), u.short(), u.groups()))
+            .map(|u| {
+                format!(
+                    "{},{},{}-uid,\"{}\"\n",
+                    u.token(),
+                    u.name(),
+                    u.short(),
+                    u.groups()
+                )
+            })
             .collect();
         let token_file = write("tokens.csv", &tokens)?;
 
@@ -174,8 +188,13 @@ impl ApiServer {
             "--unsafe-no-fsync".into(),
         ];
         // The supervisor of etcd (the last to stop) removes the directory.
-        let etcd =
-            Supervised::spawn("etcd", &etcd_bin, &etcd_args, &dir.join("etcd.log"), Some(&dir))?;
+        let etcd = Supervised::spawn(
+            "etcd",
+            &etcd_bin,
+            &etcd_args,
+            &dir.join("etcd.log"),
+            Some(&dir),
+        )?;
 
         let p = |path: &Path| path.display().to_string();
         let apiserver_args = vec![
@@ -206,9 +225,19 @@ impl ApiServer {
             None,
         )?;
         let url = format!("https://127.0.0.1:{port}");
-        let mut api = ApiServer { dir: dir.clone(), url, etcd, apiserver, apiserver_args, apiserver_bin };
+        let mut api = ApiServer {
+            dir: dir.clone(),
+            url,
+            etcd,
+            apiserver,
+            apiserver_args,
+            apiserver_bin,
+        };
         for user in User::ALL {
-            write(&format!("kubeconfig-{}", user.short()), &api.kubeconfig_yaml(user, &pki.ca_pem))?;
+            write(
+                &format!("kubeconfig-{}", user.short()),
+                &api.kubeconfig_yaml(user, &pki.ca_pem),
+            )?;
         }
         api.wait_ready()?;
         api.block_on(apply_crds(api.url.clone(), api.kubeconfig(User::Admin)))?;
@@ -238,7 +267,9 @@ impl ApiServer {
 
     /// A kube client for `user`.
     pub async fn client_as(&self, user: User) -> Client {
-        client_from(&self.kubeconfig(user)).await.expect("kube client for the test apiserver")
+        client_from(&self.kubeconfig(user))
+            .await
+            .expect("kube client for the test apiserver")
     }
 
     /// Creates a new namespace `<tag>-<n>` and returns its name.
@@ -247,10 +278,20 @@ impl ApiServer {
         static N: AtomicU32 = AtomicU32::new(0);
         let tag: String = tag
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_lowercase()
+                } else {
+                    '-'
+                }
+            })
             .take(40)
             .collect();
-        let name = format!("{}-{}", tag.trim_matches('-'), N.fetch_add(1, Ordering::Relaxed));
+        let name = format!(
+            "{}-{}",
+            tag.trim_matches('-'),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
         let ns: Namespace = serde_json::from_value(serde_json::json!({
             "metadata": { "name": name }
         }))
@@ -336,7 +377,11 @@ impl ApiServer {
     }
 
     fn server_alive(&mut self) -> bool {
-        self.apiserver.running() && self.apiserver.pid().is_none_or(|p| crate::pid_alive(p as u32))
+        self.apiserver.running()
+            && self
+                .apiserver
+                .pid()
+                .is_none_or(|p| crate::pid_alive(p as u32))
     }
 
     /// Runs a future on a private runtime in its own thread (callers may be inside a runtime).
@@ -345,7 +390,10 @@ impl ApiServer {
         fut: impl std::future::Future<Output = anyhow::Result<T>> + Send + 'static,
     ) -> anyhow::Result<T> {
         std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(fut)
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?
+                .block_on(fut)
         })
         .join()
         .map_err(|_| anyhow::anyhow!("apiserver helper thread panicked"))?
@@ -374,12 +422,16 @@ async fn apply_crds(_url: String, kubeconfig: PathBuf) -> anyhow::Result<()> {
     entries.sort();
     for path in entries {
         let text = std::fs::read_to_string(&path)?;
-        let crd: CustomResourceDefinition = serde_yaml::from_str(&text)
-            .with_context(|| format!("parsing {}", path.display()))?;
+        let crd: CustomResourceDefinition =
+            serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         let name = crd.metadata.name.clone().context("CRD without a name")?;
-        crds.patch(&name, &PatchParams::apply("mcs-test-support").force(), &Patch::Apply(&crd))
-            .await
-            .with_context(|| format!("applying {}", path.display()))?;
+        crds.patch(
+            &name,
+            &PatchParams::apply("mcs-test-support").force(),
+            &Patch::Apply(&crd),
+        )
+        .await
+        .with_context(|| format!("applying {}", path.display()))?;
         names.push(name);
     }
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -395,7 +447,10 @@ async fn apply_crds(_url: String, kubeconfig: PathBuf) -> anyhow::Result<()> {
             if established {
                 break;
             }
-            anyhow::ensure!(Instant::now() < deadline, "CRD {name} not established in 30s");
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "CRD {name} not established in 30s"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -433,7 +488,9 @@ impl Pki {
         };
         let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca_params.distinguished_name.push(DnType::CommonName, "mcs-test-ca");
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "mcs-test-ca");
         ca_params.key_usages = vec![
             KeyUsagePurpose::KeyCertSign,
             KeyUsagePurpose::CrlSign,
@@ -442,8 +499,12 @@ impl Pki {
         let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
         let serving_key = KeyPair::generate()?;
         let mut params = CertificateParams::new(vec!["localhost".to_string()])?;
-        params.subject_alt_names.push(SanType::IpAddress([127, 0, 0, 1].into()));
-        params.distinguished_name.push(DnType::CommonName, "kube-apiserver");
+        params
+            .subject_alt_names
+            .push(SanType::IpAddress([127, 0, 0, 1].into()));
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "kube-apiserver");
         let serving = params.signed_by(&serving_key, &ca)?;
         let sa = KeyPair::generate()?;
         Ok(Self {
@@ -457,11 +518,14 @@ impl Pki {
 }
 
 fn base64(data: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] =
-        b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
     for chunk in data.chunks(3) {
-        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
         let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
         for i in 0..4 {
             if i <= chunk.len() {
@@ -478,7 +542,13 @@ fn base64(data: &[u8]) -> String {
 mod tests {
     #[test]
     fn base64_matches_rfc4648_vectors() {
-        for (i, o) in [("", ""), ("f", "Zg=="), ("fo", "Zm8="), ("foo", "Zm9v"), ("foob", "Zm9vYg==")] {
+        for (i, o) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+        ] {
             assert_eq!(super::base64(i.as_bytes()), o);
         }
     }

@@ -28,7 +28,9 @@ pub fn cgroup2_root() -> Option<PathBuf> {
 
 /// Prerequisite: a cgroup v2 hierarchy is mounted.
 pub fn prerequisite() -> Result<(), String> {
-    cgroup2_root().map(|_| ()).ok_or_else(|| "no cgroup2 mount found (set MCS_CGROUP2_ROOT)".into())
+    cgroup2_root()
+        .map(|_| ())
+        .ok_or_else(|| "no cgroup2 mount found (set MCS_CGROUP2_ROOT)".into())
 }
 
 /// A cgroup `mcst<pid>-<tag><n>` under the cgroup v2 root. On drop its processes are killed
@@ -103,7 +105,9 @@ fn remove(path: &Path) {
 /// Removes `mcst<pid>...` cgroups whose test process is gone.
 pub(crate) fn sweep_stale() {
     let Some(root) = cgroup2_root() else { return };
-    let Ok(dir) = std::fs::read_dir(&root) else { return };
+    let Ok(dir) = std::fs::read_dir(&root) else {
+        return;
+    };
     for entry in dir.filter_map(Result::ok) {
         let name = entry.file_name().to_string_lossy().to_string();
         if crate::owner_pid(&name).is_some_and(|p| !crate::pid_alive(p)) {

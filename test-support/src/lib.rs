@@ -37,7 +37,12 @@ pub fn resource_prefix() -> String {
 pub fn unique_name(tag: &str) -> String {
     use std::sync::atomic::{AtomicU32, Ordering};
     static N: AtomicU32 = AtomicU32::new(0);
-    format!("{}{}{}", resource_prefix(), tag, N.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{}{}{}",
+        resource_prefix(),
+        tag,
+        N.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// Removes network namespaces and test cgroups left by test processes that no longer run.

@@ -28,7 +28,9 @@ pub fn is_test_address(ip: IpAddr) -> bool {
 /// Panics unless `cidr`'s address is a test address (see [`is_test_address`]).
 pub fn check_cidr(cidr: &str) {
     let addr = cidr.split('/').next().unwrap_or_default();
-    let ip: IpAddr = addr.parse().unwrap_or_else(|_| panic!("not an IP address: {cidr}"));
+    let ip: IpAddr = addr
+        .parse()
+        .unwrap_or_else(|_| panic!("not an IP address: {cidr}"));
     assert!(
         is_test_address(ip),
         "{cidr} is outside 198.18.0.0/15 and 2001:2::/48: tests never use other addresses"
@@ -139,7 +141,18 @@ impl Drop for Netns {
 /// Creates a veth pair: `a_dev` in `a`, `b_dev` in `b`. Both ends go with their namespaces.
 pub fn veth(a: &Netns, a_dev: &str, b: &Netns, b_dev: &str) -> anyhow::Result<()> {
     // Created inside `a` so that no interface ever appears in the host namespace.
-    a.ip(&["link", "add", a_dev, "type", "veth", "peer", "name", b_dev, "netns", b.name()])?;
+    a.ip(&[
+        "link",
+        "add",
+        a_dev,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        b_dev,
+        "netns",
+        b.name(),
+    ])?;
     a.ip(&["link", "set", a_dev, "up"])?;
     b.ip(&["link", "set", b_dev, "up"])
 }
@@ -166,20 +179,29 @@ impl Pair {
 }
 
 fn run_ip(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("ip").args(args).output().context("running ip (iproute2)")?;
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .context("running ip (iproute2)")?;
     check_output(&format!("ip {}", args.join(" ")), &out)
 }
 
 fn check_output(what: &str, out: &Output) -> anyhow::Result<()> {
     if !out.status.success() {
-        bail!("{what}: {} {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+        bail!(
+            "{what}: {} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(())
 }
 
 /// Deletes `mcst<pid>...` namespaces whose test process is gone.
 pub(crate) fn sweep_stale() {
-    let Ok(dir) = std::fs::read_dir("/run/netns") else { return };
+    let Ok(dir) = std::fs::read_dir("/run/netns") else {
+        return;
+    };
     for entry in dir.filter_map(Result::ok) {
         let name = entry.file_name().to_string_lossy().to_string();
         if crate::owner_pid(&name).is_some_and(|p| !crate::pid_alive(p)) {
@@ -200,10 +222,24 @@ mod tests {
 
     #[test]
     fn only_benchmarking_ranges_and_loopback_are_test_addresses() {
-        for ok in ["198.18.0.1", "198.19.255.254", "127.0.0.1", "::1", "2001:2::1", "2001:2:0:ff::1"] {
+        for ok in [
+            "198.18.0.1",
+            "198.19.255.254",
+            "127.0.0.1",
+            "::1",
+            "2001:2::1",
+            "2001:2:0:ff::1",
+        ] {
             assert!(is_test_address(ok.parse().unwrap()), "{ok}");
         }
-        for bad in ["10.0.0.1", "192.168.1.1", "198.20.0.1", "8.8.8.8", "2001:2:1::1", "fe80::1"] {
+        for bad in [
+            "10.0.0.1",
+            "192.168.1.1",
+            "198.20.0.1",
+            "8.8.8.8",
+            "2001:2:1::1",
+            "fe80::1",
+        ] {
             assert!(!is_test_address(bad.parse().unwrap()), "{bad}");
         }
     }

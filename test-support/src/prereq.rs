@@ -48,11 +48,17 @@ pub fn program(name: &str) -> Result<(), String> {
 /// Finds a program on PATH.
 pub fn find_program(name: &str) -> Option<std::path::PathBuf> {
     let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|d| d.join(name)).find(|p| p.is_file())
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
 }
 
 /// All of several checks.
 pub fn all(checks: impl IntoIterator<Item = Result<(), String>>) -> Result<(), String> {
     let missing: Vec<String> = checks.into_iter().filter_map(Result::err).collect();
-    if missing.is_empty() { Ok(()) } else { Err(missing.join("; ")) }
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(missing.join("; "))
+    }
 }

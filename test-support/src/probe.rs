@@ -78,31 +78,46 @@ impl Probe {
     /// Adds the arguments and environment of this probe to `cmd` (whose program is, possibly
     /// through wrappers, [`Probe::program`]).
     pub fn configure(&self, cmd: &mut Command) {
-        cmd.args(["mcs_probe_entry", "--exact", "--nocapture", "--test-threads=1", "--quiet"])
-            .env(SPEC_ENV, serde_json::to_string(self).expect("probe spec"));
+        cmd.args([
+            "mcs_probe_entry",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "--quiet",
+        ])
+        .env(SPEC_ENV, serde_json::to_string(self).expect("probe spec"));
     }
 
     /// Parses a probe child's output.
     pub fn parse(out: &Output) -> anyhow::Result<ProbeResult> {
         let stdout = String::from_utf8_lossy(&out.stdout);
-        let line = stdout.lines().find_map(|l| l.strip_prefix(MARKER)).with_context(|| {
-            format!(
-                "probe printed no result ({}); stdout: {stdout}; stderr: {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })?;
+        let line = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(MARKER))
+            .with_context(|| {
+                format!(
+                    "probe printed no result ({}); stdout: {stdout}; stderr: {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                )
+            })?;
         Ok(serde_json::from_str(line)?)
     }
 }
 
 /// Body of `mcs_probe_entry`.
 pub fn entry() {
-    let Ok(spec) = std::env::var(SPEC_ENV) else { return };
+    let Ok(spec) = std::env::var(SPEC_ENV) else {
+        return;
+    };
     let probe: Probe = serde_json::from_str(&spec).expect("probe spec from the parent test");
     let result = run(&probe);
     let mut stdout = std::io::stdout().lock();
-    let _ = writeln!(stdout, "{MARKER}{}", serde_json::to_string(&result).expect("json"));
+    let _ = writeln!(
+        stdout,
+        "{MARKER}{}",
+        serde_json::to_string(&result).expect("json")
+    );
     let _ = stdout.flush();
     std::process::exit(0);
 }

@@ -61,7 +61,12 @@ impl Supervised {
             .stderr(Stdio::null())
             .spawn()?;
         let stdin = supervisor.stdin.take();
-        Ok(Self { name: name.to_string(), log: log.to_path_buf(), supervisor, stdin })
+        Ok(Self {
+            name: name.to_string(),
+            log: log.to_path_buf(),
+            supervisor,
+            stdin,
+        })
     }
 
     /// The server's pid once the supervisor started it.

@@ -15,7 +15,11 @@ use mcs_test_support::{
 };
 
 fn exchange(pair: &Pair, listen: &str, connect: &str) {
-    let listener = pair.b.run(|| TcpListener::bind(listen)).unwrap().expect("bind in b");
+    let listener = pair
+        .b
+        .run(|| TcpListener::bind(listen))
+        .unwrap()
+        .expect("bind in b");
     let server = std::thread::spawn(move || {
         let (mut s, peer) = listener.accept().expect("accept");
         let mut buf = String::new();
@@ -51,7 +55,10 @@ fn veth_pair_carries_tcp_over_ipv4_and_ipv6_and_is_removed() {
     let (a, b) = (pair.a.path(), pair.b.path());
     assert!(a.exists() && b.exists());
     drop(pair);
-    assert!(!a.exists() && !b.exists(), "namespaces must be removed on drop");
+    assert!(
+        !a.exists() && !b.exists(),
+        "namespaces must be removed on drop"
+    );
 }
 
 #[test]
@@ -92,7 +99,8 @@ fn command_in_test_cgroup_runs_inside_it_and_cgroup_is_removed() {
     let name = cg.path().file_name().unwrap().to_string_lossy().to_string();
     // cgroup v2 line: "0::/<path>"
     assert!(
-        text.lines().any(|l| l.starts_with("0::") && l.ends_with(&name)),
+        text.lines()
+            .any(|l| l.starts_with("0::") && l.ends_with(&name)),
         "not in the test cgroup: {text}"
     );
     let path = cg.path().to_path_buf();

@@ -200,7 +200,9 @@ mcs_version!(v1beta1, "v1beta1");
 pub use v1beta1::{ServiceExport, ServiceExportSpec, ServiceImport, ServiceImportSpec};
 
 /// Spec of a ClusterProperty.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema, CustomResource)]
+#[derive(
+    Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema, CustomResource,
+)]
 #[kube(
     group = "about.k8s.io",
     version = "v1beta1",
@@ -226,12 +228,18 @@ pub struct ClusterPropertyStatus {}
 /// ClusterProperty's `v1alpha1` is derived from the same schema.
 pub fn crds() -> Vec<(&'static str, CustomResourceDefinition)> {
     let service_imports = kube::core::crd::merge_crds(
-        vec![v1alpha1::ServiceImport::crd(), v1beta1::ServiceImport::crd()],
+        vec![
+            v1alpha1::ServiceImport::crd(),
+            v1beta1::ServiceImport::crd(),
+        ],
         "v1beta1",
     )
     .expect("ServiceImport versions merge");
     let service_exports = kube::core::crd::merge_crds(
-        vec![v1alpha1::ServiceExport::crd(), v1beta1::ServiceExport::crd()],
+        vec![
+            v1alpha1::ServiceExport::crd(),
+            v1beta1::ServiceExport::crd(),
+        ],
         "v1beta1",
     )
     .expect("ServiceExport versions merge");
@@ -242,7 +250,11 @@ pub fn crds() -> Vec<(&'static str, CustomResourceDefinition)> {
     cluster_properties.spec.versions.insert(0, alpha);
     // `*.k8s.io` groups are protected: the apiserver wants the KEP that approved the API.
     cluster_properties.metadata.annotations = Some(
-        [("api-approved.kubernetes.io".to_string(), ABOUT_API_APPROVAL.to_string())].into(),
+        [(
+            "api-approved.kubernetes.io".to_string(),
+            ABOUT_API_APPROVAL.to_string(),
+        )]
+        .into(),
     );
     let mut out = vec![
         ("multicluster.x-k8s.io_serviceimports.yaml", service_imports),

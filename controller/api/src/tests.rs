@@ -24,7 +24,10 @@ status:
     let cfg = si.spec.session_affinity_config.as_ref().unwrap();
     assert_eq!(cfg.client_ip.as_ref().unwrap().timeout_seconds, Some(60));
     let back = serde_json::to_value(&si).unwrap();
-    assert_eq!(back["spec"]["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"], 60);
+    assert_eq!(
+        back["spec"]["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"],
+        60
+    );
     assert_eq!(back["spec"]["type"], "ClusterSetIP");
 }
 
@@ -37,8 +40,15 @@ fn crds_serve_two_versions_and_store_v1beta1() {
             .iter()
             .map(|v| (v.name.as_str(), v.served, v.storage))
             .collect();
-        assert_eq!(versions, vec![("v1alpha1", true, false), ("v1beta1", true, true)], "{file}");
-        assert!(crd.spec.conversion.is_none(), "{file}: same schema, no conversion webhook");
+        assert_eq!(
+            versions,
+            vec![("v1alpha1", true, false), ("v1beta1", true, true)],
+            "{file}"
+        );
+        assert!(
+            crd.spec.conversion.is_none(),
+            "{file}: same schema, no conversion webhook"
+        );
     }
 }
 

@@ -53,15 +53,23 @@ fn endpoint_slice(ns: &str, cluster: &str) -> EndpointSlice {
 
 #[tokio::test]
 async fn service_import_and_mcs_endpoint_slice_round_trip() {
-    let Some(api) = apiserver::shared() else { return };
+    let Some(api) = apiserver::shared() else {
+        return;
+    };
     let ns = api.fresh_namespace("roundtrip").await;
     let client = api.client().await;
 
     let imports: Api<ServiceImport> = Api::namespaced(client.clone(), &ns);
-    imports.create(&PostParams::default(), &service_import(&ns)).await.expect("create import");
+    imports
+        .create(&PostParams::default(), &service_import(&ns))
+        .await
+        .expect("create import");
     let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &ns);
     for cluster in ["c1", "c2"] {
-        slices.create(&PostParams::default(), &endpoint_slice(&ns, cluster)).await.expect("slice");
+        slices
+            .create(&PostParams::default(), &endpoint_slice(&ns, cluster))
+            .await
+            .expect("slice");
     }
 
     let got = imports.get("web").await.expect("read import back");
@@ -69,7 +77,11 @@ async fn service_import_and_mcs_endpoint_slice_round_trip() {
     assert_eq!(got.spec.ips, vec!["198.18.0.10"]);
     assert_eq!(got.spec.ports[0].name.as_deref(), Some("http"));
     assert_eq!(got.spec.ports[0].port, 80);
-    let timeout = got.spec.session_affinity_config.and_then(|c| c.client_ip).unwrap();
+    let timeout = got
+        .spec
+        .session_affinity_config
+        .and_then(|c| c.client_ip)
+        .unwrap();
     assert_eq!(timeout.timeout_seconds, Some(60));
 
     // The agent selects MCS slices by the service-name label.
@@ -90,7 +102,9 @@ async fn service_import_and_mcs_endpoint_slice_round_trip() {
 
 #[tokio::test]
 async fn v1alpha1_objects_are_served_as_v1beta1() {
-    let Some(api) = apiserver::shared() else { return };
+    let Some(api) = apiserver::shared() else {
+        return;
+    };
     let ns = api.fresh_namespace("versions").await;
     let client = api.client().await;
     let gvk = GroupVersionKind::gvk("multicluster.x-k8s.io", "v1alpha1", "ServiceImport");
@@ -100,7 +114,10 @@ async fn v1alpha1_objects_are_served_as_v1beta1() {
     obj.data = serde_json::json!({
         "spec": { "type": "ClusterSetIP", "ips": ["198.18.0.11"], "ports": [{ "port": 5432 }] }
     });
-    alpha.create(&PostParams::default(), &obj).await.expect("create v1alpha1 import");
+    alpha
+        .create(&PostParams::default(), &obj)
+        .await
+        .expect("create v1alpha1 import");
 
     let beta: Api<ServiceImport> = Api::namespaced(client, &ns);
     let got = beta.get("db").await.expect("read as v1beta1");
@@ -110,7 +127,9 @@ async fn v1alpha1_objects_are_served_as_v1beta1() {
 
 #[tokio::test]
 async fn invalid_service_import_is_rejected_by_the_schema() {
-    let Some(api) = apiserver::shared() else { return };
+    let Some(api) = apiserver::shared() else {
+        return;
+    };
     let ns = api.fresh_namespace("schema").await;
     let imports: Api<DynamicObject> = Api::namespaced_with(
         api.client().await,
@@ -135,14 +154,22 @@ async fn invalid_service_import_is_rejected_by_the_schema() {
             "ports": [{ "port": 80 }]
         }
     });
-    let err = imports.create(&PostParams::default(), &obj).await.expect_err("must be rejected");
+    let err = imports
+        .create(&PostParams::default(), &obj)
+        .await
+        .expect_err("must be rejected");
     let msg = err.to_string();
-    assert!(msg.contains("spec.ips") && msg.contains("spec.type"), "{msg}");
+    assert!(
+        msg.contains("spec.ips") && msg.contains("spec.type"),
+        "{msg}"
+    );
 }
 
 #[tokio::test]
 async fn cluster_property_holds_the_cluster_id() {
-    let Some(api) = apiserver::shared() else { return };
+    let Some(api) = apiserver::shared() else {
+        return;
+    };
     let client = api.client().await;
     let props: Api<ClusterProperty> = Api::all(client);
     let mut cp = ClusterProperty::new(

@@ -137,7 +137,12 @@ pub fn diff(old: &ForwardingTable, new: &ForwardingTable) -> TableDiff {
         .filter(|(f, s)| old.frontends.get(f) != Some(s))
         .map(|(f, s)| (*f, s.clone()))
         .collect();
-    let remove = old.frontends.keys().filter(|f| !new.frontends.contains_key(f)).copied().collect();
+    let remove = old
+        .frontends
+        .keys()
+        .filter(|f| !new.frontends.contains_key(f))
+        .copied()
+        .collect();
     TableDiff { upsert, remove }
 }
 

@@ -5,7 +5,11 @@ use proptest::prelude::*;
 use super::*;
 
 fn frontend(i: u8, port: u16) -> Frontend {
-    Frontend { vip: IpAddr::V4(Ipv4Addr::new(198, 18, 0, i)), port, protocol: Protocol::Tcp }
+    Frontend {
+        vip: IpAddr::V4(Ipv4Addr::new(198, 18, 0, i)),
+        port,
+        protocol: Protocol::Tcp,
+    }
 }
 
 fn service(name: &str, backends: &[(u8, bool)]) -> Service {
@@ -45,20 +49,30 @@ fn arb_table() -> impl Strategy<Value = ForwardingTable> {
 #[test]
 fn unchanged_frontends_are_not_in_the_diff() {
     let mut a = ForwardingTable::default();
-    a.frontends.insert(frontend(1, 80), service("ns/a", &[(1, true)]));
-    a.frontends.insert(frontend(2, 80), service("ns/b", &[(2, true)]));
+    a.frontends
+        .insert(frontend(1, 80), service("ns/a", &[(1, true)]));
+    a.frontends
+        .insert(frontend(2, 80), service("ns/b", &[(2, true)]));
     let mut b = a.clone();
-    b.frontends.insert(frontend(2, 80), service("ns/b", &[(2, true), (3, true)]));
+    b.frontends
+        .insert(frontend(2, 80), service("ns/b", &[(2, true), (3, true)]));
     b.frontends.remove(&frontend(1, 80));
     let d = diff(&a, &b);
-    assert_eq!(d.upsert.keys().copied().collect::<Vec<_>>(), vec![frontend(2, 80)]);
+    assert_eq!(
+        d.upsert.keys().copied().collect::<Vec<_>>(),
+        vec![frontend(2, 80)]
+    );
     assert_eq!(d.remove, vec![frontend(1, 80)]);
     assert!(diff(&b, &b).is_empty());
 }
 
 #[test]
 fn frontend_display_brackets_ipv6() {
-    let f = Frontend { vip: "2001:2::10".parse().unwrap(), port: 80, protocol: Protocol::Udp };
+    let f = Frontend {
+        vip: "2001:2::10".parse().unwrap(),
+        port: 80,
+        protocol: Protocol::Udp,
+    };
     assert_eq!(f.to_string(), "[2001:2::10]:80/UDP");
 }
 

@@ -69,7 +69,14 @@ pub struct Svc4Key {
 impl Svc4Key {
     /// Key of slot `slot` of the frontend `vip:port/proto` (both in network byte order).
     pub const fn new(vip_be: u32, port_be: u16, proto: u8, slot: u16) -> Self {
-        Self { vip: vip_be, port: port_be, proto, _pad0: 0, slot, _pad1: [0; 2] }
+        Self {
+            vip: vip_be,
+            port: port_be,
+            proto,
+            _pad0: 0,
+            slot,
+            _pad1: [0; 2],
+        }
     }
 }
 

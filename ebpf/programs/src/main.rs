@@ -29,8 +29,7 @@ use mcs_ebpf_common::{
 
 /// Services: frontend at slot 0, backend ids at slots 1..=count. See `mcs_ebpf_common`.
 #[map(name = "MCS_SVC4_V1")]
-static MCS_SVC4_V1: HashMap<Svc4Key, SvcValue> =
-    HashMap::with_max_entries(SVC_MAP_MAX_ENTRIES, 0);
+static MCS_SVC4_V1: HashMap<Svc4Key, SvcValue> = HashMap::with_max_entries(SVC_MAP_MAX_ENTRIES, 0);
 
 /// Backends by id.
 #[map(name = "MCS_BE4_V1")]

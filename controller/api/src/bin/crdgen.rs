@@ -22,9 +22,8 @@ fn main() -> anyhow::Result<()> {
             other => dir = Some(PathBuf::from(other)),
         }
     }
-    let dir = dir.unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/crds")
-    });
+    let dir =
+        dir.unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/crds"));
     let mut stale = Vec::new();
     for (file, crd) in mcs_api::crds() {
         let path = dir.join(file);
