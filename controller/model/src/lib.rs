@@ -11,7 +11,25 @@
 //! dataplane yields the same state as programming the full table from scratch.
 //!
 //! This crate depends on neither kube, aya nor tokio, so it is unit- and property-tested fast.
+//!
+//! # Layout
+//!
+//! - [`input`]: the fields of ServiceImports and EndpointSlices the table depends on.
+//! - [`validate`]: rejects or trims invalid input, each time with a [`validate::Rejection`].
+//! - [`index`]: the incremental index (objects → table, minimal diffs); [`index::compute`].
+//! - [`select`]: which backends get new connections (readiness, locality, zone).
+//! - [`render`]: `mcs-agent table` output (JSON and text).
+//! - [`Dataplane`]: what the control plane hands diffs to.
 #![forbid(unsafe_code)]
+
+pub mod index;
+pub mod input;
+pub mod render;
+pub mod select;
+pub mod validate;
+
+pub use index::{Index, NodeConfig, compute};
+pub use validate::{Reason, Rejection};
 
 use std::{collections::BTreeMap, fmt, net::IpAddr};
 
@@ -158,5 +176,42 @@ impl ForwardingTable {
     }
 }
 
+/// A dataplane: takes the controller's diffs. Applying a sequence of diffs must leave it in
+/// the state that programming the final table from scratch would.
+pub trait Dataplane {
+    /// Short name for logs and metrics (`ebpf`, `userspace`, `log`).
+    fn name(&self) -> &'static str;
+    /// Applies a diff. On error the dataplane keeps what it had; the caller retries with the
+    /// full table.
+    fn apply(&mut self, diff: &TableDiff) -> Result<(), DataplaneError>;
+}
+
+/// A dataplane could not apply a diff.
+#[derive(Debug)]
+pub struct DataplaneError {
+    /// What failed, for a person.
+    pub message: String,
+}
+
+impl fmt::Display for DataplaneError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for DataplaneError {}
+
+impl ForwardingTable {
+    /// The diff that programs this whole table onto an empty dataplane.
+    pub fn as_diff(&self) -> TableDiff {
+        TableDiff {
+            upsert: self.frontends.clone(),
+            remove: Vec::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod index_tests;
 #[cfg(test)]
 mod tests;

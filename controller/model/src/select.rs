@@ -1,0 +1,33 @@
+//! The selection policy: which backends of a frontend get new connections.
+//!
+//! 1. Readiness, over all clusters: `ready` endpoints; only when none is ready anywhere,
+//!    endpoints that are `serving` and `terminating` (as kube-proxy does); others never.
+//! 2. Locality: endpoints of the local cluster when it has a usable one; else every cluster.
+//! 3. Zone: with `trafficDistribution: PreferClose`, endpoints in the node's zone when there is
+//!    one among those left; else all of them.
+
+use crate::{Backend, index::NodeConfig};
+
+/// Sets `selected` on every backend by the policy above.
+pub fn mark_selected(backends: &mut [Backend], node: &NodeConfig, prefer_close: bool) {
+    let any_ready = backends.iter().any(|b| b.ready);
+    let usable = |b: &Backend| {
+        if any_ready {
+            b.ready
+        } else {
+            b.serving && b.terminating
+        }
+    };
+    let local = node.cluster_id.as_str();
+    let any_local = !local.is_empty() && backends.iter().any(|b| usable(b) && b.cluster == local);
+    let in_scope = |b: &Backend| usable(b) && (!any_local || b.cluster == local);
+    let zone = node.zone.as_deref();
+    let zone_pref = prefer_close
+        && zone.is_some()
+        && backends
+            .iter()
+            .any(|b| in_scope(b) && b.zone.as_deref() == zone);
+    for b in backends.iter_mut() {
+        b.selected = in_scope(b) && (!zone_pref || b.zone.as_deref() == zone);
+    }
+}

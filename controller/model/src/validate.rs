@@ -1,0 +1,518 @@
+//! Validation of the index's input. Nothing here stops the world: an invalid field trims what
+//! it concerns (an IP, a port, an endpoint) or, when nothing sensible is left, rejects the whole
+//! object; every such decision is a [`Rejection`] with a reason.
+
+use std::{
+    collections::BTreeSet,
+    fmt,
+    net::{IpAddr, Ipv4Addr},
+};
+
+use serde::Serialize;
+
+use crate::{
+    Affinity, Protocol,
+    input::{EndpointInput, ImportInput, ServiceRef, SliceInput},
+};
+
+/// Label of an MCS EndpointSlice naming the imported service.
+pub const LABEL_SERVICE_NAME: &str = "multicluster.kubernetes.io/service-name";
+/// Label of an MCS EndpointSlice naming its source cluster.
+pub const LABEL_SOURCE_CLUSTER: &str = "multicluster.kubernetes.io/source-cluster";
+/// Label naming the manager of an EndpointSlice.
+pub const LABEL_MANAGED_BY: &str = "endpointslice.kubernetes.io/managed-by";
+/// `managed-by` value of the default Kubernetes EndpointSlice controller.
+pub const DEFAULT_SLICE_CONTROLLER: &str = "endpointslice-controller.k8s.io";
+/// Default ClientIP affinity timeout (seconds).
+pub const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
+/// Largest ClientIP affinity timeout (seconds), as for Services.
+pub const MAX_AFFINITY_TIMEOUT_S: u32 = 86_400;
+
+/// Why something was rejected. [`Reason::label`] is the metric label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum Reason {
+    /// `spec.type` is neither ClusterSetIP nor Headless.
+    InvalidType,
+    /// An IP does not parse.
+    InvalidIp,
+    /// An IP is not of the family `ipFamilies` gives, or a second IP of one family.
+    WrongFamily,
+    /// More than two IPs.
+    TooManyIps,
+    /// A VIP that is loopback, link-local, unspecified, multicast or broadcast.
+    HostileVip,
+    /// Port 0 or above 65535.
+    InvalidPort,
+    /// Protocol other than TCP, UDP, SCTP.
+    UnknownProtocol,
+    /// The same port and protocol twice.
+    DuplicatePort,
+    /// Affinity settings out of range.
+    InvalidAffinity,
+    /// Another, older import claims the same VIP, port and protocol.
+    VipConflict,
+    /// An EndpointSlice without the service-name label.
+    MissingServiceLabel,
+    /// An EndpointSlice without the source-cluster label.
+    MissingClusterLabel,
+    /// An EndpointSlice managed by the default Kubernetes controller (not MCS).
+    DefaultController,
+    /// `addressType` other than IPv4 / IPv6.
+    UnsupportedAddressType,
+    /// An endpoint address that does not parse or is not of the slice's family.
+    InvalidEndpoint,
+    /// An endpoint that is loopback, link-local, unspecified, multicast or broadcast.
+    HostileEndpoint,
+    /// A slice with no port that matches an import port.
+    NoMatchingPort,
+    /// An object the source cannot use (unknown kind, unparsable document).
+    Unparsable,
+}
+
+impl Reason {
+    /// Short snake_case label for metrics and events.
+    pub fn label(self) -> &'static str {
+        match self {
+            Reason::InvalidType => "invalid_type",
+            Reason::InvalidIp => "invalid_ip",
+            Reason::WrongFamily => "wrong_family",
+            Reason::TooManyIps => "too_many_ips",
+            Reason::HostileVip => "hostile_vip",
+            Reason::InvalidPort => "invalid_port",
+            Reason::UnknownProtocol => "unknown_protocol",
+            Reason::DuplicatePort => "duplicate_port",
+            Reason::InvalidAffinity => "invalid_affinity",
+            Reason::VipConflict => "vip_conflict",
+            Reason::MissingServiceLabel => "missing_service_label",
+            Reason::MissingClusterLabel => "missing_cluster_label",
+            Reason::DefaultController => "default_controller",
+            Reason::UnsupportedAddressType => "unsupported_address_type",
+            Reason::InvalidEndpoint => "invalid_endpoint",
+            Reason::HostileEndpoint => "hostile_endpoint",
+            Reason::NoMatchingPort => "no_matching_port",
+            Reason::Unparsable => "unparsable",
+        }
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// One rejected or trimmed thing, with the object it belongs to.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Rejection {
+    /// `ServiceImport ns/name` or `EndpointSlice ns/name`.
+    pub object: String,
+    /// Why (metric label).
+    pub reason: Reason,
+    /// What exactly, for a person.
+    pub message: String,
+}
+
+impl Rejection {
+    fn new(object: &str, reason: Reason, message: impl Into<String>) -> Self {
+        Self {
+            object: object.to_string(),
+            reason,
+            message: message.into(),
+        }
+    }
+}
+
+/// Parses a protocol name (default TCP).
+pub fn parse_protocol(p: Option<&str>) -> Option<Protocol> {
+    match p.unwrap_or("TCP") {
+        "TCP" => Some(Protocol::Tcp),
+        "UDP" => Some(Protocol::Udp),
+        "SCTP" => Some(Protocol::Sctp),
+        _ => None,
+    }
+}
+
+/// Why an address must never be programmed, if it must not.
+pub fn hostile(ip: IpAddr) -> Option<&'static str> {
+    let ip = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+        v4 => v4,
+    };
+    match ip {
+        IpAddr::V4(v4) => {
+            if v4.is_unspecified() {
+                Some("unspecified")
+            } else if v4.is_loopback() {
+                Some("loopback")
+            } else if v4.is_link_local() {
+                Some("link-local")
+            } else if v4.is_multicast() {
+                Some("multicast")
+            } else if v4 == Ipv4Addr::BROADCAST {
+                Some("broadcast")
+            } else {
+                None
+            }
+        }
+        IpAddr::V6(v6) => {
+            if v6.is_unspecified() {
+                Some("unspecified")
+            } else if v6.is_loopback() {
+                Some("loopback")
+            } else if v6.is_unicast_link_local() {
+                Some("link-local")
+            } else if v6.is_multicast() {
+                Some("multicast")
+            } else {
+                None
+            }
+        }
+    }
+}
+
+/// A frontend template of an import: one VIP × one port.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImportFrontend {
+    /// VIP.
+    pub vip: IpAddr,
+    /// Service port.
+    pub port: u16,
+    /// Protocol.
+    pub protocol: Protocol,
+    /// Port name, matched against slice port names.
+    pub port_name: Option<String>,
+}
+
+/// A validated ServiceImport.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ValidImport {
+    /// `namespace/name`.
+    pub service: ServiceRef,
+    /// Conflict order: older first, then by name.
+    pub age_key: (String, ServiceRef),
+    /// Frontends (empty for Headless).
+    pub frontends: Vec<ImportFrontend>,
+    /// ClientIP affinity.
+    pub affinity: Option<Affinity>,
+    /// `trafficDistribution: PreferClose`.
+    pub prefer_close: bool,
+}
+
+/// Validates an import. `None` when nothing of it is usable; rejections either way.
+pub fn import(input: &ImportInput, out: &mut Vec<Rejection>) -> Option<ValidImport> {
+    let object = format!("ServiceImport {}/{}", input.namespace, input.name);
+    let service = input.service_ref();
+    // A missing timestamp (file source) sorts after every real one.
+    let age_key = (
+        input.created.clone().unwrap_or_else(|| "~".into()),
+        service.clone(),
+    );
+    let headless = match input.type_.as_str() {
+        "ClusterSetIP" | "" => false,
+        "Headless" => true,
+        other => {
+            out.push(Rejection::new(
+                &object,
+                Reason::InvalidType,
+                format!("type {other:?} is neither ClusterSetIP nor Headless"),
+            ));
+            return None;
+        }
+    };
+    let mut valid = ValidImport {
+        service,
+        age_key,
+        frontends: Vec::new(),
+        affinity: None,
+        prefer_close: input.traffic_distribution.as_deref() == Some("PreferClose"),
+    };
+    if headless {
+        return Some(valid);
+    }
+    if input.ips.len() > 2 {
+        out.push(Rejection::new(
+            &object,
+            Reason::TooManyIps,
+            format!("{} ips; at most two (one per family)", input.ips.len()),
+        ));
+        return None;
+    }
+    let mut vips = Vec::new();
+    for (i, raw) in input.ips.iter().enumerate() {
+        let Ok(ip) = raw.trim().parse::<IpAddr>() else {
+            out.push(Rejection::new(
+                &object,
+                Reason::InvalidIp,
+                format!("ip {raw:?} does not parse"),
+            ));
+            continue;
+        };
+        let want = input.ip_families.get(i).map(String::as_str);
+        let is_v4 = ip.is_ipv4();
+        let family_ok = match want {
+            Some("IPv4") => is_v4,
+            Some("IPv6") => !is_v4,
+            _ => true,
+        };
+        if !family_ok || vips.iter().any(|v: &IpAddr| v.is_ipv4() == is_v4) {
+            out.push(Rejection::new(
+                &object,
+                Reason::WrongFamily,
+                format!(
+                    "ip {ip} is not of family {} or repeats a family",
+                    want.unwrap_or("?")
+                ),
+            ));
+            continue;
+        }
+        if let Some(why) = hostile(ip) {
+            out.push(Rejection::new(
+                &object,
+                Reason::HostileVip,
+                format!("ip {ip} is {why}"),
+            ));
+            continue;
+        }
+        vips.push(ip);
+    }
+    let mut seen = BTreeSet::new();
+    let mut ports = Vec::new();
+    for p in &input.ports {
+        let Some(protocol) = parse_protocol(p.protocol.as_deref()) else {
+            out.push(Rejection::new(
+                &object,
+                Reason::UnknownProtocol,
+                format!(
+                    "port {} has protocol {:?}",
+                    p.port,
+                    p.protocol.as_deref().unwrap_or("")
+                ),
+            ));
+            continue;
+        };
+        let Some(port) = u16::try_from(p.port).ok().filter(|&n| n != 0) else {
+            out.push(Rejection::new(
+                &object,
+                Reason::InvalidPort,
+                format!("port {} out of 1..65535", p.port),
+            ));
+            continue;
+        };
+        if !seen.insert((port, protocol)) {
+            out.push(Rejection::new(
+                &object,
+                Reason::DuplicatePort,
+                format!("port {port}/{protocol} appears twice; the first is used"),
+            ));
+            continue;
+        }
+        ports.push((port, protocol, p.name.clone().filter(|n| !n.is_empty())));
+    }
+    for vip in &vips {
+        for (port, protocol, name) in &ports {
+            valid.frontends.push(ImportFrontend {
+                vip: *vip,
+                port: *port,
+                protocol: *protocol,
+                port_name: name.clone(),
+            });
+        }
+    }
+    if input.session_affinity.as_deref() == Some("ClientIP") {
+        let timeout = match input.affinity_timeout_seconds {
+            None => DEFAULT_AFFINITY_TIMEOUT_S,
+            Some(t) => match u32::try_from(t) {
+                Ok(t) if (1..=MAX_AFFINITY_TIMEOUT_S).contains(&t) => t,
+                _ => {
+                    out.push(Rejection::new(
+                        &object,
+                        Reason::InvalidAffinity,
+                        format!(
+                            "timeoutSeconds {t} out of 1..{MAX_AFFINITY_TIMEOUT_S}; using {DEFAULT_AFFINITY_TIMEOUT_S}"
+                        ),
+                    ));
+                    DEFAULT_AFFINITY_TIMEOUT_S
+                }
+            },
+        };
+        valid.affinity = Some(Affinity {
+            timeout_seconds: timeout,
+        });
+    }
+    Some(valid)
+}
+
+/// A validated endpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ValidEndpoint {
+    /// Address.
+    pub address: IpAddr,
+    /// Ready (nil → true).
+    pub ready: bool,
+    /// Serving (nil → ready).
+    pub serving: bool,
+    /// Terminating (nil → false).
+    pub terminating: bool,
+    /// Zone.
+    pub zone: Option<String>,
+}
+
+/// A validated MCS EndpointSlice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ValidSlice {
+    /// The service it belongs to.
+    pub service: ServiceRef,
+    /// Source cluster.
+    pub cluster: String,
+    /// IPv4 (else IPv6) addresses.
+    pub v4: bool,
+    /// Ports: (name, protocol, target port).
+    pub ports: Vec<(Option<String>, Protocol, u16)>,
+    /// Usable endpoints.
+    pub endpoints: Vec<ValidEndpoint>,
+}
+
+/// The service an EndpointSlice names by label, if any.
+pub fn slice_service(input: &SliceInput) -> Option<ServiceRef> {
+    input
+        .labels
+        .get(LABEL_SERVICE_NAME)
+        .filter(|s| !s.is_empty())
+        .map(|s| ServiceRef::new(&input.namespace, s))
+}
+
+/// Validates an EndpointSlice.
+pub fn slice(input: &SliceInput, out: &mut Vec<Rejection>) -> Option<ValidSlice> {
+    let object = format!("EndpointSlice {}/{}", input.namespace, input.name);
+    let Some(service) = slice_service(input) else {
+        out.push(Rejection::new(
+            &object,
+            Reason::MissingServiceLabel,
+            format!("no {LABEL_SERVICE_NAME} label"),
+        ));
+        return None;
+    };
+    if input.labels.get(LABEL_MANAGED_BY).map(String::as_str) == Some(DEFAULT_SLICE_CONTROLLER) {
+        out.push(Rejection::new(
+            &object,
+            Reason::DefaultController,
+            format!(
+                "managed by {DEFAULT_SLICE_CONTROLLER}: a slice of an ordinary Service, not MCS"
+            ),
+        ));
+        return None;
+    }
+    let Some(cluster) = input
+        .labels
+        .get(LABEL_SOURCE_CLUSTER)
+        .filter(|c| !c.is_empty())
+    else {
+        out.push(Rejection::new(
+            &object,
+            Reason::MissingClusterLabel,
+            format!("no {LABEL_SOURCE_CLUSTER} label"),
+        ));
+        return None;
+    };
+    let v4 = match input.address_type.as_str() {
+        "IPv4" => true,
+        "IPv6" => false,
+        other => {
+            out.push(Rejection::new(
+                &object,
+                Reason::UnsupportedAddressType,
+                format!("addressType {other:?}; only IPv4 and IPv6 are supported"),
+            ));
+            return None;
+        }
+    };
+    let mut ports = Vec::new();
+    for p in &input.ports {
+        let Some(protocol) = parse_protocol(p.protocol.as_deref()) else {
+            out.push(Rejection::new(
+                &object,
+                Reason::UnknownProtocol,
+                format!(
+                    "port {:?} has protocol {:?}",
+                    p.name,
+                    p.protocol.as_deref().unwrap_or("")
+                ),
+            ));
+            continue;
+        };
+        let Some(port) = p
+            .port
+            .and_then(|n| u16::try_from(n).ok())
+            .filter(|&n| n != 0)
+        else {
+            out.push(Rejection::new(
+                &object,
+                Reason::InvalidPort,
+                format!("port {:?}: {:?} out of 1..65535", p.name, p.port),
+            ));
+            continue;
+        };
+        ports.push((p.name.clone().filter(|n| !n.is_empty()), protocol, port));
+    }
+    let mut endpoints = Vec::new();
+    for ep in &input.endpoints {
+        if let Some(e) = endpoint(&object, ep, v4, out) {
+            endpoints.push(e);
+        }
+    }
+    Some(ValidSlice {
+        service,
+        cluster: cluster.clone(),
+        v4,
+        ports,
+        endpoints,
+    })
+}
+
+fn endpoint(
+    object: &str,
+    ep: &EndpointInput,
+    v4: bool,
+    out: &mut Vec<Rejection>,
+) -> Option<ValidEndpoint> {
+    let Some(raw) = ep.addresses.first() else {
+        out.push(Rejection::new(
+            object,
+            Reason::InvalidEndpoint,
+            "endpoint without addresses",
+        ));
+        return None;
+    };
+    let Ok(address) = raw.trim().parse::<IpAddr>() else {
+        out.push(Rejection::new(
+            object,
+            Reason::InvalidEndpoint,
+            format!("address {raw:?} does not parse"),
+        ));
+        return None;
+    };
+    if address.is_ipv4() != v4 {
+        out.push(Rejection::new(
+            object,
+            Reason::InvalidEndpoint,
+            format!("address {address} is not of the slice's addressType"),
+        ));
+        return None;
+    }
+    if let Some(why) = hostile(address) {
+        out.push(Rejection::new(
+            object,
+            Reason::HostileEndpoint,
+            format!("address {address} is {why}"),
+        ));
+        return None;
+    }
+    let ready = ep.ready.unwrap_or(true);
+    Some(ValidEndpoint {
+        address,
+        ready,
+        serving: ep.serving.unwrap_or(ready),
+        terminating: ep.terminating.unwrap_or(false),
+        zone: ep.zone.clone().filter(|z| !z.is_empty()),
+    })
+}
