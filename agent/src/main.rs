@@ -1,56 +1,34 @@
 //! `mcs-agent`: the node agent of mcs-dataplane. Wiring only; the work lives in the library
-//! crates (`mcs-model`, `mcs-api`, `mcs-proxy`).
+//! crates (`mcs-model`, `mcs-controller`, `mcs-proxy`).
 #![forbid(unsafe_code)]
+
+mod cli;
+mod commands;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-
-/// The mcs-dataplane node agent: makes Kubernetes Multi-Cluster Services ClusterSetIPs
-/// reachable from every pod of the node, with an eBPF socket load balancer or a userspace
-/// transparent proxy.
-#[derive(Debug, Parser)]
-#[command(name = "mcs-agent", version, about, long_about = None)]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Debug, Subcommand)]
-enum Command {
-    /// Watch ServiceImports and MCS EndpointSlices and program the dataplane.
-    Run,
-    /// Compute and print the forwarding table from a source without touching the system.
-    Table,
-    /// Print what a running agent has programmed.
-    Status,
-    /// Build a sandbox of network namespaces with two clusters and show the dataplane at work.
-    Demo,
-}
+use clap::Parser as _;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let (what, issue) = match cli.command {
-        Command::Run => ("`mcs-agent run` (the controller)", 3),
-        Command::Table => ("`mcs-agent table`", 3),
-        Command::Status => ("`mcs-agent status`", 5),
-        Command::Demo => {
-            println!(
-                "mcs-agent demo will:\n  \
-                 1. build a sandbox of network namespaces: a client pod, a node running the agent,\n     \
-                 two clusters (c1, c2) of two backends each, addresses in 198.18.0.0/15;\n  \
-                 2. start the agent with --source file:examples/ and program the ClusterSetIP;\n  \
-                 3. send TCP and UDP traffic to the ClusterSetIP and print per-cluster distribution\n     \
-                 and latency;\n  \
-                 4. stop the local cluster's backends and show failover to the remote cluster;\n  \
-                 5. remove everything it created."
-            );
-            ("`mcs-agent demo` (needs the userspace forwarder)", 4)
-        }
+    let cli = cli::Cli::parse();
+    // `table` prints a result: only warnings and errors go to stderr unless asked.
+    let default_level = match cli.command {
+        cli::Command::Table(_) => "warn",
+        _ => "info",
     };
-    eprintln!(
-        "error: {what} is not implemented yet in this build (tracked as issue {issue}); \
-         nothing was changed on this machine"
-    );
-    ExitCode::from(2)
+    let level = cli.log_level.as_deref().unwrap_or(default_level);
+    let filter = tracing_subscriber::EnvFilter::try_from_env("MCS_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    match commands::run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -1,0 +1,109 @@
+//! Command-line interface, parsed once at the edge into typed options.
+
+use std::{net::SocketAddr, path::PathBuf};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use mcs_controller::source::SourceSpec;
+
+/// The mcs-dataplane node agent: makes Kubernetes Multi-Cluster Services ClusterSetIPs
+/// reachable from every pod of the node, with an eBPF socket load balancer or a userspace
+/// transparent proxy.
+#[derive(Debug, Parser)]
+#[command(name = "mcs-agent", version, about, long_about = None)]
+pub struct Cli {
+    /// Log level (error, warn, info, debug, trace); default info (warn for `table`).
+    /// `MCS_LOG` overrides it with a full tracing filter.
+    #[arg(long, global = true)]
+    pub log_level: Option<String>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Watch ServiceImports and MCS EndpointSlices and program the dataplane.
+    Run(RunArgs),
+    /// Compute and print the forwarding table from a source, without touching the system.
+    Table(TableArgs),
+    /// Print what a running agent has programmed (needs the eBPF dataplane; issue 5).
+    Status,
+    /// Build a sandbox of network namespaces with two clusters and show the dataplane at work.
+    Demo,
+}
+
+/// Where objects come from and who this node is.
+#[derive(Debug, Args)]
+pub struct SourceArgs {
+    /// `kube` (the API server of --kubeconfig, KUBECONFIG or the in-cluster config) or
+    /// `file:DIR` (a directory of YAML: ServiceImports, EndpointSlices, ClusterProperty).
+    #[arg(long, value_parser = parse_source)]
+    pub source: SourceSpec,
+    /// This cluster's id; when absent, read from the `cluster.clusterset.k8s.io`
+    /// ClusterProperty. Local endpoints are preferred over remote ones.
+    #[arg(long, env = "MCS_CLUSTER_ID")]
+    pub cluster_id: Option<String>,
+    /// This node's zone, for `trafficDistribution: PreferClose`.
+    #[arg(long, env = "MCS_ZONE")]
+    pub zone: Option<String>,
+    /// Kubeconfig for `--source kube` (default: KUBECONFIG, ~/.kube/config, in-cluster).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// Options of `mcs-agent run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Which dataplane programs the table.
+    #[arg(long, value_enum, default_value_t = DataplaneKind::Log)]
+    pub dataplane: DataplaneKind,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, default_value = "0.0.0.0:9464")]
+    pub metrics_addr: SocketAddr,
+    /// Name of this node (reported on Kubernetes Events).
+    #[arg(long, env = "NODE_NAME", default_value = "unknown-node")]
+    pub node_name: String,
+    /// How often `file:DIR` is re-read, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    pub file_poll_ms: u64,
+}
+
+/// Options of `mcs-agent table`.
+#[derive(Debug, Args)]
+pub struct TableArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+    /// Give up on `--source kube` if the first sync takes longer (seconds).
+    #[arg(long, default_value_t = 30)]
+    pub timeout_s: u64,
+}
+
+/// Output formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// For people.
+    Text,
+    /// The stable JSON shape (see README).
+    Json,
+}
+
+/// Dataplanes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DataplaneKind {
+    /// Only log what would be programmed.
+    Log,
+    /// eBPF socket load balancer (issue 5).
+    Ebpf,
+    /// Userspace transparent forwarder (issue 4).
+    Userspace,
+    /// eBPF when the kernel allows it, else userspace.
+    Auto,
+}
+
+fn parse_source(s: &str) -> Result<SourceSpec, String> {
+    s.parse()
+}

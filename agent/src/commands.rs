@@ -1,0 +1,199 @@
+//! The subcommands.
+
+use std::{process::ExitCode, sync::Arc, time::Duration};
+
+use anyhow::{Context as _, bail};
+use mcs_controller::{
+    Controller, ControllerConfig, LogDataplane, SourceEvent,
+    events::EventSink,
+    http::{self, Health},
+    metrics::Metrics,
+    source::{SourceSpec, file::FileSource},
+};
+use mcs_model::{Index, NodeConfig, render};
+use tokio::sync::{mpsc, watch};
+
+use crate::cli::{Cli, Command, DataplaneKind, Format, RunArgs, SourceArgs, TableArgs};
+
+/// Capacity of the source → controller channel.
+const SOURCE_CHANNEL: usize = 4096;
+
+pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Table(args) => runtime()?.block_on(table(args)),
+        Command::Run(args) => runtime()?.block_on(agent(args)),
+        Command::Status => not_yet("`mcs-agent status`", 5),
+        Command::Demo => {
+            println!(
+                "mcs-agent demo will:\n  \
+                 1. build a sandbox of network namespaces: a client pod, a node running the agent,\n     \
+                 two clusters (c1, c2) of two backends each, addresses in 198.18.0.0/15;\n  \
+                 2. start the agent with --source file:examples/two-clusters and program the ClusterSetIP;\n  \
+                 3. send TCP and UDP traffic to the ClusterSetIP and print per-cluster distribution\n     \
+                 and latency;\n  \
+                 4. stop the local cluster's backends and show failover to the remote cluster;\n  \
+                 5. remove everything it created.\n\
+                 Until the forwarder lands, see the table it would program with:\n  \
+                 mcs-agent table --source file:examples/two-clusters --cluster-id c1"
+            );
+            not_yet("`mcs-agent demo` (needs the userspace forwarder)", 4)
+        }
+    }
+}
+
+fn not_yet(what: &str, issue: u32) -> anyhow::Result<ExitCode> {
+    eprintln!(
+        "error: {what} is not implemented yet in this build (tracked as issue {issue}); \
+         nothing was changed on this machine"
+    );
+    Ok(ExitCode::from(2))
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+fn node_config(args: &SourceArgs) -> NodeConfig {
+    NodeConfig {
+        cluster_id: args.cluster_id.clone().unwrap_or_default(),
+        zone: args.zone.clone(),
+    }
+}
+
+async fn kube_client(args: &SourceArgs) -> anyhow::Result<kube::Client> {
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no kubeconfig or in-cluster config")?,
+    };
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// Starts the source of `args` as a task sending into `tx`.
+async fn spawn_source(
+    args: &SourceArgs,
+    tx: mpsc::Sender<SourceEvent>,
+    poll: Duration,
+) -> anyhow::Result<Option<kube::Client>> {
+    match &args.source {
+        SourceSpec::File(dir) => {
+            if !dir.is_dir() {
+                bail!(
+                    "source directory {} does not exist or is not a directory",
+                    dir.display()
+                );
+            }
+            tokio::spawn(FileSource::new(dir).run(tx, poll));
+            Ok(None)
+        }
+        SourceSpec::Kube => {
+            let client = kube_client(args).await?;
+            let watch_id = args.cluster_id.is_none();
+            tokio::spawn(mcs_controller::source::kube::run(
+                client.clone(),
+                tx,
+                watch_id,
+            ));
+            Ok(Some(client))
+        }
+    }
+}
+
+async fn table(args: TableArgs) -> anyhow::Result<ExitCode> {
+    let (tx, mut rx) = mpsc::channel(SOURCE_CHANNEL);
+    spawn_source(&args.source, tx, Duration::from_secs(3600)).await?;
+    let mut index = Index::new(node_config(&args.source));
+    let mut unreadable = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout_s);
+    loop {
+        let ev = tokio::time::timeout_at(deadline, rx.recv())
+            .await
+            .context("timed out waiting for the source's first full sync")?;
+        match ev {
+            Some(SourceEvent::Synced) | None => break,
+            Some(SourceEvent::Import(i)) => index.upsert_import(i),
+            Some(SourceEvent::Slice(s)) => index.upsert_slice(s),
+            Some(SourceEvent::DeleteImport(ns, n)) => index.delete_import(&ns, &n),
+            Some(SourceEvent::DeleteSlice(ns, n)) => index.delete_slice(&ns, &n),
+            Some(SourceEvent::ClusterId(id)) if args.source.cluster_id.is_none() => {
+                index.set_cluster_id(&id)
+            }
+            Some(SourceEvent::Unreadable(r)) => unreadable.push(r),
+            Some(_) => {}
+        }
+    }
+    index.flush();
+    let mut rejected = index.rejections();
+    rejected.extend(unreadable);
+    rejected.sort();
+    let out = match args.format {
+        Format::Json => render::json(index.table(), &rejected),
+        Format::Text => render::text(index.table(), &rejected),
+    };
+    println!("{}", out.trim_end());
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
+    match args.dataplane {
+        DataplaneKind::Log => {}
+        DataplaneKind::Ebpf => return not_yet("--dataplane ebpf", 5),
+        DataplaneKind::Userspace => return not_yet("--dataplane userspace", 4),
+        DataplaneKind::Auto => return not_yet("--dataplane auto", 5),
+    }
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Arc::new(Metrics::new(&mut registry));
+    let health = Health::default();
+    let addr = http::spawn(args.metrics_addr, Arc::new(registry), health.clone())
+        .await
+        .with_context(|| format!("binding the metrics address {}", args.metrics_addr))?;
+    tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+
+    let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
+    let client = spawn_source(&args.source, tx, Duration::from_millis(args.file_poll_ms)).await?;
+    let events = client.map(|c| EventSink::new(c, &args.node_name));
+    let config = ControllerConfig {
+        cluster_id_fixed: args.source.cluster_id.is_some(),
+        ..Default::default()
+    };
+    let controller = Controller::new(
+        node_config(&args.source),
+        LogDataplane::default(),
+        config,
+        metrics,
+        health,
+        events,
+    );
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        let _ = stop_tx.send(true);
+    });
+    tracing::info!(source = ?args.source.source, dataplane = "log", "mcs-agent running");
+    controller.run(rx, stop_rx).await;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

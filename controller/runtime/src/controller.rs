@@ -1,0 +1,308 @@
+//! The controller loop: source events in, diffs out to the dataplane.
+//!
+//! Events are applied to the index as they come. A batch ends when the sources have been
+//! quiet for [`ControllerConfig::quiet`] or the batch is [`ControllerConfig::max_delay`] old;
+//! then the index is flushed and the diff applied. So a single change is applied after
+//! `quiet` (10 ms by default) and a burst of hundreds of changes becomes a few diffs.
+//! Nothing is flushed before the source's first full sync; `/readyz` turns ready after that
+//! first full table is programmed.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use mcs_model::{Dataplane, DataplaneError, Index, NodeConfig, TableDiff, validate::Rejection};
+use tokio::sync::{mpsc, watch};
+
+use crate::{
+    events::EventSink,
+    http::Health,
+    metrics::{KindLabel, Metrics, ReasonLabel},
+    source::SourceEvent,
+};
+
+/// Tuning of the loop.
+#[derive(Clone, Debug)]
+pub struct ControllerConfig {
+    /// A batch ends after this much quiet.
+    pub quiet: Duration,
+    /// A batch ends at this age, however busy the sources are.
+    pub max_delay: Duration,
+    /// The cluster id was given on the command line: ClusterProperty updates are ignored.
+    pub cluster_id_fixed: bool,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        Self {
+            quiet: Duration::from_millis(10),
+            max_delay: Duration::from_millis(200),
+            cluster_id_fixed: false,
+        }
+    }
+}
+
+/// The controller. See the module docs.
+#[derive(Debug)]
+pub struct Controller<D> {
+    index: Index,
+    dataplane: D,
+    config: ControllerConfig,
+    metrics: Arc<Metrics>,
+    health: Health,
+    events: Option<EventSink>,
+    unreadable: BTreeMap<String, Rejection>,
+    rejected: BTreeSet<Rejection>,
+    pending_retry: Option<TableDiff>,
+}
+
+impl<D: Dataplane> Controller<D> {
+    /// A controller for a node.
+    pub fn new(
+        node: NodeConfig,
+        dataplane: D,
+        config: ControllerConfig,
+        metrics: Arc<Metrics>,
+        health: Health,
+        events: Option<EventSink>,
+    ) -> Self {
+        Self {
+            index: Index::new(node),
+            dataplane,
+            config,
+            metrics,
+            health,
+            events,
+            unreadable: BTreeMap::new(),
+            rejected: BTreeSet::new(),
+            pending_retry: None,
+        }
+    }
+
+    /// The index (for status and tests).
+    pub fn index(&self) -> &Index {
+        &self.index
+    }
+
+    /// The dataplane.
+    pub fn dataplane(&self) -> &D {
+        &self.dataplane
+    }
+
+    /// Runs until the sources close their channel or `shutdown` turns true. Returns the
+    /// dataplane so the caller can tear it down.
+    pub async fn run(
+        mut self,
+        mut rx: mpsc::Receiver<SourceEvent>,
+        mut shutdown: watch::Receiver<bool>,
+    ) -> Self {
+        let mut synced = false;
+        loop {
+            let first = tokio::select! {
+                ev = rx.recv() => ev,
+                _ = shutdown.wait_for(|s| *s) => None,
+            };
+            let Some(first) = first else { break };
+            let started = Instant::now();
+            synced |= self.handle(first);
+            let deadline = started + self.config.max_delay;
+            let mut closed = false;
+            loop {
+                let now = Instant::now();
+                if now >= deadline {
+                    break;
+                }
+                let wait = self.config.quiet.min(deadline - now);
+                match tokio::time::timeout(wait, rx.recv()).await {
+                    Ok(Some(ev)) => synced |= self.handle(ev),
+                    Ok(None) => {
+                        closed = true;
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+            if synced {
+                self.flush(started);
+            }
+            if closed {
+                break;
+            }
+        }
+        self
+    }
+
+    /// Applies one event to the index; true when it is the first full sync.
+    fn handle(&mut self, ev: SourceEvent) -> bool {
+        match ev {
+            SourceEvent::Import(i) => self.index.upsert_import(i),
+            SourceEvent::DeleteImport(ns, n) => self.index.delete_import(&ns, &n),
+            SourceEvent::Slice(s) => self.index.upsert_slice(s),
+            SourceEvent::DeleteSlice(ns, n) => self.index.delete_slice(&ns, &n),
+            SourceEvent::ClusterId(id) => {
+                if self.config.cluster_id_fixed {
+                    tracing::debug!(id, "ignoring ClusterProperty: --cluster-id was given");
+                } else if self.index.node().cluster_id != id {
+                    tracing::info!(cluster_id = %id, "cluster id from ClusterProperty");
+                    self.index.set_cluster_id(&id);
+                }
+            }
+            SourceEvent::Unreadable(r) => {
+                self.unreadable.insert(r.object.clone(), r);
+            }
+            SourceEvent::Readable(object) => {
+                self.unreadable.remove(&object);
+            }
+            SourceEvent::Synced => return true,
+        }
+        false
+    }
+
+    /// Flushes the index, applies the diff, updates metrics, logs and Events.
+    fn flush(&mut self, started: Instant) {
+        let mut diff = self.index.flush();
+        if let Some(mut retry) = self.pending_retry.take() {
+            // Merge: the newer diff wins per frontend.
+            for f in &diff.remove {
+                retry.upsert.remove(f);
+            }
+            for f in diff.upsert.keys() {
+                retry.remove.retain(|r| r != f);
+            }
+            retry.upsert.append(&mut diff.upsert);
+            retry.remove.append(&mut diff.remove);
+            retry.remove.sort();
+            retry.remove.dedup();
+            diff = retry;
+        }
+        if !diff.is_empty() {
+            match self.dataplane.apply(&diff) {
+                Ok(()) => {
+                    self.metrics.diffs_applied_total.inc();
+                    self.metrics
+                        .sync_latency_seconds
+                        .observe(started.elapsed().as_secs_f64());
+                    tracing::info!(
+                        upserted = diff.upsert.len(),
+                        removed = diff.remove.len(),
+                        dataplane = self.dataplane.name(),
+                        latency_ms = started.elapsed().as_secs_f64() * 1e3,
+                        "applied diff"
+                    );
+                }
+                Err(DataplaneError { message }) => {
+                    self.metrics.dataplane_errors_total.inc();
+                    tracing::error!(error = %message, "dataplane failed to apply a diff; will retry");
+                    self.pending_retry = Some(diff);
+                }
+            }
+        }
+        if !self.health.is_ready() && self.pending_retry.is_none() {
+            let t = self.index.table();
+            tracing::info!(
+                frontends = t.frontends.len(),
+                "first full table programmed; ready"
+            );
+            self.health.set_ready();
+        }
+        self.update_rejections();
+        self.update_gauges();
+    }
+
+    fn update_rejections(&mut self) {
+        let now: BTreeSet<Rejection> = self
+            .index
+            .rejections()
+            .into_iter()
+            .chain(self.unreadable.values().cloned())
+            .collect();
+        let new: Vec<Rejection> = now.difference(&self.rejected).cloned().collect();
+        for r in &new {
+            tracing::warn!(object = %r.object, reason = r.reason.label(), "rejected: {}", r.message);
+            self.metrics
+                .rejections_total
+                .get_or_create(&ReasonLabel {
+                    reason: r.reason.label().into(),
+                })
+                .inc();
+        }
+        for r in self.rejected.difference(&now) {
+            tracing::info!(object = %r.object, reason = r.reason.label(), "no longer rejected");
+        }
+        let mut by_reason: BTreeMap<&str, i64> = BTreeMap::new();
+        for r in &self.rejected {
+            by_reason.entry(r.reason.label()).or_insert(0);
+        }
+        for r in &now {
+            *by_reason.entry(r.reason.label()).or_insert(0) += 1;
+        }
+        for (reason, n) in by_reason {
+            self.metrics
+                .rejected
+                .get_or_create(&ReasonLabel {
+                    reason: reason.into(),
+                })
+                .set(n);
+        }
+        if let Some(events) = self.events.as_mut() {
+            if !new.is_empty() {
+                events.publish(&new);
+            }
+        }
+        self.rejected = now;
+    }
+
+    fn update_gauges(&self) {
+        let t = self.index.table();
+        let (imports, slices) = self.index.object_counts();
+        let set = |kind: &str, n: usize| {
+            self.metrics
+                .objects
+                .get_or_create(&KindLabel { kind: kind.into() })
+                .set(n as i64);
+        };
+        set("ServiceImport", imports);
+        set("EndpointSlice", slices);
+        self.metrics.frontends.set(t.frontends.len() as i64);
+        self.metrics
+            .backends
+            .set(t.frontends.values().map(|s| s.backends.len() as i64).sum());
+    }
+}
+
+/// A dataplane that only logs what it would program and keeps the table (until the real
+/// dataplanes land, and for `--dataplane log`).
+#[derive(Debug, Default)]
+pub struct LogDataplane {
+    table: mcs_model::ForwardingTable,
+}
+
+impl LogDataplane {
+    /// What it holds.
+    pub fn table(&self) -> &mcs_model::ForwardingTable {
+        &self.table
+    }
+}
+
+impl Dataplane for LogDataplane {
+    fn name(&self) -> &'static str {
+        "log"
+    }
+
+    fn apply(&mut self, diff: &TableDiff) -> Result<(), DataplaneError> {
+        for f in &diff.remove {
+            tracing::info!(frontend = %f, "remove frontend");
+        }
+        for (f, s) in &diff.upsert {
+            let selected: Vec<String> = s
+                .selected()
+                .map(|b| format!("{}:{}@{}", b.address, b.port, b.cluster))
+                .collect();
+            tracing::info!(frontend = %f, service = %s.service, backends = ?selected, "program frontend");
+        }
+        self.table.apply(diff);
+        Ok(())
+    }
+}

@@ -1,0 +1,58 @@
+//! Sources of MCS objects. Each runs as a task that sends [`SourceEvent`]s; the controller
+//! does not care where they come from.
+//!
+//! - [`kube`]: watchers on a real API server.
+//! - [`file`]: a directory of the same YAML objects, re-read when it changes.
+
+pub mod file;
+pub mod kube;
+
+use mcs_model::{
+    input::{ImportInput, SliceInput},
+    validate::Rejection,
+};
+
+/// A change seen by a source.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SourceEvent {
+    /// A ServiceImport was added or changed.
+    Import(ImportInput),
+    /// A ServiceImport is gone: (namespace, name).
+    DeleteImport(String, String),
+    /// An EndpointSlice was added or changed.
+    Slice(SliceInput),
+    /// An EndpointSlice is gone: (namespace, name).
+    DeleteSlice(String, String),
+    /// This cluster's id (from the `cluster.clusterset.k8s.io` ClusterProperty).
+    ClusterId(String),
+    /// Something the source could not read at all (unparsable document, unknown kind); keyed
+    /// by `object` so that a later fix clears it.
+    Unreadable(Rejection),
+    /// An unreadable object is readable again or gone.
+    Readable(String),
+    /// The source has delivered everything that existed when it started (first full sync).
+    Synced,
+}
+
+/// Which source to use, parsed from `--source kube|file:DIR`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SourceSpec {
+    /// The API server of the kubeconfig / in-cluster config.
+    Kube,
+    /// A directory of YAML files.
+    File(std::path::PathBuf),
+}
+
+impl std::str::FromStr for SourceSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "kube" => Ok(SourceSpec::Kube),
+            _ => match s.strip_prefix("file:") {
+                Some(dir) if !dir.is_empty() => Ok(SourceSpec::File(dir.into())),
+                _ => Err(format!("unknown source {s:?}: use `kube` or `file:DIR`")),
+            },
+        }
+    }
+}
