@@ -7,7 +7,6 @@
 //! No polling and no `unsafe` pre-exec hook.
 
 use std::{
-    fs::File,
     path::{Path, PathBuf},
     process::{Child, ChildStdin, Command, Stdio},
 };
@@ -47,7 +46,12 @@ impl Supervised {
         log: &Path,
         cleanup: Option<&Path>,
     ) -> std::io::Result<Self> {
-        File::create(log)?;
+        // Append (a restarted server keeps one log); forget the previous process's pid.
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)?;
+        let _ = std::fs::remove_file(log.with_extension("log.pid"));
         let mut supervisor = Command::new("sh")
             .arg("-c")
             .arg(SUPERVISOR)

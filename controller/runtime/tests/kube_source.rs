@@ -1,0 +1,450 @@
+//! The kube source against a real kube-apiserver: ServiceImports and MCS EndpointSlices of two
+//! clusters drive the controller; restarts of the apiserver neither lose nor reprogram state;
+//! the agent works under exactly the ClusterRole of deploy/rbac.yaml, and nothing more is
+//! granted.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{fe, start};
+use k8s_openapi::api::{
+    authorization::v1::{ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec},
+    core::v1::Secret,
+    discovery::v1::EndpointSlice,
+    rbac::v1::{ClusterRole, ClusterRoleBinding},
+};
+use kube::{
+    Api, Client,
+    api::{DeleteParams, Patch, PatchParams, PostParams},
+};
+use mcs_api::ServiceImport;
+use mcs_model::{NodeConfig, Protocol};
+use mcs_test_support::apiserver::{self, ApiServer, User};
+use tokio::sync::mpsc;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn import(ns: &str, name: &str, vip: &str) -> ServiceImport {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "multicluster.x-k8s.io/v1beta1",
+        "kind": "ServiceImport",
+        "metadata": { "name": name, "namespace": ns },
+        "spec": { "type": "ClusterSetIP", "ips": [vip], "ports": [{ "name": "http", "protocol": "TCP", "port": 80 }] }
+    }))
+    .unwrap()
+}
+
+fn slice(ns: &str, svc: &str, cluster: &str, addrs: &[(&str, bool)]) -> EndpointSlice {
+    let eps: Vec<serde_json::Value> = addrs
+        .iter()
+        .map(|(a, ready)| serde_json::json!({ "addresses": [a], "conditions": { "ready": ready } }))
+        .collect();
+    serde_json::from_value(serde_json::json!({
+        "metadata": {
+            "name": format!("{svc}-{cluster}"),
+            "namespace": ns,
+            "labels": {
+                "multicluster.kubernetes.io/service-name": svc,
+                "multicluster.kubernetes.io/source-cluster": cluster,
+                "endpointslice.kubernetes.io/managed-by": "mcs-controller.example.com"
+            }
+        },
+        "addressType": "IPv4",
+        "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
+        "endpoints": eps
+    }))
+    .unwrap()
+}
+
+fn run_kube_source(client: Client, cluster_id: Option<&str>) -> common::Running {
+    let (tx, rx) = mpsc::channel(1024);
+    let node = NodeConfig {
+        cluster_id: cluster_id.unwrap_or_default().into(),
+        zone: None,
+    };
+    tokio::spawn(mcs_controller::source::kube::run(
+        client,
+        tx,
+        cluster_id.is_none(),
+    ));
+    start(node, cluster_id.is_some(), rx)
+}
+
+#[tokio::test]
+async fn diffs_follow_imports_and_slices_of_two_clusters() {
+    let Some(api) = apiserver::shared() else {
+        return;
+    };
+    let ns = api.fresh_namespace("two-clusters").await;
+    let client = api.client().await;
+    let run = run_kube_source(client.clone(), Some("c1"));
+    let dp = run.dataplane.clone();
+    let f = fe("198.18.50.10", 80, Protocol::Tcp);
+
+    let imports: Api<ServiceImport> = Api::namespaced(client.clone(), &ns);
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &ns);
+    imports
+        .create(&PostParams::default(), &import(&ns, "web", "198.18.50.10"))
+        .await
+        .unwrap();
+    dp.wait_for("frontend without backends", WAIT, |s| {
+        s.table.frontends.contains_key(&f)
+    })
+    .await;
+    assert!(run.health.is_ready());
+
+    slices
+        .create(
+            &PostParams::default(),
+            &slice(&ns, "web", "c1", &[("198.18.51.2", true)]),
+        )
+        .await
+        .unwrap();
+    slices
+        .create(
+            &PostParams::default(),
+            &slice(&ns, "web", "c2", &[("198.18.52.2", true)]),
+        )
+        .await
+        .unwrap();
+    dp.wait_for("c1 selected, c2 known", WAIT, |s| {
+        common::selected_in(s, &f) == ["198.18.51.2:8080@c1"]
+            && s.table.frontends[&f].backends.len() == 2
+    })
+    .await;
+
+    // Local endpoint not ready → remote cluster.
+    slices
+        .replace("web-c1", &PostParams::default(), &{
+            let mut s = slice(&ns, "web", "c1", &[("198.18.51.2", false)]);
+            s.metadata.resource_version = slices
+                .get("web-c1")
+                .await
+                .unwrap()
+                .metadata
+                .resource_version;
+            s
+        })
+        .await
+        .unwrap();
+    dp.wait_for("failover to c2", WAIT, |s| {
+        common::selected_in(s, &f) == ["198.18.52.2:8080@c2"]
+    })
+    .await;
+
+    // Slice of c2 deleted → no usable backend; import deleted → frontend removed.
+    slices
+        .delete("web-c2", &DeleteParams::default())
+        .await
+        .unwrap();
+    dp.wait_for("no selected backend", WAIT, |s| {
+        common::selected_in(s, &f).is_empty()
+    })
+    .await;
+    imports
+        .delete("web", &DeleteParams::default())
+        .await
+        .unwrap();
+    dp.wait_for("frontend removed", WAIT, |s| {
+        !s.table.frontends.contains_key(&f)
+    })
+    .await;
+    let _ = run.stop.send(true);
+}
+
+#[tokio::test]
+async fn cluster_id_comes_from_the_cluster_property() {
+    let Some(api) = apiserver::shared() else {
+        return;
+    };
+    let ns = api.fresh_namespace("cluster-id").await;
+    let client = api.client().await;
+    let props: Api<mcs_api::ClusterProperty> = Api::all(client.clone());
+    let cp = mcs_api::ClusterProperty::new(
+        mcs_api::CLUSTER_ID_PROPERTY,
+        mcs_api::ClusterPropertySpec { value: "c2".into() },
+    );
+    props
+        .patch(
+            mcs_api::CLUSTER_ID_PROPERTY,
+            &PatchParams::apply("test").force(),
+            &Patch::Apply(&cp),
+        )
+        .await
+        .unwrap();
+    let run = run_kube_source(client.clone(), None);
+    let f = fe("198.18.53.10", 80, Protocol::Tcp);
+    Api::<ServiceImport>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &import(&ns, "web", "198.18.53.10"))
+        .await
+        .unwrap();
+    let slices: Api<EndpointSlice> = Api::namespaced(client, &ns);
+    slices
+        .create(
+            &PostParams::default(),
+            &slice(&ns, "web", "c1", &[("198.18.54.2", true)]),
+        )
+        .await
+        .unwrap();
+    slices
+        .create(
+            &PostParams::default(),
+            &slice(&ns, "web", "c2", &[("198.18.55.2", true)]),
+        )
+        .await
+        .unwrap();
+    // This node is in c2 (from the ClusterProperty): c2's endpoint is the local one.
+    run.dataplane
+        .wait_for("c2 is local", WAIT, |s| {
+            common::selected_in(s, &f) == ["198.18.55.2:8080@c2"]
+        })
+        .await;
+    let _ = run.stop.send(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apiserver_restart_loses_nothing_and_reprograms_nothing() {
+    if !mcs_test_support::require(apiserver::prerequisites()) {
+        return;
+    }
+    // A dedicated apiserver: restarting the shared one would disturb the other tests.
+    let mut api = ApiServer::start().expect("start apiserver");
+    let ns = api.fresh_namespace("restart").await;
+    let client = api.client().await;
+    let run = run_kube_source(client.clone(), Some("c1"));
+    let dp = run.dataplane.clone();
+    let steady = fe("198.18.56.10", 80, Protocol::Tcp);
+    Api::<ServiceImport>::namespaced(client.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &import(&ns, "steady", "198.18.56.10"),
+        )
+        .await
+        .unwrap();
+    Api::<EndpointSlice>::namespaced(client.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &slice(&ns, "steady", "c1", &[("198.18.57.2", true)]),
+        )
+        .await
+        .unwrap();
+    dp.wait_for("steady programmed", WAIT, |s| {
+        common::selected_in(s, &steady) == ["198.18.57.2:8080@c1"]
+    })
+    .await;
+    let before = dp.upserts_of(&steady);
+
+    // Restart the apiserver (etcd keeps the data); the watches break and re-list.
+    tokio::task::block_in_place(|| api.restart()).expect("restart apiserver");
+
+    // A change made after the restart arrives: the watches recovered.
+    let client = api.client().await;
+    let after = fe("198.18.58.10", 80, Protocol::Tcp);
+    Api::<ServiceImport>::namespaced(client.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &import(&ns, "after", "198.18.58.10"),
+        )
+        .await
+        .unwrap();
+    dp.wait_for("change after restart", WAIT, |s| {
+        s.table.frontends.contains_key(&after)
+    })
+    .await;
+    assert_eq!(dp.selected(&steady), ["198.18.57.2:8080@c1"], "state kept");
+    assert_eq!(
+        dp.upserts_of(&steady),
+        before,
+        "unchanged frontend reprogrammed after re-list"
+    );
+    let _ = run.stop.send(true);
+}
+
+/// Applies deploy/rbac.yaml (ServiceAccount, ClusterRole, ClusterRoleBinding) as admin.
+async fn apply_rbac(admin: Client) {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/rbac.yaml"
+    ))
+    .unwrap();
+    let pp = PatchParams::apply("mcs-test").force();
+    let ns: k8s_openapi::api::core::v1::Namespace =
+        serde_json::from_value(serde_json::json!({ "metadata": { "name": "mcs-system" } }))
+            .unwrap();
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(admin.clone())
+        .patch("mcs-system", &pp, &Patch::Apply(&ns))
+        .await
+        .unwrap();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let v: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
+        match v["kind"].as_str().unwrap() {
+            "ClusterRole" => {
+                let r: ClusterRole = serde_json::from_value(v).unwrap();
+                let name = r.metadata.name.clone().unwrap();
+                Api::<ClusterRole>::all(admin.clone())
+                    .patch(&name, &pp, &Patch::Apply(&r))
+                    .await
+                    .unwrap();
+            }
+            "ClusterRoleBinding" => {
+                let r: ClusterRoleBinding = serde_json::from_value(v).unwrap();
+                let name = r.metadata.name.clone().unwrap();
+                Api::<ClusterRoleBinding>::all(admin.clone())
+                    .patch(&name, &pp, &Patch::Apply(&r))
+                    .await
+                    .unwrap();
+            }
+            "ServiceAccount" => {
+                let r: k8s_openapi::api::core::v1::ServiceAccount =
+                    serde_json::from_value(v).unwrap();
+                let name = r.metadata.name.clone().unwrap();
+                Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(
+                    admin.clone(),
+                    "mcs-system",
+                )
+                .patch(&name, &pp, &Patch::Apply(&r))
+                .await
+                .unwrap();
+            }
+            other => panic!("unexpected kind {other} in deploy/rbac.yaml"),
+        }
+    }
+}
+
+async fn allowed(
+    client: &Client,
+    ns: Option<&str>,
+    group: &str,
+    resource: &str,
+    verb: &str,
+) -> bool {
+    let review = SelfSubjectAccessReview {
+        spec: SelfSubjectAccessReviewSpec {
+            resource_attributes: Some(ResourceAttributes {
+                group: Some(group.into()),
+                resource: Some(resource.into()),
+                verb: Some(verb.into()),
+                namespace: ns.map(Into::into),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let out = Api::<SelfSubjectAccessReview>::all(client.clone())
+        .create(&PostParams::default(), &review)
+        .await
+        .unwrap();
+    out.status.unwrap().allowed
+}
+
+#[tokio::test]
+async fn agent_works_under_exactly_the_deployed_cluster_role() {
+    let Some(api) = apiserver::shared() else {
+        return;
+    };
+    let admin = api.client().await;
+    let agent = api.client_as(User::Agent).await;
+    let ns = api.fresh_namespace("rbac").await;
+    apply_rbac(admin.clone()).await;
+
+    // What the role grants.
+    for (group, resource) in [
+        ("multicluster.x-k8s.io", "serviceimports"),
+        ("discovery.k8s.io", "endpointslices"),
+        ("about.k8s.io", "clusterproperties"),
+    ] {
+        for verb in ["get", "list", "watch"] {
+            assert!(
+                allowed(&agent, None, group, resource, verb).await,
+                "{verb} {resource}"
+            );
+        }
+        for verb in ["create", "update", "patch", "delete"] {
+            assert!(
+                !allowed(&agent, Some(&ns), group, resource, verb).await,
+                "{verb} {resource} must be denied"
+            );
+        }
+    }
+    assert!(allowed(&agent, Some(&ns), "events.k8s.io", "events", "create").await);
+    assert!(allowed(&agent, Some(&ns), "events.k8s.io", "events", "patch").await);
+    // Nothing more.
+    for (group, resource, verb) in [
+        ("", "secrets", "get"),
+        ("", "secrets", "list"),
+        ("", "services", "list"),
+        ("", "pods", "list"),
+        ("", "configmaps", "get"),
+        ("", "nodes", "list"),
+        ("events.k8s.io", "events", "delete"),
+        ("events.k8s.io", "events", "list"),
+        ("multicluster.x-k8s.io", "serviceexports", "list"),
+        ("rbac.authorization.k8s.io", "clusterroles", "get"),
+    ] {
+        assert!(
+            !allowed(&agent, Some(&ns), group, resource, verb).await,
+            "{verb} {group}/{resource} must be denied"
+        );
+    }
+    let denied = Api::<Secret>::namespaced(agent.clone(), &ns)
+        .list(&Default::default())
+        .await;
+    assert!(
+        matches!(denied, Err(kube::Error::Api(ref e)) if e.code == 403),
+        "{denied:?}"
+    );
+
+    // The controller works under that identity: objects written by the admin are programmed.
+    let run = run_kube_source(agent.clone(), Some("c1"));
+    let f = fe("198.18.59.10", 80, Protocol::Tcp);
+    Api::<ServiceImport>::namespaced(admin.clone(), &ns)
+        .create(&PostParams::default(), &import(&ns, "web", "198.18.59.10"))
+        .await
+        .unwrap();
+    Api::<EndpointSlice>::namespaced(admin.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &slice(&ns, "web", "c1", &[("198.18.60.2", true)]),
+        )
+        .await
+        .unwrap();
+    run.dataplane
+        .wait_for("programmed as the agent", WAIT, |s| {
+            common::selected_in(s, &f) == ["198.18.60.2:8080@c1"]
+        })
+        .await;
+    let _ = run.stop.send(true);
+
+    // And a rejected object gets a Kubernetes Event, written as the agent.
+    let mut sink = mcs_controller::events::EventSink::new(agent, "node-a");
+    let bad = mcs_model::Rejection {
+        object: format!("EndpointSlice {ns}/web-c1"),
+        reason: mcs_model::Reason::HostileEndpoint,
+        message: "address 127.0.0.1 is loopback".into(),
+    };
+    sink.publish(&[bad]);
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(admin, &ns);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let list = events.list(&Default::default()).await.unwrap();
+        if let Some(e) = list
+            .items
+            .iter()
+            .find(|e| e.reason.as_deref() == Some("Rejected"))
+        {
+            assert_eq!(
+                e.regarding.as_ref().unwrap().name.as_deref(),
+                Some("web-c1")
+            );
+            assert!(e.note.as_deref().unwrap().contains("hostile_endpoint"));
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no Event was recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
