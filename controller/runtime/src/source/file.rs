@@ -309,3 +309,21 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 1_000, ..ProptestConfig::default() })]
+
+        /// Any file content parses into objects or `Unreadable` entries, never a panic.
+        #[test]
+        fn arbitrary_file_content_never_panics(text in prop_oneof![
+            any::<String>(),
+            "(apiVersion: (multicluster.x-k8s.io/v1beta1|discovery.k8s.io/v1|about.k8s.io/v1beta1)\nkind: (ServiceImport|EndpointSlice|ClusterProperty|List)\n(spec|metadata|items|endpoints|ports): [\\[\\]{}a-z0-9:, \"-]{0,40}\n(---\n)?){1,4}",
+        ]) {
+            let _ = super::parse_file(std::path::Path::new("fuzz.yaml"), &text);
+        }
+    }
+}

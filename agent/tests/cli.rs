@@ -1,0 +1,264 @@
+//! The `mcs-agent` binary as a user runs it: `table` prints the documented JSON shape for the
+//! example ClusterSet, `run` serves health and metrics and stops cleanly on SIGTERM, and the
+//! commands that are not there yet say so.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::TcpStream,
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+fn agent() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
+}
+
+fn examples() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/two-clusters")
+}
+
+#[test]
+fn table_json_has_the_documented_shape_and_order() {
+    let out = agent()
+        .args([
+            "table",
+            "--format",
+            "json",
+            "--cluster-id",
+            "c1",
+            "--source",
+        ])
+        .arg(format!("file:{}", examples().display()))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Key order as documented (serde_json::Value sorts keys, so check the raw text).
+    let raw = String::from_utf8_lossy(&out.stdout);
+    let order = |keys: &[&str], from: usize| {
+        let mut at = from;
+        for k in keys {
+            let i = raw[at..]
+                .find(&format!("\"{k}\":"))
+                .unwrap_or_else(|| panic!("{k} after {at}"));
+            at += i;
+        }
+    };
+    order(
+        &[
+            "frontends",
+            "vip",
+            "port",
+            "protocol",
+            "service",
+            "affinity",
+            "backends",
+        ],
+        0,
+    );
+    let first_backend = raw.find("\"backends\"").unwrap();
+    order(
+        &[
+            "address",
+            "port",
+            "cluster",
+            "zone",
+            "ready",
+            "serving",
+            "terminating",
+            "selected",
+        ],
+        first_backend,
+    );
+    assert!(raw.trim_end().ends_with("\"rejected\": []\n}") || raw.contains("\"rejected\": []"));
+    let fronts = v["frontends"].as_array().unwrap();
+    let ids: Vec<String> = fronts
+        .iter()
+        .map(|f| {
+            format!(
+                "{} {} {}",
+                f["vip"].as_str().unwrap(),
+                f["port"],
+                f["protocol"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            "198.18.100.10 80 TCP",
+            "198.18.100.11 9090 TCP",
+            "198.18.100.12 53 UDP",
+            "2001:2::100:10 80 TCP"
+        ]
+    );
+    let web = &fronts[0];
+    assert_eq!(web["service"], "shop/web");
+    assert_eq!(web["affinity"], serde_json::Value::Null);
+    let picked: Vec<(String, bool)> = web["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            (
+                format!(
+                    "{}@{}",
+                    b["address"].as_str().unwrap(),
+                    b["cluster"].as_str().unwrap()
+                ),
+                b["selected"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        picked,
+        [
+            ("198.18.1.2@c1".to_string(), true),
+            ("198.18.1.3@c1".to_string(), true),
+            ("198.18.2.2@c2".to_string(), false),
+            ("198.18.2.3@c2".to_string(), false),
+        ]
+    );
+    assert_eq!(
+        fronts[1]["affinity"],
+        serde_json::json!({ "clientIP": true, "timeoutSeconds": 600 })
+    );
+    assert_eq!(v["rejected"], serde_json::json!([]));
+}
+
+#[test]
+fn table_reports_rejections_and_keeps_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["imports.yaml", "slices-c1.yaml"] {
+        std::fs::copy(examples().join(f), dir.path().join(f)).unwrap();
+    }
+    std::fs::write(
+        dir.path().join("bad.yaml"),
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: evil\n  namespace: shop\n  labels:\n    multicluster.kubernetes.io/service-name: web\n    multicluster.kubernetes.io/source-cluster: c9\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: [169.254.169.254]}]\n",
+    )
+    .unwrap();
+    let out = agent()
+        .args([
+            "table",
+            "--format",
+            "json",
+            "--cluster-id",
+            "c1",
+            "--source",
+        ])
+        .arg(format!("file:{}", dir.path().display()))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["frontends"].as_array().unwrap().len(), 4);
+    let rej = v["rejected"].as_array().unwrap();
+    assert_eq!(rej.len(), 1, "{rej:?}");
+    assert_eq!(rej[0]["object"], "EndpointSlice shop/evil");
+    assert!(
+        rej[0]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("hostile_endpoint")
+    );
+}
+
+#[test]
+fn missing_source_directory_is_a_clear_error() {
+    let out = agent()
+        .args(["table", "--source", "file:/nonexistent/mcs"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("/nonexistent/mcs") && err.contains("does not exist"),
+        "{err}"
+    );
+    let out = agent()
+        .args(["table", "--source", "etcd"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("use `kube` or `file:DIR`"));
+}
+
+fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\n\r\n").as_bytes())
+        .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some((out.split_whitespace().nth(1)?.parse().ok()?, out))
+}
+
+#[test]
+fn run_serves_readyz_and_metrics_and_stops_on_sigterm() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = agent()
+        .args([
+            "run",
+            "--cluster-id",
+            "c1",
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+            "--source",
+        ])
+        .arg(format!("file:{}", examples().display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some((200, _)) = http_get(port, "/readyz") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "agent never became ready");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (code, body) = http_get(port, "/metrics").unwrap();
+    assert_eq!(code, 200);
+    assert!(body.contains("mcs_frontends 4"), "{body}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "exit after SIGTERM: {status}");
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    assert!(log.contains("first full table programmed"), "{log}");
+    assert!(log.contains("shutting down"), "{log}");
+}
+
+#[test]
+fn demo_says_what_it_will_do_and_that_it_is_not_there_yet() {
+    let out = agent().arg("demo").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("failover"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not implemented yet"));
+}
+
+#[test]
+fn help_lists_the_subcommands() {
+    let out = agent().arg("--help").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    for cmd in ["run", "table", "status", "demo"] {
+        assert!(text.contains(cmd), "{text}");
+    }
+}
