@@ -3,53 +3,73 @@
 //! # Layout
 //!
 //! - `benches/`: criterion micro-benchmarks of the hot paths (`cargo bench -p mcs-bench`).
-//! - [`fixtures`]: synthetic forwarding tables of a given size, shared by the benches.
+//! - [`fixtures`]: synthetic ClusterSets of a given size, shared by the benches.
 //! - The side-by-side harness `mcs-bench` (issue 6) will live here too.
 #![forbid(unsafe_code)]
 
-/// Synthetic tables.
+/// Synthetic inputs.
 pub mod fixtures {
-    use std::net::{IpAddr, Ipv4Addr};
+    use std::{collections::BTreeMap, net::Ipv4Addr};
 
-    use mcs_model::{Backend, ForwardingTable, Frontend, Protocol, Service};
+    use mcs_model::{
+        input::{EndpointInput, ImportInput, ImportPortInput, SliceInput, SlicePortInput},
+        validate::{LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER},
+    };
 
-    /// A table of `services` frontends with `clusters × endpoints` backends each, addresses in
-    /// 198.18.0.0/15.
-    pub fn table(services: u32, clusters: u32, endpoints: u32) -> ForwardingTable {
-        let mut t = ForwardingTable::default();
+    /// `services` ServiceImports, each with one slice per cluster of `endpoints` endpoints;
+    /// addresses in 198.18.0.0/15.
+    pub fn clusterset(services: u32, clusters: u32, endpoints: u32) -> (Vec<ImportInput>, Vec<SliceInput>) {
+        let base_vip = u32::from(Ipv4Addr::new(198, 18, 0, 0));
+        let base_ep = u32::from(Ipv4Addr::new(198, 19, 0, 0));
+        let mut imports = Vec::new();
+        let mut slices = Vec::new();
         for s in 0..services {
-            let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 18, 0, 0)) + s);
-            let f = Frontend {
-                vip: IpAddr::V4(vip),
-                port: 80,
-                protocol: Protocol::Tcp,
-            };
-            let mut backends = Vec::new();
+            imports.push(ImportInput {
+                namespace: format!("ns{}", s % 100),
+                name: format!("svc{s}"),
+                created: Some("2026-11-01T00:00:00Z".into()),
+                type_: "ClusterSetIP".into(),
+                ips: vec![Ipv4Addr::from(base_vip + s).to_string()],
+                ports: vec![ImportPortInput { name: Some("http".into()), protocol: Some("TCP".into()), port: 80 }],
+                ..Default::default()
+            });
             for c in 0..clusters {
-                for e in 0..endpoints {
-                    let a =
-                        u32::from(Ipv4Addr::new(198, 19, 0, 0)) + (s * 64 + c * 16 + e) % 65_536;
-                    backends.push(Backend {
-                        address: IpAddr::V4(Ipv4Addr::from(a)),
-                        port: 8080,
-                        cluster: format!("c{c}"),
-                        zone: None,
-                        ready: true,
-                        serving: true,
-                        terminating: false,
-                        selected: c == 0,
-                    });
-                }
+                slices.push(slice(s, c, endpoints, base_ep, None));
             }
-            t.frontends.insert(
-                f,
-                Service {
-                    service: format!("ns/svc{s}"),
-                    affinity: None,
-                    backends,
-                },
-            );
         }
-        t
+        (imports, slices)
     }
+
+    /// The slice of service `s` in cluster `c`; endpoint `not_ready` (if any) is not ready.
+    pub fn slice(s: u32, c: u32, endpoints: u32, base_ep: u32, not_ready: Option<u32>) -> SliceInput {
+        SliceInput {
+            namespace: format!("ns{}", s % 100),
+            name: format!("svc{s}-c{c}"),
+            labels: BTreeMap::from([
+                (LABEL_SERVICE_NAME.to_string(), format!("svc{s}")),
+                (LABEL_SOURCE_CLUSTER.to_string(), format!("c{c}")),
+            ]),
+            address_type: "IPv4".into(),
+            ports: vec![SlicePortInput { name: Some("http".into()), protocol: Some("TCP".into()), port: Some(8080) }],
+            endpoints: (0..endpoints)
+                .map(|e| EndpointInput {
+                    addresses: vec![Ipv4Addr::from(base_ep + (s * 64 + c * 16 + e) % 131_072).to_string()],
+                    ready: Some(not_ready != Some(e)),
+                    ..Default::default()
+                })
+                .collect(),
+        }
+    }
+
+    /// Base of endpoint addresses used by [`clusterset`].
+    pub fn endpoint_base() -> u32 {
+        u32::from(Ipv4Addr::new(198, 19, 0, 0))
+    }
+}
+
+/// Resident memory of this process in bytes (Linux `/proc/self/statm`), for memory reports.
+pub fn rss_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
 }

@@ -24,6 +24,10 @@ pub struct NodeConfig {
 }
 
 type SliceKey = (String, String);
+/// An import as given, validated, and what validation said.
+type ImportEntry = (ImportInput, Option<ValidImport>, Vec<Rejection>);
+/// A slice's service, its validated form, and what validation said.
+type SliceEntry = (Option<ServiceRef>, Option<ValidSlice>, Vec<Rejection>);
 
 /// What one service contributes: its frontends with their candidates, and the problems found
 /// while matching its slices to its ports.
@@ -39,8 +43,8 @@ struct Derived {
 pub struct Index {
     node: NodeConfig,
     stale: BTreeSet<String>,
-    imports: HashMap<ServiceRef, (ImportInput, Option<ValidImport>, Vec<Rejection>)>,
-    slices: HashMap<SliceKey, (Option<ServiceRef>, Option<ValidSlice>, Vec<Rejection>)>,
+    imports: HashMap<ServiceRef, ImportEntry>,
+    slices: HashMap<SliceKey, SliceEntry>,
     slices_by_service: HashMap<ServiceRef, BTreeSet<SliceKey>>,
     derived: HashMap<ServiceRef, Derived>,
     claims: HashMap<Frontend, BTreeSet<(String, ServiceRef)>>,
@@ -101,13 +105,12 @@ impl Index {
         let mut rejections = Vec::new();
         let valid = validate::slice(&input, &mut rejections);
         let service = validate::slice_service(&input);
-        if let Some((Some(old_service), old_valid, old_rej)) = self.slices.get(&key) {
-            if Some(old_service) == service.as_ref()
-                && old_valid == &valid
-                && old_rej == &rejections
-            {
-                return;
-            }
+        if let Some((Some(old_service), old_valid, old_rej)) = self.slices.get(&key)
+            && Some(old_service) == service.as_ref()
+            && old_valid == &valid
+            && old_rej == &rejections
+        {
+            return;
         }
         self.remove_slice_entry(&key);
         if let Some(svc) = &service {

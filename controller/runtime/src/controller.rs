@@ -246,10 +246,10 @@ impl<D: Dataplane> Controller<D> {
                 })
                 .set(n);
         }
-        if let Some(events) = self.events.as_mut() {
-            if !new.is_empty() {
-                events.publish(&new);
-            }
+        if let Some(events) = self.events.as_mut()
+            && !new.is_empty()
+        {
+            events.publish(&new);
         }
         self.rejected = now;
     }
