@@ -14,10 +14,16 @@ const CLUSTERS: u32 = 3;
 const ENDPOINTS: u32 = 10;
 
 fn node() -> NodeConfig {
-    NodeConfig { cluster_id: "c0".into(), zone: None }
+    NodeConfig {
+        cluster_id: "c0".into(),
+        zone: None,
+    }
 }
 
-fn build(imports: &[mcs_model::input::ImportInput], slices: &[mcs_model::input::SliceInput]) -> Index {
+fn build(
+    imports: &[mcs_model::input::ImportInput],
+    slices: &[mcs_model::input::SliceInput],
+) -> Index {
     let mut idx = Index::new(node());
     for i in imports {
         idx.upsert_import(i.clone());
@@ -42,7 +48,9 @@ fn bench(c: &mut Criterion) {
 
     let mut g = c.benchmark_group("index");
     g.sample_size(10);
-    g.bench_function("full_compute_10k_x3x10", |b| b.iter(|| build(&imports, &slices)));
+    g.bench_function("full_compute_10k_x3x10", |b| {
+        b.iter(|| build(&imports, &slices))
+    });
     let base = fixtures::endpoint_base();
     let mut flip = 0u32;
     g.sample_size(100);
@@ -51,7 +59,11 @@ fn bench(c: &mut Criterion) {
             flip += 1;
             let svc = flip % SERVICES;
             // Alternate per round over all services, so every upsert is a real change.
-            let not_ready = if (flip / SERVICES).is_multiple_of(2) { Some(3) } else { None };
+            let not_ready = if (flip / SERVICES).is_multiple_of(2) {
+                Some(3)
+            } else {
+                None
+            };
             idx.upsert_slice(fixtures::slice(svc, 0, ENDPOINTS, base, not_ready));
             let d = idx.flush();
             std::hint::black_box(d)

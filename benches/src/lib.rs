@@ -18,7 +18,11 @@ pub mod fixtures {
 
     /// `services` ServiceImports, each with one slice per cluster of `endpoints` endpoints;
     /// addresses in 198.18.0.0/15.
-    pub fn clusterset(services: u32, clusters: u32, endpoints: u32) -> (Vec<ImportInput>, Vec<SliceInput>) {
+    pub fn clusterset(
+        services: u32,
+        clusters: u32,
+        endpoints: u32,
+    ) -> (Vec<ImportInput>, Vec<SliceInput>) {
         let base_vip = u32::from(Ipv4Addr::new(198, 18, 0, 0));
         let base_ep = u32::from(Ipv4Addr::new(198, 19, 0, 0));
         let mut imports = Vec::new();
@@ -30,7 +34,11 @@ pub mod fixtures {
                 created: Some("2026-11-01T00:00:00Z".into()),
                 type_: "ClusterSetIP".into(),
                 ips: vec![Ipv4Addr::from(base_vip + s).to_string()],
-                ports: vec![ImportPortInput { name: Some("http".into()), protocol: Some("TCP".into()), port: 80 }],
+                ports: vec![ImportPortInput {
+                    name: Some("http".into()),
+                    protocol: Some("TCP".into()),
+                    port: 80,
+                }],
                 ..Default::default()
             });
             for c in 0..clusters {
@@ -41,7 +49,13 @@ pub mod fixtures {
     }
 
     /// The slice of service `s` in cluster `c`; endpoint `not_ready` (if any) is not ready.
-    pub fn slice(s: u32, c: u32, endpoints: u32, base_ep: u32, not_ready: Option<u32>) -> SliceInput {
+    pub fn slice(
+        s: u32,
+        c: u32,
+        endpoints: u32,
+        base_ep: u32,
+        not_ready: Option<u32>,
+    ) -> SliceInput {
         SliceInput {
             namespace: format!("ns{}", s % 100),
             name: format!("svc{s}-c{c}"),
@@ -50,10 +64,16 @@ pub mod fixtures {
                 (LABEL_SOURCE_CLUSTER.to_string(), format!("c{c}")),
             ]),
             address_type: "IPv4".into(),
-            ports: vec![SlicePortInput { name: Some("http".into()), protocol: Some("TCP".into()), port: Some(8080) }],
+            ports: vec![SlicePortInput {
+                name: Some("http".into()),
+                protocol: Some("TCP".into()),
+                port: Some(8080),
+            }],
             endpoints: (0..endpoints)
                 .map(|e| EndpointInput {
-                    addresses: vec![Ipv4Addr::from(base_ep + (s * 64 + c * 16 + e) % 131_072).to_string()],
+                    addresses: vec![
+                        Ipv4Addr::from(base_ep + (s * 64 + c * 16 + e) % 131_072).to_string(),
+                    ],
                     ready: Some(not_ready != Some(e)),
                     ..Default::default()
                 })
