@@ -67,6 +67,43 @@ pub struct RunArgs {
     /// How often `file:DIR` is re-read, in milliseconds.
     #[arg(long, default_value_t = 500)]
     pub file_poll_ms: u64,
+    #[command(flatten)]
+    pub proxy: ProxyArgs,
+}
+
+/// Options of the userspace forwarder.
+#[derive(Debug, Args)]
+pub struct ProxyArgs {
+    /// Port the forwarder listens on (TCP and UDP, all addresses, IP_TRANSPARENT).
+    #[arg(long, default_value_t = 15001)]
+    pub proxy_port: u16,
+    /// nftables table (family inet) the agent owns.
+    #[arg(long, default_value = "mcs_dataplane")]
+    pub nft_table: String,
+    /// Firewall mark and routing table of intercepted packets.
+    #[arg(long, default_value_t = 0x4d43)]
+    pub fwmark: u32,
+    /// Most open TCP connections; more are refused with a reset.
+    #[arg(long, default_value_t = 65_536)]
+    pub max_connections: usize,
+    /// Timeout of one backend connect attempt, in milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    pub connect_timeout_ms: u64,
+    /// Backends tried per connection (first pick plus retries).
+    #[arg(long, default_value_t = 3)]
+    pub connect_attempts: usize,
+    /// A connection to a removed backend (or open at shutdown) lives at most this long.
+    #[arg(long, default_value_t = 30)]
+    pub drain_timeout_s: u64,
+    /// Close TCP connections idle this long.
+    #[arg(long, default_value_t = 3600)]
+    pub idle_timeout_s: u64,
+    /// Expire UDP sessions idle this long.
+    #[arg(long, default_value_t = 30)]
+    pub udp_idle_timeout_s: u64,
+    /// Relay with a buffered copy instead of splice(2).
+    #[arg(long)]
+    pub no_splice: bool,
 }
 
 /// Options of `mcs-agent table`.

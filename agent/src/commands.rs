@@ -10,10 +10,13 @@ use mcs_controller::{
     metrics::Metrics,
     source::{SourceSpec, file::FileSource},
 };
-use mcs_model::{Index, NodeConfig, render};
+use mcs_model::{Dataplane, Index, NodeConfig, render};
+use mcs_proxy::userspace::{
+    Userspace, UserspaceConfig, metrics::ProxyMetrics, nft::InterceptConfig,
+};
 use tokio::sync::{mpsc, watch};
 
-use crate::cli::{Cli, Command, DataplaneKind, Format, RunArgs, SourceArgs, TableArgs};
+use crate::cli::{Cli, Command, DataplaneKind, Format, ProxyArgs, RunArgs, SourceArgs, TableArgs};
 
 /// Capacity of the source → controller channel.
 const SOURCE_CHANNEL: usize = 4096;
@@ -142,15 +145,45 @@ async fn table(args: TableArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+fn userspace_config(p: &ProxyArgs) -> UserspaceConfig {
+    UserspaceConfig {
+        intercept: InterceptConfig {
+            table: p.nft_table.clone(),
+            mark: p.fwmark,
+            route_table: p.fwmark,
+            port: p.proxy_port,
+            ..Default::default()
+        },
+        connect_timeout: Duration::from_millis(p.connect_timeout_ms),
+        connect_attempts: p.connect_attempts.max(1),
+        idle_timeout: Duration::from_secs(p.idle_timeout_s),
+        drain_timeout: Duration::from_secs(p.drain_timeout_s),
+        max_connections: p.max_connections.max(1),
+        udp_idle_timeout: Duration::from_secs(p.udp_idle_timeout_s),
+        splice: !p.no_splice,
+        ..Default::default()
+    }
+}
+
 async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
     match args.dataplane {
-        DataplaneKind::Log => {}
+        DataplaneKind::Log | DataplaneKind::Userspace => {}
         DataplaneKind::Ebpf => return not_yet("--dataplane ebpf", 5),
-        DataplaneKind::Userspace => return not_yet("--dataplane userspace", 4),
         DataplaneKind::Auto => return not_yet("--dataplane auto", 5),
     }
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(Metrics::new(&mut registry));
+    let dataplane = match args.dataplane {
+        DataplaneKind::Userspace => {
+            let proxy_metrics = ProxyMetrics::default();
+            proxy_metrics.register(&mut registry);
+            AgentDataplane::Userspace(
+                Userspace::start(userspace_config(&args.proxy), proxy_metrics)
+                    .context("starting the userspace forwarder")?,
+            )
+        }
+        _ => AgentDataplane::Log(LogDataplane::default()),
+    };
     let health = Health::default();
     let addr = http::spawn(args.metrics_addr, Arc::new(registry), health.clone())
         .await
@@ -166,7 +199,7 @@ async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     let controller = Controller::new(
         node_config(&args.source),
-        LogDataplane::default(),
+        dataplane,
         config,
         metrics,
         health,
@@ -178,9 +211,36 @@ async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
         tracing::info!("shutting down");
         let _ = stop_tx.send(true);
     });
-    tracing::info!(source = ?args.source.source, dataplane = "log", "mcs-agent running");
-    controller.run(rx, stop_rx).await;
+    tracing::info!(source = ?args.source.source, dataplane = ?args.dataplane, "mcs-agent running");
+    let controller = controller.run(rx, stop_rx).await;
+    if let AgentDataplane::Userspace(u) = controller.into_dataplane() {
+        u.shutdown().await;
+    }
+    tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// The dataplanes `run` can drive.
+#[derive(Debug)]
+enum AgentDataplane {
+    Log(LogDataplane),
+    Userspace(Userspace),
+}
+
+impl Dataplane for AgentDataplane {
+    fn name(&self) -> &'static str {
+        match self {
+            AgentDataplane::Log(d) => d.name(),
+            AgentDataplane::Userspace(d) => d.name(),
+        }
+    }
+
+    fn apply(&mut self, diff: &mcs_model::TableDiff) -> Result<(), mcs_model::DataplaneError> {
+        match self {
+            AgentDataplane::Log(d) => d.apply(diff),
+            AgentDataplane::Userspace(d) => tokio::task::block_in_place(|| d.apply(diff)),
+        }
+    }
 }
 
 async fn shutdown_signal() {

@@ -91,6 +91,11 @@ impl<D: Dataplane> Controller<D> {
         &self.dataplane
     }
 
+    /// Gives the dataplane back (to shut it down).
+    pub fn into_dataplane(self) -> D {
+        self.dataplane
+    }
+
     /// Runs until the sources close their channel or `shutdown` turns true. Returns the
     /// dataplane so the caller can tear it down.
     pub async fn run(

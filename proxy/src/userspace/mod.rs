@@ -1,0 +1,310 @@
+//! The userspace transparent L4 forwarder: the dataplane for nodes where eBPF is unavailable.
+//!
+//! # Layout
+//!
+//! - [`nft`]: the agent's nftables table (frontend sets, TPROXY) and policy routing.
+//! - [`routes`]: the route table (ArcSwap; readers never lock) built from diffs.
+//! - [`maglev`]: consistent hashing of flows onto backends.
+//! - [`tcp`]: accept, pick, connect with retries, splice relay, idle, drain, cap.
+//! - [`udp`]: per-flow sessions with VIP-sourced replies.
+//! - [`metrics`]: per frontend and backend counters.
+//!
+//! [`Userspace`] ties them together and implements [`mcs_model::Dataplane`]: a diff updates
+//! the routes first and the interception set second when frontends appear, and the other way
+//! round when they go, so an intercepted packet always finds a route.
+
+pub mod maglev;
+pub mod metrics;
+pub mod nft;
+pub mod routes;
+pub mod tcp;
+pub mod udp;
+
+use std::{collections::BTreeSet, net::SocketAddr, sync::Arc, time::Duration};
+
+use mcs_model::{Dataplane, DataplaneError, Protocol, TableDiff};
+use socket2::{Domain, Socket, Type};
+use tokio::sync::{Semaphore, watch};
+
+use self::{
+    metrics::ProxyMetrics,
+    nft::{InterceptConfig, Interception, SetElement},
+    routes::SharedRoutes,
+};
+
+/// Settings of the forwarder.
+#[derive(Clone, Debug)]
+pub struct UserspaceConfig {
+    /// Interception (nftables table, mark, port).
+    pub intercept: InterceptConfig,
+    /// Connect timeout per backend attempt.
+    pub connect_timeout: Duration,
+    /// Backends tried per connection (first pick plus retries).
+    pub connect_attempts: usize,
+    /// Close TCP connections idle this long.
+    pub idle_timeout: Duration,
+    /// A connection to a removed backend, or open at shutdown, lives at most this long.
+    pub drain_timeout: Duration,
+    /// Most open TCP connections; more are refused with a reset.
+    pub max_connections: usize,
+    /// Expire UDP sessions idle this long.
+    pub udp_idle_timeout: Duration,
+    /// Most UDP sessions.
+    pub max_udp_sessions: usize,
+    /// Maglev table size (prime).
+    pub maglev_table_size: usize,
+    /// Zero-copy relay with splice(2) (else a buffered copy).
+    pub splice: bool,
+}
+
+impl Default for UserspaceConfig {
+    fn default() -> Self {
+        Self {
+            intercept: InterceptConfig::default(),
+            connect_timeout: Duration::from_secs(2),
+            connect_attempts: 3,
+            idle_timeout: Duration::from_secs(3600),
+            drain_timeout: Duration::from_secs(30),
+            max_connections: 65_536,
+            udp_idle_timeout: Duration::from_secs(30),
+            max_udp_sessions: 65_536,
+            maglev_table_size: maglev::DEFAULT_TABLE_SIZE,
+            splice: true,
+        }
+    }
+}
+
+/// Errors starting the forwarder.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A listener could not be opened.
+    #[error(
+        "opening the {what} listener on port {port}: {source} (needs CAP_NET_ADMIN for IP_TRANSPARENT)"
+    )]
+    Listen {
+        /// `tcp4`, `udp6`, ...
+        what: &'static str,
+        /// Port.
+        port: u16,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// nftables or policy routing failed.
+    #[error("installing interception: {0}")]
+    Intercept(#[from] nft::NftError),
+}
+
+/// State shared by the forwarder's tasks.
+#[derive(Debug)]
+pub struct Shared {
+    routes: SharedRoutes,
+    config: UserspaceConfig,
+    metrics: ProxyMetrics,
+    shutdown: watch::Receiver<bool>,
+}
+
+/// The running forwarder.
+#[derive(Debug)]
+pub struct Userspace {
+    shared: Arc<Shared>,
+    intercept: Interception,
+    programmed: BTreeSet<SetElement>,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    cap: Arc<Semaphore>,
+}
+
+impl Userspace {
+    /// Opens the listeners, installs the interception (replacing a table a crash left) and
+    /// starts accepting. Must run inside a tokio runtime.
+    pub fn start(config: UserspaceConfig, metrics: ProxyMetrics) -> Result<Self, StartError> {
+        let port = config.intercept.port;
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let shared = Arc::new(Shared {
+            routes: SharedRoutes::new(),
+            config: config.clone(),
+            metrics,
+            shutdown: shutdown_rx,
+        });
+        let cap = Arc::new(Semaphore::new(config.max_connections));
+        let mut tasks = Vec::new();
+        let sessions = Arc::new(udp::Sessions::default());
+        for v6 in [false, true] {
+            match listeners(port, v6) {
+                Ok((tcp, udp_sock)) => {
+                    tasks.push(tokio::spawn(tcp::accept_loop(
+                        tcp,
+                        shared.clone(),
+                        cap.clone(),
+                    )));
+                    tasks.push(tokio::spawn(udp::listen_loop(
+                        udp_sock,
+                        shared.clone(),
+                        sessions.clone(),
+                    )));
+                }
+                Err((what, source))
+                    if v6 && source.kind() == std::io::ErrorKind::AddrNotAvailable =>
+                {
+                    tracing::warn!(what, error = %source, "IPv6 unavailable; forwarding IPv4 only");
+                }
+                Err((what, source)) => return Err(StartError::Listen { what, port, source }),
+            }
+        }
+        if Interception::exists(&config.intercept.table) {
+            tracing::warn!(table = %config.intercept.table, "found an interception table left by a previous run; replacing it");
+        }
+        let intercept = Interception::install(config.intercept.clone())?;
+        tracing::info!(
+            port,
+            splice = config.splice,
+            "userspace forwarder listening"
+        );
+        Ok(Self {
+            shared,
+            intercept,
+            programmed: BTreeSet::new(),
+            shutdown,
+            tasks,
+            cap,
+        })
+    }
+
+    /// Number of routes (frontends) now.
+    pub fn routes(&self) -> usize {
+        self.shared.routes.load().len()
+    }
+
+    /// Stops accepting, removes the interception, and waits (up to the drain bound) for open
+    /// connections to finish.
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(true);
+        if let Err(e) = self.intercept.uninstall() {
+            tracing::warn!(error = %e, "removing interception");
+        }
+        let max = self.shared.config.max_connections as u32;
+        let drained = tokio::time::timeout(
+            self.shared.config.drain_timeout + Duration::from_secs(1),
+            self.cap.acquire_many(max),
+        )
+        .await;
+        if drained.is_err() {
+            tracing::warn!("connections still open after the drain bound; closing");
+        }
+        for t in self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn listeners(
+    port: u16,
+    v6: bool,
+) -> Result<(tokio::net::TcpListener, tokio::net::UdpSocket), (&'static str, std::io::Error)> {
+    let addr: SocketAddr = if v6 {
+        ([0u16; 8], port).into()
+    } else {
+        ([0u8; 4], port).into()
+    };
+    let domain = if v6 { Domain::IPV6 } else { Domain::IPV4 };
+    let transparent = |s: &Socket| {
+        if v6 {
+            s.set_ip_transparent_v6(true)
+        } else {
+            s.set_ip_transparent_v4(true)
+        }
+    };
+    let tcp = (|| {
+        let s = Socket::new(domain, Type::STREAM, None)?;
+        if v6 {
+            s.set_only_v6(true)?;
+        }
+        transparent(&s)?;
+        s.set_reuse_address(true)?;
+        s.set_nonblocking(true)?;
+        s.bind(&addr.into())?;
+        s.listen(4096)?;
+        tokio::net::TcpListener::from_std(s.into())
+    })()
+    .map_err(|e| (if v6 { "tcp6" } else { "tcp4" }, e))?;
+    let udp_sock = (|| {
+        let s = Socket::new(domain, Type::DGRAM, None)?;
+        if v6 {
+            s.set_only_v6(true)?;
+            nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::Ipv6OrigDstAddr, &true)?;
+        } else {
+            nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::Ipv4OrigDstAddr, &true)?;
+        }
+        transparent(&s)?;
+        s.set_reuse_address(true)?;
+        s.set_nonblocking(true)?;
+        s.bind(&addr.into())?;
+        tokio::net::UdpSocket::from_std(s.into())
+    })()
+    .map_err(|e| (if v6 { "udp6" } else { "udp4" }, e))?;
+    Ok((tcp, udp_sock))
+}
+
+/// Resolves once `rx` says stop (or its sender is gone).
+async fn stopped(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+fn element(f: &mcs_model::Frontend) -> Option<SetElement> {
+    matches!(f.protocol, Protocol::Tcp | Protocol::Udp).then_some(SetElement {
+        vip: f.vip,
+        protocol: f.protocol,
+        port: f.port,
+    })
+}
+
+impl Dataplane for Userspace {
+    fn name(&self) -> &'static str {
+        "userspace"
+    }
+
+    fn apply(&mut self, diff: &TableDiff) -> Result<(), DataplaneError> {
+        for f in diff.upsert.keys().filter(|f| f.protocol == Protocol::Sctp) {
+            tracing::warn!(frontend = %f, "SCTP is not forwarded by the userspace dataplane");
+        }
+        let add: Vec<SetElement> = diff
+            .upsert
+            .keys()
+            .filter_map(element)
+            .filter(|e| !self.programmed.contains(e))
+            .collect();
+        let remove: Vec<SetElement> = diff
+            .remove
+            .iter()
+            .filter_map(element)
+            .filter(|e| self.programmed.contains(e))
+            .collect();
+        // Routes first, then the interception set: a new frontend's packets find a route; a
+        // removed frontend stops being intercepted before its route goes.
+        if !remove.is_empty() {
+            self.intercept
+                .update(&[], &remove)
+                .map_err(|e| DataplaneError {
+                    message: e.to_string(),
+                })?;
+            for e in &remove {
+                self.programmed.remove(e);
+            }
+        }
+        self.shared.routes.apply(
+            diff,
+            self.shared.config.maglev_table_size,
+            &self.shared.metrics,
+        );
+        if !add.is_empty() {
+            self.intercept
+                .update(&add, &[])
+                .map_err(|e| DataplaneError {
+                    message: e.to_string(),
+                })?;
+            self.programmed.extend(add);
+        }
+        Ok(())
+    }
+}

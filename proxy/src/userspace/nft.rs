@@ -1,0 +1,229 @@
+//! Interception owned by the agent: one nftables table (`inet mcs_dataplane` by default) with a
+//! set of frontends per family and TPROXY rules to the forwarder's port, plus the policy
+//! routing TPROXY needs (`ip rule fwmark MARK lookup TABLE`, `local default dev lo` in that
+//! table). Installing replaces a table left by a crash in one transaction; updates add and
+//! delete set elements only (O(change)); uninstalling removes exactly what was installed.
+//!
+//! Pod traffic arriving on the node hits `prerouting`; traffic of the node's own processes is
+//! marked in `output`, rerouted through `lo` by the policy route, and then hits `prerouting`.
+
+use std::{
+    io::Write as _,
+    net::IpAddr,
+    process::{Command, Stdio},
+};
+
+use mcs_model::Protocol;
+
+/// Settings of the interception.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InterceptConfig {
+    /// nftables table name (family `inet`).
+    pub table: String,
+    /// Firewall mark of intercepted packets.
+    pub mark: u32,
+    /// Routing table for marked packets.
+    pub route_table: u32,
+    /// Priority of the `ip rule`.
+    pub rule_priority: u32,
+    /// Port the forwarder listens on (TCP and UDP).
+    pub port: u16,
+}
+
+impl Default for InterceptConfig {
+    fn default() -> Self {
+        Self {
+            table: "mcs_dataplane".into(),
+            mark: 0x4d43,
+            route_table: 0x4d43,
+            rule_priority: 9043,
+            port: 15001,
+        }
+    }
+}
+
+/// Errors of nft and ip.
+#[derive(Debug, thiserror::Error)]
+#[error("{command}: {message}")]
+pub struct NftError {
+    /// What ran.
+    pub command: String,
+    /// What it said.
+    pub message: String,
+}
+
+/// A frontend as the set sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SetElement {
+    /// VIP.
+    pub vip: IpAddr,
+    /// Protocol (TCP or UDP; others are not intercepted).
+    pub protocol: Protocol,
+    /// Port.
+    pub port: u16,
+}
+
+impl SetElement {
+    fn render(&self) -> Option<(&'static str, String)> {
+        let proto = match self.protocol {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Sctp => return None,
+        };
+        Some(match self.vip {
+            IpAddr::V4(ip) => ("frontends4", format!("{ip} . {proto} . {}", self.port)),
+            IpAddr::V6(ip) => ("frontends6", format!("{ip} . {proto} . {}", self.port)),
+        })
+    }
+}
+
+/// The installed interception.
+#[derive(Debug)]
+pub struct Interception {
+    cfg: InterceptConfig,
+}
+
+impl Interception {
+    /// Installs (or replaces, atomically) the table and the policy routing.
+    pub fn install(cfg: InterceptConfig) -> Result<Self, NftError> {
+        let t = &cfg.table;
+        let (port, mark) = (cfg.port, cfg.mark);
+        let script = format!(
+            "table inet {t}\n\
+             delete table inet {t}\n\
+             table inet {t} {{\n\
+               comment \"mcs-dataplane: ClusterSetIP interception, owned by mcs-agent\"\n\
+               set frontends4 {{ type ipv4_addr . inet_proto . inet_service; }}\n\
+               set frontends6 {{ type ipv6_addr . inet_proto . inet_service; }}\n\
+               chain prerouting {{\n\
+                 type filter hook prerouting priority mangle; policy accept;\n\
+                 meta l4proto tcp ip daddr . meta l4proto . th dport @frontends4 tproxy ip to :{port} meta mark set {mark} accept\n\
+                 meta l4proto udp ip daddr . meta l4proto . th dport @frontends4 tproxy ip to :{port} meta mark set {mark} accept\n\
+                 meta l4proto tcp ip6 daddr . meta l4proto . th dport @frontends6 tproxy ip6 to :{port} meta mark set {mark} accept\n\
+                 meta l4proto udp ip6 daddr . meta l4proto . th dport @frontends6 tproxy ip6 to :{port} meta mark set {mark} accept\n\
+               }}\n\
+               chain output {{\n\
+                 type route hook output priority mangle; policy accept;\n\
+                 ip daddr . meta l4proto . th dport @frontends4 meta mark set {mark}\n\
+                 ip6 daddr . meta l4proto . th dport @frontends6 meta mark set {mark}\n\
+               }}\n\
+             }}\n"
+        );
+        nft(&script)?;
+        let this = Self { cfg };
+        this.remove_routing();
+        let (m, rt, prio) = (
+            this.cfg.mark.to_string(),
+            this.cfg.route_table.to_string(),
+            this.cfg.rule_priority.to_string(),
+        );
+        for fam in ["-4", "-6"] {
+            let any = if fam == "-4" { "0.0.0.0/0" } else { "::/0" };
+            ip(&[
+                fam, "rule", "add", "fwmark", &m, "lookup", &rt, "priority", &prio,
+            ])?;
+            ip(&[
+                fam, "route", "replace", "local", any, "dev", "lo", "table", &rt,
+            ])?;
+        }
+        tracing::info!(table = %this.cfg.table, port, mark, "interception installed");
+        Ok(this)
+    }
+
+    /// Whether a table of this name exists (e.g. left by a crash).
+    pub fn exists(table: &str) -> bool {
+        Command::new("nft")
+            .args(["list", "table", "inet", table])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// Adds and removes frontends in one transaction.
+    pub fn update(&self, add: &[SetElement], remove: &[SetElement]) -> Result<(), NftError> {
+        let t = &self.cfg.table;
+        let mut script = String::new();
+        for e in remove.iter().filter_map(SetElement::render) {
+            // `destroy` would be idempotent but needs nft ≥ 1.0.8; delete what we know we added.
+            script.push_str(&format!("delete element inet {t} {} {{ {} }}\n", e.0, e.1));
+        }
+        for e in add.iter().filter_map(SetElement::render) {
+            script.push_str(&format!("add element inet {t} {} {{ {} }}\n", e.0, e.1));
+        }
+        if script.is_empty() {
+            return Ok(());
+        }
+        nft(&script)
+    }
+
+    /// Removes the table and the policy routing.
+    pub fn uninstall(&self) -> Result<(), NftError> {
+        self.remove_routing();
+        let r = nft(&format!("delete table inet {}\n", self.cfg.table));
+        tracing::info!(table = %self.cfg.table, "interception removed");
+        r
+    }
+
+    fn remove_routing(&self) {
+        let (m, rt) = (self.cfg.mark.to_string(), self.cfg.route_table.to_string());
+        for fam in ["-4", "-6"] {
+            // Every copy a crash may have left.
+            for _ in 0..16 {
+                if ip(&[fam, "rule", "del", "fwmark", &m, "lookup", &rt]).is_err() {
+                    break;
+                }
+            }
+            let _ = ip(&[fam, "route", "flush", "table", &rt]);
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &InterceptConfig {
+        &self.cfg
+    }
+}
+
+fn nft(script: &str) -> Result<(), NftError> {
+    let err = |message: String| NftError {
+        command: "nft -f -".into(),
+        message,
+    };
+    let mut child = Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| err(format!("cannot run nft (install nftables): {e}")))?;
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(script.as_bytes())
+        .map_err(|e| err(e.to_string()))?;
+    let out = child.wait_with_output().map_err(|e| err(e.to_string()))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(err(String::from_utf8_lossy(&out.stderr).trim().to_string()))
+    }
+}
+
+fn ip(args: &[&str]) -> Result<(), NftError> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| NftError {
+            command: "ip".into(),
+            message: e.to_string(),
+        })?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(NftError {
+            command: format!("ip {}", args.join(" ")),
+            message: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        })
+    }
+}

@@ -1,0 +1,191 @@
+//! The route table of the userspace forwarder: frontend (VIP:port, protocol) → the selected
+//! backends with their Maglev table. Readers load it through `ArcSwap` without locking; a diff
+//! builds a new table (sharing every unchanged route by `Arc`) and swaps it in.
+
+use std::{collections::HashMap, net::SocketAddr, sync::Arc, time::Duration};
+
+use arc_swap::ArcSwap;
+use mcs_model::{Frontend, Protocol, Service, TableDiff};
+
+use super::{
+    maglev::{self, Maglev},
+    metrics::{BackendCounters, FrontendCounters, ProxyMetrics},
+};
+
+/// Where a frontend's connections go.
+#[derive(Debug)]
+pub struct Route {
+    /// `namespace/name` of the ServiceImport.
+    pub service: Arc<str>,
+    /// The frontend, as text (metric label).
+    pub frontend: Arc<str>,
+    /// Selected backends, sorted.
+    pub backends: Box<[SocketAddr]>,
+    /// Backends as text (metric labels), same order.
+    pub backend_labels: Box<[Arc<str>]>,
+    /// Maglev table over `backends`.
+    pub maglev: Maglev,
+    /// ClientIP affinity: flows of one client IP go to one backend.
+    pub affinity: Option<Duration>,
+    /// Counters per backend, same order as `backends`.
+    pub counters: Box<[BackendCounters]>,
+    /// Counters of the frontend.
+    pub frontend_counters: FrontendCounters,
+}
+
+impl Route {
+    /// Builds the route of a service (only selected backends get traffic).
+    pub fn new(
+        frontend: &Frontend,
+        service: &Service,
+        table_size: usize,
+        metrics: &ProxyMetrics,
+    ) -> Self {
+        let backends: Vec<SocketAddr> = service
+            .selected()
+            .map(|b| SocketAddr::new(b.address, b.port))
+            .collect();
+        let labels: Vec<Arc<str>> = backends.iter().map(|b| Arc::from(b.to_string())).collect();
+        let maglev = Maglev::new(
+            &labels.iter().map(|l| l.as_bytes()).collect::<Vec<_>>(),
+            table_size,
+        );
+        let fe = frontend.to_string();
+        let counters = labels.iter().map(|l| metrics.backend(&fe, l)).collect();
+        Self {
+            service: Arc::from(service.service.as_str()),
+            counters,
+            frontend_counters: metrics.frontend(&fe),
+            frontend: Arc::from(fe),
+            backends: backends.into_boxed_slice(),
+            backend_labels: labels.into_boxed_slice(),
+            maglev,
+            affinity: service
+                .affinity
+                .map(|a| Duration::from_secs(u64::from(a.timeout_seconds))),
+        }
+    }
+
+    /// The backend for a client, and the order in which to try the others when it fails:
+    /// `attempt` 0 is the Maglev pick, later attempts walk the backends from there.
+    #[inline]
+    pub fn pick(&self, client: SocketAddr, attempt: usize) -> Option<(usize, SocketAddr)> {
+        let n = self.backends.len();
+        let first = self
+            .maglev
+            .pick(flow_hash(client, self.affinity.is_some()))?;
+        let i = (first + attempt) % n;
+        Some((i, self.backends[i]))
+    }
+
+    /// Whether `backend` is still a selected backend of this route.
+    pub fn has_backend(&self, backend: SocketAddr) -> bool {
+        self.backends.contains(&backend)
+    }
+}
+
+/// Hash of a flow: the client address and port, or only the address with affinity.
+#[inline]
+pub fn flow_hash(client: SocketAddr, affinity: bool) -> u64 {
+    let ip = match client.ip() {
+        std::net::IpAddr::V4(v4) => u64::from(u32::from(v4)),
+        std::net::IpAddr::V6(v6) => {
+            let x = u128::from(v6);
+            (x as u64) ^ ((x >> 64) as u64)
+        }
+    };
+    let port = if affinity {
+        0
+    } else {
+        u64::from(client.port())
+    };
+    maglev::mix(ip.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (port << 48 | port))
+}
+
+/// Key of a route: the VIP and port as the kernel reports the original destination.
+pub type RouteKey = (SocketAddr, Protocol);
+
+/// All routes.
+#[derive(Debug, Default)]
+pub struct Routes {
+    map: HashMap<RouteKey, Arc<Route>>,
+}
+
+impl Routes {
+    /// The route of a destination.
+    #[inline]
+    pub fn get(&self, dst: SocketAddr, proto: Protocol) -> Option<&Arc<Route>> {
+        self.map.get(&(normalize(dst), proto))
+    }
+
+    /// Number of routes.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// No routes.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// All routes.
+    pub fn iter(&self) -> impl Iterator<Item = (&RouteKey, &Arc<Route>)> {
+        self.map.iter()
+    }
+}
+
+/// IPv4-mapped IPv6 (from dual-stack sockets) as plain IPv4.
+pub fn normalize(a: SocketAddr) -> SocketAddr {
+    match a {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(v4.into(), v6.port()),
+            None => a,
+        },
+        v4 => v4,
+    }
+}
+
+/// The route table shared by the forwarder's tasks.
+#[derive(Debug, Default)]
+pub struct SharedRoutes {
+    current: ArcSwap<Routes>,
+    generation: tokio::sync::watch::Sender<u64>,
+}
+
+impl SharedRoutes {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self {
+            current: ArcSwap::from_pointee(Routes::default()),
+            generation: tokio::sync::watch::Sender::new(0),
+        }
+    }
+
+    /// The current routes (lock-free).
+    #[inline]
+    pub fn load(&self) -> arc_swap::Guard<Arc<Routes>> {
+        self.current.load()
+    }
+
+    /// Notified on every swap (connections check whether their backend is still there).
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+
+    /// Applies a diff: unchanged routes are shared, changed ones rebuilt.
+    pub fn apply(&self, diff: &TableDiff, table_size: usize, metrics: &ProxyMetrics) {
+        let old = self.current.load_full();
+        let mut map = old.map.clone();
+        for f in &diff.remove {
+            map.remove(&(SocketAddr::new(f.vip, f.port), f.protocol));
+        }
+        for (f, s) in &diff.upsert {
+            map.insert(
+                (SocketAddr::new(f.vip, f.port), f.protocol),
+                Arc::new(Route::new(f, s, table_size, metrics)),
+            );
+        }
+        self.current.store(Arc::new(Routes { map }));
+        self.generation.send_modify(|g| *g += 1);
+    }
+}

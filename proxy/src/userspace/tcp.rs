@@ -1,0 +1,296 @@
+//! TCP: accept intercepted connections (TPROXY keeps the original destination as the local
+//! address), pick a backend with Maglev, connect with a timeout and retry others on failure,
+//! then relay both ways with `splice(2)` through pipes (zero copy), or a buffered copy when
+//! pipes are unavailable or splice is off. Half-close is passed on; idle connections are
+//! closed; a connection whose backend was removed keeps going up to the drain bound.
+
+use std::{
+    io,
+    net::SocketAddr,
+    os::fd::OwnedFd,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use mcs_model::Protocol;
+use nix::fcntl::{SpliceFFlags, splice};
+use socket2::SockRef;
+use tokio::{
+    io::Interest,
+    net::{TcpListener, TcpStream},
+    sync::Semaphore,
+};
+
+use super::{Shared, routes::normalize};
+
+/// Bytes moved per splice call.
+const SPLICE_CHUNK_BYTES: usize = 1 << 16;
+/// Pause after an accept error (e.g. out of file descriptors), doubling up to a second.
+const ACCEPT_BACKOFF_START_MS: u64 = 5;
+
+/// Accepts until shutdown.
+pub async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, cap: Arc<Semaphore>) {
+    let mut shutdown = shared.shutdown.clone();
+    let mut backoff = ACCEPT_BACKOFF_START_MS;
+    loop {
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
+            () = super::stopped(&mut shutdown) => return,
+        };
+        let (stream, client) = match accepted {
+            Ok(a) => {
+                backoff = ACCEPT_BACKOFF_START_MS;
+                a
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed; backing off {backoff} ms");
+                tokio::time::sleep(Duration::from_millis(backoff)).await;
+                backoff = (backoff * 2).min(1000);
+                continue;
+            }
+        };
+        let Ok(dst) = stream.local_addr() else {
+            continue;
+        };
+        let (client, dst) = (normalize(client), normalize(dst));
+        let Ok(permit) = cap.clone().try_acquire_owned() else {
+            // Over the cap: refuse cleanly with a reset; existing connections are untouched.
+            if let Some(route) = shared.routes.load().get(dst, Protocol::Tcp) {
+                route.frontend_counters.refused.inc();
+            }
+            reset(&stream);
+            continue;
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            shared.metrics.active_connections.inc();
+            handle(stream, client, dst, &shared).await;
+            shared.metrics.active_connections.dec();
+            drop(permit);
+        });
+    }
+}
+
+/// Close with RST (SO_LINGER 0), so the client sees a refusal, not a hang.
+fn reset(stream: &TcpStream) {
+    let _ = SockRef::from(stream).set_linger(Some(Duration::ZERO));
+}
+
+async fn handle(client_stream: TcpStream, client: SocketAddr, dst: SocketAddr, shared: &Shared) {
+    let Some(route) = shared.routes.load().get(dst, Protocol::Tcp).cloned() else {
+        tracing::debug!(%dst, "no route (frontend removed?)");
+        reset(&client_stream);
+        return;
+    };
+    let attempts = shared.config.connect_attempts.min(route.backends.len());
+    if attempts == 0 {
+        route.frontend_counters.refused.inc();
+        reset(&client_stream);
+        return;
+    }
+    let mut upstream = None;
+    for attempt in 0..attempts {
+        let Some((i, backend)) = route.pick(client, attempt) else {
+            break;
+        };
+        if attempt > 0 {
+            route.frontend_counters.retries.inc();
+        }
+        match tokio::time::timeout(shared.config.connect_timeout, TcpStream::connect(backend)).await
+        {
+            Ok(Ok(s)) => {
+                upstream = Some((i, backend, s));
+                break;
+            }
+            Ok(Err(e)) => {
+                route.counters[i].connect_failures.inc();
+                tracing::debug!(%backend, error = %e, "connect failed");
+            }
+            Err(_) => {
+                route.counters[i].connect_failures.inc();
+                tracing::debug!(%backend, "connect timed out");
+            }
+        }
+    }
+    let Some((i, backend, up)) = upstream else {
+        route.frontend_counters.refused.inc();
+        tracing::info!(frontend = %route.frontend, %client, "no backend accepted the connection");
+        reset(&client_stream);
+        return;
+    };
+    let counters = &route.counters[i];
+    counters.connections.inc();
+    let _ = client_stream.set_nodelay(true);
+    let _ = up.set_nodelay(true);
+
+    let mut generation = shared.routes.subscribe();
+    let mut shutdown = shared.shutdown.clone();
+    let relay = relay(
+        &client_stream,
+        &up,
+        counters,
+        shared.config.idle_timeout,
+        shared.config.splice,
+    );
+    tokio::pin!(relay);
+    let mut drain_at: Option<tokio::time::Instant> = None;
+    loop {
+        let drain_sleep = async {
+            match drain_at {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = &mut relay => {
+                if let Err(e) = r {
+                    tracing::debug!(%client, %backend, error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            changed = generation.changed() => {
+                if changed.is_err() { return; }
+                let still = shared.routes.load().get(dst, Protocol::Tcp).is_some_and(|r| r.has_backend(backend));
+                drain_at = if still { None } else {
+                    drain_at.or(Some(tokio::time::Instant::now() + shared.config.drain_timeout))
+                };
+            }
+            () = drain_sleep => {
+                shared.metrics.drained.inc();
+                tracing::debug!(%client, %backend, "backend removed; drain bound reached, closing");
+                return;
+            }
+            () = super::stopped(&mut shutdown), if drain_at.is_none() => {
+                // Graceful shutdown: let the connection finish within the drain bound.
+                drain_at = Some(tokio::time::Instant::now() + shared.config.drain_timeout);
+            }
+        }
+    }
+}
+
+/// Relays both ways until both sides closed, an error, or idleness.
+async fn relay(
+    a: &TcpStream,
+    b: &TcpStream,
+    counters: &super::metrics::BackendCounters,
+    idle: Duration,
+    use_splice: bool,
+) -> io::Result<()> {
+    let start = Instant::now();
+    let last = AtomicU64::new(0);
+    let touch = || last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    let idle_watch = async {
+        loop {
+            let since = Duration::from_millis(last.load(Ordering::Relaxed));
+            let deadline = start + since + idle;
+            if Instant::now() >= deadline {
+                return;
+            }
+            tokio::time::sleep_until(deadline.into()).await;
+        }
+    };
+    let copy = async {
+        let pipes = if use_splice { pipes() } else { None };
+        match pipes {
+            Some(((ar, aw), (br, bw))) => tokio::try_join!(
+                splice_dir(a, b, &ar, &aw, &counters.bytes_tx, &touch),
+                splice_dir(b, a, &br, &bw, &counters.bytes_rx, &touch),
+            )
+            .map(|_| ()),
+            None => tokio::try_join!(
+                copy_dir(a, b, &counters.bytes_tx, &touch),
+                copy_dir(b, a, &counters.bytes_rx, &touch),
+            )
+            .map(|_| ()),
+        }
+    };
+    tokio::select! {
+        r = copy => r,
+        () = idle_watch => Err(io::Error::new(io::ErrorKind::TimedOut, "idle timeout")),
+    }
+}
+
+type Pipe = (OwnedFd, OwnedFd);
+
+fn pipes() -> Option<(Pipe, Pipe)> {
+    let flags = nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_CLOEXEC;
+    let a = nix::unistd::pipe2(flags).ok()?;
+    let b = nix::unistd::pipe2(flags).ok()?;
+    Some((a, b))
+}
+
+/// One direction through a pipe: socket → pipe → socket, never through userspace memory.
+async fn splice_dir(
+    src: &TcpStream,
+    dst: &TcpStream,
+    pipe_r: &OwnedFd,
+    pipe_w: &OwnedFd,
+    bytes: &prometheus_client::metrics::counter::Counter,
+    touch: &impl Fn(),
+) -> io::Result<()> {
+    let flags = SpliceFFlags::SPLICE_F_MOVE | SpliceFFlags::SPLICE_F_NONBLOCK;
+    loop {
+        src.readable().await?;
+        let n = match src.try_io(Interest::READABLE, || {
+            splice(src, None, pipe_w, None, SPLICE_CHUNK_BYTES, flags).map_err(io::Error::from)
+        }) {
+            Ok(0) => {
+                // EOF: pass the half-close on.
+                let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
+                return Ok(());
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        let mut left = n;
+        while left > 0 {
+            dst.writable().await?;
+            match dst.try_io(Interest::WRITABLE, || {
+                splice(pipe_r, None, dst, None, left, flags).map_err(io::Error::from)
+            }) {
+                Ok(m) => left -= m,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        bytes.inc_by(n as u64);
+        touch();
+    }
+}
+
+/// One direction with a buffer (fallback).
+async fn copy_dir(
+    src: &TcpStream,
+    dst: &TcpStream,
+    bytes: &prometheus_client::metrics::counter::Counter,
+    touch: &impl Fn(),
+) -> io::Result<()> {
+    let mut buf = vec![0u8; SPLICE_CHUNK_BYTES];
+    loop {
+        src.readable().await?;
+        let n = match src.try_read(&mut buf) {
+            Ok(0) => {
+                let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
+                return Ok(());
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        let mut off = 0;
+        while off < n {
+            dst.writable().await?;
+            match dst.try_write(&buf[off..n]) {
+                Ok(m) => off += m,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        bytes.inc_by(n as u64);
+        touch();
+    }
+}

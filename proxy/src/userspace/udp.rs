@@ -1,0 +1,231 @@
+//! UDP: per-client-flow sessions. The first datagram of a flow arrives on the TPROXY listener
+//! with its original destination (IP_RECVORIGDSTADDR); the session then opens
+//!
+//! - an upstream socket connected to the backend (picked with Maglev), and
+//! - a transparent downstream socket bound to the VIP:port and connected to the client, so
+//!   the client's next datagrams go straight to it (the kernel prefers the connected socket)
+//!   and replies leave with the VIP as their source.
+//!
+//! Sessions expire when idle; the table is bounded.
+
+use std::{
+    collections::HashMap,
+    io::{self, IoSliceMut},
+    net::{SocketAddr, SocketAddrV4, SocketAddrV6},
+    os::fd::AsRawFd as _,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use mcs_model::Protocol;
+use nix::sys::socket::{ControlMessageOwned, MsgFlags, SockaddrStorage, recvmsg};
+use socket2::{Domain, Socket, Type};
+use tokio::{io::Interest, net::UdpSocket};
+
+use super::{Shared, routes::normalize};
+
+/// Largest datagram relayed.
+const MAX_DATAGRAM_BYTES: usize = 65_535;
+
+type SessionKey = (SocketAddr, SocketAddr);
+
+/// Live sessions: (client, VIP) → upstream socket.
+#[derive(Debug, Default)]
+pub struct Sessions {
+    map: Mutex<HashMap<SessionKey, Arc<UdpSocket>>>,
+}
+
+/// Receives first datagrams until shutdown.
+pub async fn listen_loop(sock: UdpSocket, shared: Arc<Shared>, sessions: Arc<Sessions>) {
+    let mut shutdown = shared.shutdown.clone();
+    let mut buf = vec![0u8; MAX_DATAGRAM_BYTES];
+    loop {
+        tokio::select! {
+            r = sock.readable() => if r.is_err() { return },
+            () = super::stopped(&mut shutdown) => return,
+        }
+        let got = sock.try_io(Interest::READABLE, || recv_with_orig_dst(&sock, &mut buf));
+        let (n, client, vip) = match got {
+            Ok(Some(x)) => x,
+            Ok(None) => {
+                tracing::debug!("udp datagram without source or original destination; dropped");
+                continue;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => {
+                tracing::debug!(error = %e, "udp receive failed");
+                continue;
+            }
+        };
+        tracing::trace!(%client, %vip, bytes = n, "udp datagram on the listener");
+        let existing = sessions
+            .map
+            .lock()
+            .expect("sessions lock")
+            .get(&(client, vip))
+            .cloned();
+        if let Some(up) = existing {
+            let _ = up.send(&buf[..n]).await;
+            continue;
+        }
+        open_session(&shared, &sessions, client, vip, &buf[..n]).await;
+    }
+}
+
+fn recv_with_orig_dst(
+    sock: &UdpSocket,
+    buf: &mut [u8],
+) -> io::Result<Option<(usize, SocketAddr, SocketAddr)>> {
+    let mut cmsg = nix::cmsg_space!(libc::sockaddr_in6);
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = recvmsg::<SockaddrStorage>(
+        sock.as_raw_fd(),
+        &mut iov,
+        Some(&mut cmsg),
+        MsgFlags::empty(),
+    )
+    .map_err(io::Error::from)?;
+    let n = msg.bytes;
+    let client = msg.address.and_then(|a| {
+        a.as_sockaddr_in()
+            .map(|v4| SocketAddr::V4(SocketAddrV4::new(v4.ip(), v4.port())))
+            .or_else(|| {
+                a.as_sockaddr_in6()
+                    .map(|v6| SocketAddr::V6(SocketAddrV6::new(v6.ip(), v6.port(), 0, 0)))
+            })
+    });
+    let mut dst = None;
+    for c in msg.cmsgs().map_err(io::Error::from)? {
+        match c {
+            ControlMessageOwned::Ipv4OrigDstAddr(a) => {
+                let ip = std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
+                dst = Some(SocketAddr::V4(SocketAddrV4::new(
+                    ip,
+                    u16::from_be(a.sin_port),
+                )));
+            }
+            ControlMessageOwned::Ipv6OrigDstAddr(a) => {
+                let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
+                dst = Some(SocketAddr::V6(SocketAddrV6::new(
+                    ip,
+                    u16::from_be(a.sin6_port),
+                    0,
+                    0,
+                )));
+            }
+            _ => {}
+        }
+    }
+    Ok(match (client, dst) {
+        (Some(c), Some(d)) => Some((n, normalize(c), normalize(d))),
+        _ => None,
+    })
+}
+
+async fn open_session(
+    shared: &Arc<Shared>,
+    sessions: &Arc<Sessions>,
+    client: SocketAddr,
+    vip: SocketAddr,
+    first: &[u8],
+) {
+    let Some(route) = shared.routes.load().get(vip, Protocol::Udp).cloned() else {
+        tracing::debug!(%vip, "udp: no route");
+        return;
+    };
+    if sessions.map.lock().expect("sessions lock").len() >= shared.config.max_udp_sessions {
+        route.frontend_counters.refused.inc();
+        return;
+    }
+    let Some((i, backend)) = route.pick(client, 0) else {
+        route.frontend_counters.refused.inc();
+        return;
+    };
+    let opened = (|| -> io::Result<(UdpSocket, UdpSocket)> {
+        let bind_any: SocketAddr = if backend.is_ipv4() {
+            "0.0.0.0:0".parse().unwrap()
+        } else {
+            "[::]:0".parse().unwrap()
+        };
+        let up = std::net::UdpSocket::bind(bind_any)?;
+        up.connect(backend)?;
+        up.set_nonblocking(true)?;
+        let down = Socket::new(Domain::for_address(vip), Type::DGRAM, None)?;
+        if vip.is_ipv4() {
+            down.set_ip_transparent_v4(true)?;
+        } else {
+            down.set_ip_transparent_v6(true)?;
+        }
+        down.set_reuse_address(true)?;
+        down.bind(&vip.into())?;
+        down.connect(&client.into())?;
+        down.set_nonblocking(true)?;
+        Ok((UdpSocket::from_std(up)?, UdpSocket::from_std(down.into())?))
+    })();
+    let (up, down) = match opened {
+        Ok(s) => s,
+        Err(e) => {
+            route.counters[i].connect_failures.inc();
+            tracing::debug!(%client, %backend, error = %e, "cannot open udp session");
+            return;
+        }
+    };
+    let up = Arc::new(up);
+    // Not `try_send`: a new socket's write readiness is not known yet.
+    if let Err(e) = up.send(first).await {
+        tracing::debug!(%backend, error = %e, "udp send to backend failed");
+    }
+    let counters = route.counters[i].clone();
+    counters.connections.inc();
+    counters.bytes_tx.inc_by(first.len() as u64);
+    sessions
+        .map
+        .lock()
+        .expect("sessions lock")
+        .insert((client, vip), up.clone());
+    shared.metrics.udp_sessions.inc();
+    let (shared, sessions) = (shared.clone(), sessions.clone());
+    tokio::spawn(async move {
+        relay(
+            &up,
+            &down,
+            &counters,
+            shared.config.udp_idle_timeout,
+            shared.shutdown.clone(),
+        )
+        .await;
+        sessions
+            .map
+            .lock()
+            .expect("sessions lock")
+            .remove(&(client, vip));
+        shared.metrics.udp_sessions.dec();
+    });
+}
+
+async fn relay(
+    up: &UdpSocket,
+    down: &UdpSocket,
+    counters: &super::metrics::BackendCounters,
+    idle: Duration,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut a = vec![0u8; MAX_DATAGRAM_BYTES];
+    let mut b = vec![0u8; MAX_DATAGRAM_BYTES];
+    loop {
+        tokio::select! {
+            r = down.recv(&mut a) => match r {
+                Ok(n) => { let _ = up.send(&a[..n]).await; counters.bytes_tx.inc_by(n as u64); }
+                Err(_) => return,
+            },
+            r = up.recv(&mut b) => match r {
+                Ok(n) => { let _ = down.send(&b[..n]).await; counters.bytes_rx.inc_by(n as u64); }
+                // ICMP port unreachable from the backend shows up here; keep the session.
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
+                Err(_) => return,
+            },
+            () = tokio::time::sleep(idle) => return,
+            () = super::stopped(&mut shutdown) => return,
+        }
+    }
+}
