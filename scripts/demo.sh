@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the main job, `mcs-agent demo`, after installing what it needs (idempotent, cached in
+# Runs the main job, `mcs-agent demo` (a two-cluster sandbox in network namespaces, with
+# traffic, failover and clean-up), after installing what it needs (idempotent, cached in
 # ~/.cache/mcs-dataplane). As root on a Debian 12 machine of this kind:
 #
 #   bash scripts/demo.sh [--dataplane userspace|ebpf|auto]

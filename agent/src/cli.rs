@@ -27,8 +27,9 @@ pub enum Command {
     Table(TableArgs),
     /// Print what a running agent has programmed (needs the eBPF dataplane; issue 5).
     Status,
-    /// Build a sandbox of network namespaces with two clusters and show the dataplane at work.
-    Demo,
+    /// Build a sandbox of network namespaces with two clusters and show the dataplane at work
+    /// (needs root; removes everything it creates).
+    Demo(DemoArgs),
 }
 
 /// Where objects come from and who this node is.
@@ -104,6 +105,17 @@ pub struct ProxyArgs {
     /// Relay with a buffered copy instead of splice(2).
     #[arg(long)]
     pub no_splice: bool,
+}
+
+/// Options of `mcs-agent demo`.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Which dataplane the demo's agent uses.
+    #[arg(long, value_enum, default_value_t = DataplaneKind::Userspace)]
+    pub dataplane: DataplaneKind,
+    /// New connections per traffic step.
+    #[arg(long, default_value_t = 200)]
+    pub requests: usize,
 }
 
 /// Options of `mcs-agent table`.

@@ -26,22 +26,26 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Table(args) => runtime()?.block_on(table(args)),
         Command::Run(args) => runtime()?.block_on(agent(args)),
         Command::Status => not_yet("`mcs-agent status`", 5),
-        Command::Demo => {
-            println!(
-                "mcs-agent demo will:\n  \
-                 1. build a sandbox of network namespaces: a client pod, a node running the agent,\n     \
-                 two clusters (c1, c2) of two backends each, addresses in 198.18.0.0/15;\n  \
-                 2. start the agent with --source file:examples/two-clusters and program the ClusterSetIP;\n  \
-                 3. send TCP and UDP traffic to the ClusterSetIP and print per-cluster distribution\n     \
-                 and latency;\n  \
-                 4. stop the local cluster's backends and show failover to the remote cluster;\n  \
-                 5. remove everything it created.\n\
-                 Until the forwarder lands, see the table it would program with:\n  \
-                 mcs-agent table --source file:examples/two-clusters --cluster-id c1"
-            );
-            not_yet("`mcs-agent demo` (needs the userspace forwarder)", 4)
+        Command::Demo(args) => crate::demo::run(&args),
+    }
+}
+
+/// The table of a directory source as text (for the demo).
+pub fn table_text(dir: &std::path::Path, cluster_id: &str) -> anyhow::Result<String> {
+    let mut src = FileSource::new(dir);
+    let mut index = Index::new(NodeConfig {
+        cluster_id: cluster_id.into(),
+        zone: None,
+    });
+    for ev in src.scan()? {
+        match ev {
+            SourceEvent::Import(i) => index.upsert_import(i),
+            SourceEvent::Slice(s) => index.upsert_slice(s),
+            _ => {}
         }
     }
+    index.flush();
+    Ok(render::text(index.table(), &index.rejections()))
 }
 
 fn not_yet(what: &str, issue: u32) -> anyhow::Result<ExitCode> {

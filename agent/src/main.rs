@@ -4,6 +4,7 @@
 
 mod cli;
 mod commands;
+mod demo;
 
 use std::process::ExitCode;
 

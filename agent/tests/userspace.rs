@@ -559,3 +559,31 @@ fn a_table_left_by_a_crash_is_replaced_at_start() {
     sb.stop_agent();
     let _ = (&sb.c1, &sb.c2, Path::new("/"));
 }
+
+#[test]
+fn demo_runs_end_to_end_and_leaves_nothing_behind() {
+    if !prerequisites() {
+        return;
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
+        .args(["demo", "--requests", "20"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "demo failed: {text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for want in [
+        "[6/6]",
+        "cluster c1:",
+        "cluster c2:",
+        "failover: new connections reach cluster c2",
+        "replies came from the ClusterSetIP: yes",
+        "nothing left behind",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in:\n{text}");
+    }
+    // The demo checks its own namespaces are gone ("nothing left behind", asserted above).
+}

@@ -1,4 +1,4 @@
-//! Test cgroups under the cgroup v2 root, for the eBPF socket hooks.
+//! Cgroups under the cgroup v2 root, for the eBPF socket hooks.
 //!
 //! The root is `MCS_CGROUP2_ROOT` if set, else the first cgroup2 mount in /proc/mounts (on
 //! these machines `/sys/fs/cgroup/unified`, a hybrid layout).

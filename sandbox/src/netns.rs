@@ -1,4 +1,4 @@
-//! Network namespaces for dataplane tests, always removed.
+//! Network namespaces for the demo and the dataplane tests, always removed.
 //!
 //! Only addresses from 198.18.0.0/15 (IPv4) and 2001:2::/48 (IPv6) may be assigned; anything
 //! else panics, so a test can never send traffic to a real network.

@@ -1,0 +1,528 @@
+//! `mcs-agent demo`: the main job on the embedded default, in a sandbox of network namespaces.
+//!
+//! ```text
+//!  client pod ── node (mcs-agent run --source file:<embedded examples>) ─┬─ cluster c1: 198.18.1.2, .3
+//!  198.18.10.2    198.18.10.1                                            └─ cluster c2: 198.18.2.2, .3
+//! ```
+//!
+//! It sends TCP and UDP traffic to the ClusterSetIPs, prints the per-cluster distribution and
+//! latency, stops the local cluster's backends to show failover to the remote cluster, and
+//! removes everything it created (also on error or Ctrl-C).
+
+use std::{
+    collections::BTreeMap,
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream, UdpSocket},
+    path::Path,
+    process::{Child, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+use mcs_sandbox::netns::{Netns, veth};
+
+use crate::cli::{DataplaneKind, DemoArgs};
+
+/// The example ClusterSet, embedded: the demo needs no file outside the binary.
+const EXAMPLE: [(&str, &str); 4] = [
+    (
+        "cluster.yaml",
+        include_str!("../../examples/two-clusters/cluster.yaml"),
+    ),
+    (
+        "imports.yaml",
+        include_str!("../../examples/two-clusters/imports.yaml"),
+    ),
+    (
+        "slices-c1.yaml",
+        include_str!("../../examples/two-clusters/slices-c1.yaml"),
+    ),
+    (
+        "slices-c2.yaml",
+        include_str!("../../examples/two-clusters/slices-c2.yaml"),
+    ),
+];
+const WEB_VIP: &str = "198.18.100.10:80";
+const WEB_VIP6: &str = "[2001:2::100:10]:80";
+const DNS_VIP: &str = "198.18.100.12:53";
+const METRICS_PORT: u16 = 9464;
+const IO_TIMEOUT: Duration = Duration::from_secs(3);
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+struct Step(usize);
+
+impl Step {
+    fn say(&mut self, what: &str) {
+        self.0 += 1;
+        println!("\n[{}/6] {what}", self.0);
+    }
+}
+
+/// A backend: answers TCP and UDP with `cluster <c> backend <addr>`; stops when dropped.
+struct Backend {
+    stop: Arc<AtomicBool>,
+    addr: SocketAddr,
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+fn start_backend(ns: &Netns, cluster: &'static str, addr: SocketAddr) -> anyhow::Result<Backend> {
+    let tcp = ns.run(|| std::net::TcpListener::bind(addr))??;
+    let udp = ns.run(|| UdpSocket::bind(addr))??;
+    udp.set_read_timeout(Some(Duration::from_millis(50)))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = stop.clone();
+    std::thread::spawn(move || {
+        use std::os::fd::AsFd as _;
+        // poll(2) with a timeout: accept at once when a connection waits, and notice a stop
+        // within 50 ms (then the listener closes and connects are refused).
+        while !s.load(Ordering::Acquire) {
+            let mut fds = [nix::poll::PollFd::new(
+                tcp.as_fd(),
+                nix::poll::PollFlags::POLLIN,
+            )];
+            if !matches!(nix::poll::poll(&mut fds, 50u16), Ok(n) if n > 0) {
+                continue;
+            }
+            match tcp.accept() {
+                Ok((mut c, _)) => {
+                    let _ = c.set_read_timeout(Some(IO_TIMEOUT));
+                    let mut buf = [0u8; 512];
+                    if let Ok(n) = c.read(&mut buf) {
+                        let _ = write!(
+                            c,
+                            "cluster {cluster} backend {addr} got {}",
+                            String::from_utf8_lossy(&buf[..n])
+                        );
+                    }
+                }
+                Err(_) => continue,
+            }
+        }
+    });
+    let s = stop.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 512];
+        while !s.load(Ordering::Acquire) {
+            if let Ok((n, from)) = udp.recv_from(&mut buf) {
+                let reply = format!(
+                    "cluster {cluster} backend {addr} got {}",
+                    String::from_utf8_lossy(&buf[..n])
+                );
+                let _ = udp.send_to(reply.as_bytes(), from);
+            }
+        }
+    });
+    Ok(Backend { stop, addr })
+}
+
+/// Everything the demo creates; dropping it removes it all.
+struct Sandbox {
+    cli: Netns,
+    node: Netns,
+    c1: Netns,
+    c2: Netns,
+    dir: std::path::PathBuf,
+    agent: Option<Child>,
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(a.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while a.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = a.kill();
+            let _ = a.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+        // The namespaces go with their guards (fields dropped after this).
+    }
+}
+
+fn build() -> anyhow::Result<Sandbox> {
+    mcs_sandbox::sweep_stale();
+    let (cli, node, c1, c2) = (
+        Netns::new("cli")?,
+        Netns::new("node")?,
+        Netns::new("c1")?,
+        Netns::new("c2")?,
+    );
+    veth(&cli, "eth0", &node, "cli0")?;
+    veth(&node, "c1", &c1, "eth0")?;
+    veth(&node, "c2", &c2, "eth0")?;
+    cli.addr("eth0", "198.18.10.2/24")?;
+    cli.addr("eth0", "2001:2::10:2/112")?;
+    node.addr("cli0", "198.18.10.1/24")?;
+    node.addr("cli0", "2001:2::10:1/112")?;
+    node.addr("c1", "198.18.1.1/24")?;
+    node.addr("c1", "2001:2::1:1/112")?;
+    node.addr("c2", "198.18.2.1/24")?;
+    for a in [
+        "198.18.1.2/24",
+        "198.18.1.3/24",
+        "2001:2::1:2/112",
+        "2001:2::1:3/112",
+    ] {
+        c1.addr("eth0", a)?;
+    }
+    for a in ["198.18.2.2/24", "198.18.2.3/24"] {
+        c2.addr("eth0", a)?;
+    }
+    cli.route("default", "198.18.10.1")?;
+    cli.route("default", "2001:2::10:1")?;
+    c1.route("default", "198.18.1.1")?;
+    c1.route("default", "2001:2::1:1")?;
+    c2.route("default", "198.18.2.1")?;
+    let dir = std::env::temp_dir().join(format!("{}-demo", mcs_sandbox::resource_prefix()));
+    std::fs::create_dir_all(&dir)?;
+    for (name, text) in EXAMPLE {
+        std::fs::write(dir.join(name), text)?;
+    }
+    Ok(Sandbox {
+        cli,
+        node,
+        c1,
+        c2,
+        dir,
+        agent: None,
+    })
+}
+
+fn http(node: &Netns, path: &str) -> Option<(u16, String)> {
+    let path = path.to_string();
+    node.run(move || {
+        let mut s = TcpStream::connect_timeout(
+            &SocketAddr::from(([127, 0, 0, 1], METRICS_PORT)),
+            IO_TIMEOUT,
+        )
+        .ok()?;
+        s.set_read_timeout(Some(IO_TIMEOUT)).ok()?;
+        s.write_all(format!("GET {path} HTTP/1.1\r\n\r\n").as_bytes())
+            .ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        Some((out.split_whitespace().nth(1)?.parse().ok()?, out))
+    })
+    .ok()
+    .flatten()
+}
+
+/// Results of a run of requests: per cluster and backend, and latencies.
+#[derive(Default)]
+struct Tally {
+    by_backend: BTreeMap<String, usize>,
+    latencies: Vec<Duration>,
+    failed: usize,
+}
+
+impl Tally {
+    fn add(&mut self, reply: Result<String, String>, took: Duration) {
+        match reply {
+            Ok(r) if r.starts_with("cluster ") => {
+                let mut w = r.split_whitespace();
+                let (cluster, backend) = (w.nth(1).unwrap_or("?"), w.nth(1).unwrap_or("?"));
+                *self
+                    .by_backend
+                    .entry(format!("{cluster} {backend}"))
+                    .or_default() += 1;
+                self.latencies.push(took);
+            }
+            _ => self.failed += 1,
+        }
+    }
+
+    fn print(&mut self, what: &str) {
+        let total: usize = self.by_backend.values().sum::<usize>() + self.failed;
+        println!("    {what}: {total} requests");
+        let mut per_cluster: BTreeMap<&str, usize> = BTreeMap::new();
+        for (k, n) in &self.by_backend {
+            *per_cluster
+                .entry(k.split(' ').next().unwrap_or("?"))
+                .or_default() += n;
+        }
+        for (c, n) in &per_cluster {
+            println!(
+                "      cluster {c}: {n:>4} ({:.0}%)",
+                100.0 * *n as f64 / total.max(1) as f64
+            );
+            for (k, m) in self
+                .by_backend
+                .iter()
+                .filter(|(k, _)| k.starts_with(&format!("{c} ")))
+            {
+                println!("        {:<22} {m:>4}", k.split(' ').nth(1).unwrap_or("?"));
+            }
+        }
+        if self.failed > 0 {
+            println!("      failed: {}", self.failed);
+        }
+        if !self.latencies.is_empty() {
+            self.latencies.sort();
+            let q = |p: f64| self.latencies[((self.latencies.len() - 1) as f64 * p) as usize];
+            println!(
+                "      latency per request (connect + request + response): p50 {:.0} µs, p99 {:.0} µs",
+                q(0.5).as_secs_f64() * 1e6,
+                q(0.99).as_secs_f64() * 1e6
+            );
+        }
+    }
+}
+
+fn tcp_requests(cli: &Netns, to: &str, n: usize) -> anyhow::Result<Tally> {
+    let to: SocketAddr = to.parse()?;
+    cli.run(move || {
+        let mut t = Tally::default();
+        for i in 0..n {
+            let start = Instant::now();
+            let reply = (|| -> Result<String, String> {
+                let mut s =
+                    TcpStream::connect_timeout(&to, IO_TIMEOUT).map_err(|e| e.to_string())?;
+                s.set_read_timeout(Some(IO_TIMEOUT))
+                    .map_err(|e| e.to_string())?;
+                write!(s, "GET /{i}").map_err(|e| e.to_string())?;
+                let mut out = String::new();
+                s.read_to_string(&mut out).map_err(|e| e.to_string())?;
+                Ok(out)
+            })();
+            t.add(reply, start.elapsed());
+        }
+        t
+    })
+}
+
+fn udp_requests(cli: &Netns, to: &str, n: usize) -> anyhow::Result<(Tally, bool)> {
+    let to: SocketAddr = to.parse()?;
+    cli.run(move || {
+        let mut t = Tally::default();
+        let mut from_vip = true;
+        for i in 0..n {
+            let start = Instant::now();
+            let reply = (|| -> Result<String, String> {
+                let s = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+                s.set_read_timeout(Some(IO_TIMEOUT))
+                    .map_err(|e| e.to_string())?;
+                s.send_to(format!("query {i}").as_bytes(), to)
+                    .map_err(|e| e.to_string())?;
+                let mut buf = [0u8; 512];
+                let (k, from) = s.recv_from(&mut buf).map_err(|e| e.to_string())?;
+                from_vip &= from == to;
+                Ok(String::from_utf8_lossy(&buf[..k]).to_string())
+            })();
+            t.add(reply, start.elapsed());
+        }
+        (t, from_vip)
+    })
+}
+
+/// Runs the demo.
+pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
+    if !nix::unistd::geteuid().is_root() {
+        bail!(
+            "the demo builds network namespaces and nftables rules: run it as root (bash scripts/demo.sh)"
+        );
+    }
+    for tool in ["ip", "nft"] {
+        if !std::env::var_os("PATH")
+            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
+        {
+            bail!("`{tool}` not found: install iproute2 and nftables (bash scripts/setup.sh does)");
+        }
+    }
+    let dataplane = match args.dataplane {
+        DataplaneKind::Userspace | DataplaneKind::Log => "userspace",
+        DataplaneKind::Auto => {
+            println!(
+                "--dataplane auto: the eBPF socket LB is not complete in this build (issue 5); using userspace"
+            );
+            "userspace"
+        }
+        DataplaneKind::Ebpf => {
+            eprintln!(
+                "error: --dataplane ebpf is not implemented yet in this build (issue 5); try --dataplane userspace"
+            );
+            return Ok(std::process::ExitCode::from(2));
+        }
+    };
+    let n = args.requests.max(1);
+    let mut step = Step(0);
+    println!(
+        "mcs-agent demo: a ClusterSet of two clusters in network namespaces, dataplane {dataplane}"
+    );
+
+    step.say("building the sandbox: client pod, node, clusters c1 (local) and c2 (remote)");
+    let mut sb = build().context("building the sandbox")?;
+    let mut backends = Vec::new();
+    for (ns, cluster, addrs) in [
+        (&sb.c1, "c1", &["198.18.1.2", "198.18.1.3"][..]),
+        (&sb.c2, "c2", &["198.18.2.2", "198.18.2.3"][..]),
+    ] {
+        for a in addrs {
+            for port in [8080, 5353] {
+                backends.push(start_backend(ns, cluster, format!("{a}:{port}").parse()?)?);
+            }
+        }
+    }
+    for a in ["[2001:2::1:2]:8080", "[2001:2::1:3]:8080"] {
+        backends.push(start_backend(&sb.c1, "c1", a.parse()?)?);
+    }
+    println!(
+        "    namespaces: {}, {}, {}, {}",
+        sb.cli.name(),
+        sb.node.name(),
+        sb.c1.name(),
+        sb.c2.name()
+    );
+    println!(
+        "    {} backend sockets listening (TCP 8080, UDP 5353)",
+        backends.len()
+    );
+
+    step.say("starting the agent on the node: mcs-agent run --source file:<example ClusterSet> --cluster-id c1");
+    let exe = std::env::current_exe()?;
+    let log_path = sb.dir.join("agent.log");
+    let log = std::fs::File::create(&log_path)?;
+    let mut cmd = sb.node.command(exe.to_str().context("binary path")?);
+    cmd.args([
+        "run",
+        "--dataplane",
+        dataplane,
+        "--cluster-id",
+        "c1",
+        "--file-poll-ms",
+        "100",
+    ])
+    .args(["--metrics-addr", &format!("127.0.0.1:{METRICS_PORT}")])
+    .arg("--source")
+    .arg(format!("file:{}", sb.dir.display()))
+    .stdout(Stdio::null())
+    .stderr(log);
+    sb.agent = Some(cmd.spawn().context("starting the agent")?);
+    let started = Instant::now();
+    while http(&sb.node, "/readyz").map(|r| r.0) != Some(200) {
+        if let Some(status) = sb.agent.as_mut().and_then(|a| a.try_wait().ok().flatten()) {
+            bail!(
+                "the agent exited ({status}); its log:\n{}",
+                std::fs::read_to_string(&log_path).unwrap_or_default()
+            );
+        }
+        if started.elapsed() > READY_TIMEOUT {
+            bail!(
+                "the agent was not ready after {READY_TIMEOUT:?}; its log:\n{}",
+                std::fs::read_to_string(&log_path).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!(
+        "    ready in {:.0} ms; it programs these frontends:",
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    let table = crate::commands::table_text(&sb.dir, "c1")?;
+    for line in table.lines() {
+        println!("      {line}");
+    }
+
+    step.say(&format!(
+        "traffic from the client pod to the ClusterSetIPs ({n} new connections each)"
+    ));
+    tcp_requests(&sb.cli, WEB_VIP, n)?.print(&format!("TCP {WEB_VIP} (shop/web)"));
+    tcp_requests(&sb.cli, WEB_VIP6, n.min(50))?.print(&format!("TCP {WEB_VIP6} (shop/web, IPv6)"));
+    let (mut udp, from_vip) = udp_requests(&sb.cli, DNS_VIP, n.min(100))?;
+    udp.print(&format!("UDP {DNS_VIP} (shop/dns-cache)"));
+    println!(
+        "      replies came from the ClusterSetIP: {}",
+        if from_vip { "yes" } else { "NO" }
+    );
+    println!("    Only cluster c1 serves: it is the local cluster and has ready endpoints.");
+
+    step.say("stopping the local cluster's backends (c1)");
+    backends.retain(|b| !b.addr.to_string().starts_with("198.18.1."));
+    std::thread::sleep(Duration::from_millis(50));
+    let mut during = tcp_requests(&sb.cli, WEB_VIP, 10)?;
+    during.print("right after the stop, before c1's endpoints are marked not ready");
+    println!(
+        "    (c1 is still the local cluster with ready endpoints, so the agent keeps to it and"
+    );
+    println!("     the refused connects are retried within c1, then reset: no silent black hole.)");
+    println!(
+        "    The MCS controller of c1 now reports its endpoints not ready (EndpointSlice update)."
+    );
+    let c1 = std::fs::read_to_string(sb.dir.join("slices-c1.yaml"))?;
+    let unready = c1
+        .replace("ready: true", "ready: false")
+        .replace("serving: true", "serving: false");
+    let tmp = sb.dir.join(".slices-c1.yaml.tmp");
+    std::fs::write(&tmp, unready)?;
+    let changed = Instant::now();
+    std::fs::rename(&tmp, sb.dir.join("slices-c1.yaml"))?;
+    let mut first_remote = None;
+    while changed.elapsed() < Duration::from_secs(10) {
+        let t = tcp_requests(&sb.cli, WEB_VIP, 1)?;
+        if t.by_backend.keys().any(|k| k.starts_with("c2 ")) {
+            first_remote = Some(changed.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    match first_remote {
+        Some(t) => println!(
+            "    failover: new connections reach cluster c2 {:.0} ms after the EndpointSlice change",
+            t.as_secs_f64() * 1e3
+        ),
+        None => bail!(
+            "no failover to c2 within 10 s; agent log:\n{}",
+            std::fs::read_to_string(&log_path).unwrap_or_default()
+        ),
+    }
+
+    step.say("traffic after failover");
+    tcp_requests(&sb.cli, WEB_VIP, n)?.print(&format!("TCP {WEB_VIP} (shop/web)"));
+    let (mut udp, _) = udp_requests(&sb.cli, DNS_VIP, n.min(100))?;
+    udp.print(&format!("UDP {DNS_VIP} (shop/dns-cache)"));
+    if let Some((_, metrics)) = http(&sb.node, "/metrics") {
+        let lines: Vec<&str> = metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("mcs_proxy_connections_total{frontend=\"198.18.100.10:80/TCP\"")
+            })
+            .collect();
+        println!("    the agent's metrics (mcs_proxy_connections_total):");
+        for l in lines {
+            println!("      {l}");
+        }
+    }
+
+    step.say("cleaning up: stopping the agent, removing namespaces, nftables rules and files");
+    drop(backends);
+    let names = [
+        sb.cli.name().to_string(),
+        sb.node.name().to_string(),
+        sb.c1.name().to_string(),
+        sb.c2.name().to_string(),
+    ];
+    drop(sb);
+    let left: Vec<&String> = names
+        .iter()
+        .filter(|n| Path::new("/run/netns").join(n).exists())
+        .collect();
+    if left.is_empty() {
+        println!("    done: nothing left behind");
+    } else {
+        println!("    warning: namespaces still present: {left:?}");
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}

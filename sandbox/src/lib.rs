@@ -1,0 +1,49 @@
+//! Sandboxes of network namespaces and cgroups, for `mcs-agent demo` and the tests.
+//!
+//! # Layout
+//!
+//! - [`netns`]: network namespaces, veth pairs, addresses and routes (198.18.0.0/15 and
+//!   2001:2::/48 only), run a closure or a command inside; removed on drop.
+//! - [`cgroup`]: a cgroup under the cgroup v2 root and commands started inside it.
+//!
+//! Every resource carries the creating process id in its name (`mcst<pid>-...`);
+//! [`sweep_stale`] removes those whose process is gone (killed before it could clean up).
+#![forbid(unsafe_code)]
+
+pub mod cgroup;
+pub mod netns;
+
+/// Prefix of every resource (netns, cgroup) this process creates: `mcst<pid>`.
+pub fn resource_prefix() -> String {
+    format!("mcst{}", std::process::id())
+}
+
+/// A short unique name `mcst<pid>-<tag><n>` (n counts per process).
+pub fn unique_name(tag: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{}{}{}",
+        resource_prefix(),
+        tag,
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Removes network namespaces and cgroups left by processes that no longer run.
+pub fn sweep_stale() {
+    netns::sweep_stale();
+    cgroup::sweep_stale();
+}
+
+/// Whether process `pid` is alive.
+pub(crate) fn pid_alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Parses `mcst<pid>...` names.
+pub(crate) fn owner_pid(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix("mcst")?;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
