@@ -55,6 +55,9 @@ pub struct UserspaceConfig {
     pub maglev_table_size: usize,
     /// Zero-copy relay with splice(2) (else a buffered copy).
     pub splice: bool,
+    /// TCP worker threads, each with its own single-threaded runtime and SO_REUSEPORT
+    /// listener (shared nothing but the route table and counters). 0: one per CPU.
+    pub tcp_workers: usize,
 }
 
 impl Default for UserspaceConfig {
@@ -70,6 +73,7 @@ impl Default for UserspaceConfig {
             max_udp_sessions: 65_536,
             maglev_table_size: maglev::DEFAULT_TABLE_SIZE,
             splice: true,
+            tcp_workers: 0,
         }
     }
 }
@@ -130,14 +134,22 @@ impl Userspace {
         let cap = Arc::new(Semaphore::new(config.max_connections));
         let mut tasks = Vec::new();
         let sessions = Arc::new(udp::Sessions::default());
+        let workers = match config.tcp_workers {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
         for v6 in [false, true] {
-            match listeners(port, v6) {
+            match listeners(port, v6, workers) {
                 Ok((tcp, udp_sock)) => {
-                    tasks.push(tokio::spawn(tcp::accept_loop(
-                        tcp,
-                        shared.clone(),
-                        cap.clone(),
-                    )));
+                    for (i, l) in tcp.into_iter().enumerate() {
+                        spawn_worker(i, v6, l, shared.clone(), cap.clone()).map_err(|source| {
+                            StartError::Listen {
+                                what: "tcp worker",
+                                port,
+                                source,
+                            }
+                        })?;
+                    }
                     tasks.push(tokio::spawn(udp::listen_loop(
                         udp_sock,
                         shared.clone(),
@@ -198,10 +210,49 @@ impl Userspace {
     }
 }
 
+/// A TCP worker: a thread with a single-threaded runtime accepting on its own listener; its
+/// connections stay on that thread (no cross-thread wake-ups). It ends at shutdown, after its
+/// connections drained.
+fn spawn_worker(
+    i: usize,
+    v6: bool,
+    listener: std::net::TcpListener,
+    shared: Arc<Shared>,
+    cap: Arc<Semaphore>,
+) -> std::io::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name(format!("mcs-tcp{}-{i}", if v6 { 6 } else { 4 }))
+        .spawn(move || {
+            rt.block_on(async move {
+                let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                    return;
+                };
+                let mut stop = shared.shutdown.clone();
+                let accept = tokio::spawn(tcp::accept_loop(listener, shared.clone(), cap));
+                stopped(&mut stop).await;
+                let _ = accept.await;
+                // Let this thread's connections finish within the drain bound.
+                let deadline = tokio::time::Instant::now() + shared.config.drain_timeout;
+                while tokio::time::Instant::now() < deadline
+                    && shared.metrics.active_connections.get() > 0
+                {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            });
+        })?;
+    Ok(())
+}
+
+type Listeners = (Vec<std::net::TcpListener>, tokio::net::UdpSocket);
+
 fn listeners(
     port: u16,
     v6: bool,
-) -> Result<(tokio::net::TcpListener, tokio::net::UdpSocket), (&'static str, std::io::Error)> {
+    workers: usize,
+) -> Result<Listeners, (&'static str, std::io::Error)> {
     let addr: SocketAddr = if v6 {
         ([0u16; 8], port).into()
     } else {
@@ -215,19 +266,22 @@ fn listeners(
             s.set_ip_transparent_v4(true)
         }
     };
-    let tcp = (|| {
-        let s = Socket::new(domain, Type::STREAM, None)?;
-        if v6 {
-            s.set_only_v6(true)?;
-        }
-        transparent(&s)?;
-        s.set_reuse_address(true)?;
-        s.set_nonblocking(true)?;
-        s.bind(&addr.into())?;
-        s.listen(4096)?;
-        tokio::net::TcpListener::from_std(s.into())
-    })()
-    .map_err(|e| (if v6 { "tcp6" } else { "tcp4" }, e))?;
+    let tcp = (0..workers.max(1))
+        .map(|_| {
+            let s = Socket::new(domain, Type::STREAM, None)?;
+            if v6 {
+                s.set_only_v6(true)?;
+            }
+            transparent(&s)?;
+            s.set_reuse_address(true)?;
+            s.set_reuse_port(true)?;
+            s.set_nonblocking(true)?;
+            s.bind(&addr.into())?;
+            s.listen(4096)?;
+            Ok(s.into())
+        })
+        .collect::<std::io::Result<Vec<std::net::TcpListener>>>()
+        .map_err(|e| (if v6 { "tcp6" } else { "tcp4" }, e))?;
     let udp_sock = (|| {
         let s = Socket::new(domain, Type::DGRAM, None)?;
         if v6 {
