@@ -1,0 +1,319 @@
+//! The sandbox of the userspace dataplane tests: client, node, two clusters of backends.
+//!
+//! ```text
+//!  cli 198.18.10.2 ── node 198.18.10.1 │ 198.18.1.1 ── c1: 198.18.1.2, 198.18.1.3 (+ 2001:2::1:2/3)
+//!                                      │ 198.18.2.1 ── c2: 198.18.2.2, 198.18.2.3
+//! ```
+#![allow(dead_code)]
+
+use std::{
+    collections::BTreeMap,
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream, UdpSocket},
+    path::PathBuf,
+    process::{Child, Stdio},
+    time::{Duration, Instant},
+};
+
+use mcs_test_support::{
+    netns::{Netns, veth},
+    prereq, require,
+};
+
+pub const WAIT: Duration = Duration::from_secs(20);
+pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The sandbox: namespaces, backends, the agent. Dropping it stops the agent and removes all.
+pub struct Sandbox {
+    pub cli: Netns,
+    pub node: Netns,
+    pub c1: Netns,
+    pub c2: Netns,
+    pub dir: tempfile::TempDir,
+    pub agent: Option<Child>,
+    pub metrics_port: u16,
+    _servers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            let _ = a.kill();
+            let _ = a.wait();
+        }
+    }
+}
+
+pub fn examples() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/two-clusters")
+}
+
+/// A TCP server that answers every chunk it reads with `<its address> <chunk>`, per
+/// connection, until EOF; and a UDP server that answers each datagram the same way.
+pub fn serve(ns: &Netns, addr: SocketAddr) -> Vec<std::thread::JoinHandle<()>> {
+    let tcp = ns
+        .run(|| std::net::TcpListener::bind(addr))
+        .unwrap()
+        .unwrap();
+    let udp = ns.run(|| UdpSocket::bind(addr)).unwrap().unwrap();
+    let t = std::thread::spawn(move || {
+        for s in tcp.incoming() {
+            let Ok(mut s) = s else { return };
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                loop {
+                    match s.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => {
+                            let reply = format!("{addr} {}", String::from_utf8_lossy(&buf[..n]));
+                            if s.write_all(reply.as_bytes()).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let u = std::thread::spawn(move || {
+        let mut buf = [0u8; 2048];
+        while let Ok((n, from)) = udp.recv_from(&mut buf) {
+            let reply = format!("{addr} {}", String::from_utf8_lossy(&buf[..n]));
+            let _ = udp.send_to(reply.as_bytes(), from);
+        }
+    });
+    vec![t, u]
+}
+
+impl Sandbox {
+    /// Builds the namespaces and starts backends on `backends` (a subset of the example's).
+    pub fn new(backends: &[&str]) -> Self {
+        let cli = Netns::new("cli").unwrap();
+        let node = Netns::new("node").unwrap();
+        let c1 = Netns::new("c1").unwrap();
+        let c2 = Netns::new("c2").unwrap();
+        veth(&cli, "eth0", &node, "cli0").unwrap();
+        veth(&node, "c1", &c1, "eth0").unwrap();
+        veth(&node, "c2", &c2, "eth0").unwrap();
+        cli.addr("eth0", "198.18.10.2/24").unwrap();
+        cli.addr("eth0", "2001:2::10:2/112").unwrap();
+        node.addr("cli0", "198.18.10.1/24").unwrap();
+        node.addr("cli0", "2001:2::10:1/112").unwrap();
+        node.addr("c1", "198.18.1.1/24").unwrap();
+        node.addr("c1", "2001:2::1:1/112").unwrap();
+        node.addr("c2", "198.18.2.1/24").unwrap();
+        for a in [
+            "198.18.1.2/24",
+            "198.18.1.3/24",
+            "2001:2::1:2/112",
+            "2001:2::1:3/112",
+        ] {
+            c1.addr("eth0", a).unwrap();
+        }
+        for a in ["198.18.2.2/24", "198.18.2.3/24"] {
+            c2.addr("eth0", a).unwrap();
+        }
+        cli.route("default", "198.18.10.1").unwrap();
+        cli.route("default", "2001:2::10:1").unwrap();
+        c1.route("default", "198.18.1.1").unwrap();
+        c1.route("default", "2001:2::1:1").unwrap();
+        c2.route("default", "198.18.2.1").unwrap();
+        let mut servers = Vec::new();
+        for b in backends {
+            let addr: SocketAddr = b.parse().unwrap();
+            let ns = if b.contains("198.18.2.") { &c2 } else { &c1 };
+            servers.extend(serve(ns, addr));
+        }
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["imports.yaml", "slices-c1.yaml", "slices-c2.yaml"] {
+            std::fs::copy(examples().join(f), dir.path().join(f)).unwrap();
+        }
+        Sandbox {
+            cli,
+            node,
+            c1,
+            c2,
+            dir,
+            agent: None,
+            metrics_port: 19464,
+            _servers: servers,
+        }
+    }
+
+    /// Starts the agent in the node namespace and waits until it is ready.
+    pub fn start_agent(&mut self, extra: &[&str]) {
+        let mut cmd = self.node.command(env!("CARGO_BIN_EXE_mcs-agent"));
+        cmd.args([
+            "run",
+            "--dataplane",
+            "userspace",
+            "--cluster-id",
+            "c1",
+            "--file-poll-ms",
+            "50",
+        ])
+        .args([
+            "--metrics-addr",
+            &format!("127.0.0.1:{}", self.metrics_port),
+        ])
+        .arg("--source")
+        .arg(format!("file:{}", self.dir.path().display()))
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(if std::env::var_os("MCS_TEST_AGENT_LOG").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::piped()
+        });
+        self.agent = Some(cmd.spawn().unwrap());
+        let deadline = Instant::now() + WAIT;
+        while self.http("/readyz").map(|(c, _)| c) != Some(200) {
+            if let Some(status) = self.agent.as_mut().unwrap().try_wait().unwrap() {
+                let mut log = String::new();
+                self.agent
+                    .as_mut()
+                    .unwrap()
+                    .stderr
+                    .take()
+                    .unwrap()
+                    .read_to_string(&mut log)
+                    .unwrap();
+                panic!("agent exited ({status}): {log}");
+            }
+            assert!(Instant::now() < deadline, "agent not ready");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stops the agent with SIGTERM; returns its log.
+    pub fn stop_agent(&mut self) -> String {
+        let mut a = self.agent.take().unwrap();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(a.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let status = a.wait().unwrap();
+        let mut log = String::new();
+        if let Some(mut e) = a.stderr.take() {
+            e.read_to_string(&mut log).unwrap();
+        }
+        assert!(status.success(), "agent exit {status}: {log}");
+        log
+    }
+
+    pub fn http(&self, path: &str) -> Option<(u16, String)> {
+        let port = self.metrics_port;
+        let path = path.to_string();
+        self.node
+            .run(move || {
+                let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+                s.write_all(format!("GET {path} HTTP/1.1\r\n\r\n").as_bytes())
+                    .ok()?;
+                let mut out = String::new();
+                s.read_to_string(&mut out).ok()?;
+                Some((out.split_whitespace().nth(1)?.parse().ok()?, out))
+            })
+            .ok()
+            .flatten()
+    }
+
+    /// One TCP request from the client pod: connect, send, half-close, read all.
+    pub fn tcp(&self, to: &str, msg: &str) -> Result<String, String> {
+        let (to, msg) = (to.parse::<SocketAddr>().unwrap(), msg.to_string());
+        self.cli
+            .run(move || -> Result<String, String> {
+                let mut s =
+                    TcpStream::connect_timeout(&to, IO_TIMEOUT).map_err(|e| e.to_string())?;
+                s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+                s.write_all(msg.as_bytes()).map_err(|e| e.to_string())?;
+                s.shutdown(std::net::Shutdown::Write)
+                    .map_err(|e| e.to_string())?;
+                let mut out = String::new();
+                s.read_to_string(&mut out).map_err(|e| e.to_string())?;
+                Ok(out)
+            })
+            .unwrap()
+    }
+
+    /// One UDP request/response from the client pod; returns (reply, its source address).
+    pub fn udp(&self, to: &str, msg: &str) -> Result<(String, SocketAddr), String> {
+        let (to, msg) = (to.parse::<SocketAddr>().unwrap(), msg.to_string());
+        self.cli
+            .run(move || {
+                let s = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+                s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+                s.send_to(msg.as_bytes(), to).map_err(|e| e.to_string())?;
+                let mut buf = [0u8; 2048];
+                let (n, from) = s.recv_from(&mut buf).map_err(|e| e.to_string())?;
+                Ok((String::from_utf8_lossy(&buf[..n]).to_string(), from))
+            })
+            .unwrap()
+    }
+
+    /// Which backend answered each of `n` new connections (by the address it prefixes).
+    pub fn distribution(&self, to: &str, n: usize) -> BTreeMap<String, usize> {
+        let mut seen = BTreeMap::new();
+        for i in 0..n {
+            let reply = self
+                .tcp(to, &format!("req{i}"))
+                .unwrap_or_else(|e| panic!("request {i} to {to}: {e}"));
+            let backend = reply
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            assert!(reply.ends_with(&format!("req{i}")), "{reply}");
+            *seen.entry(backend).or_default() += 1;
+        }
+        seen
+    }
+
+    pub fn nft_table(&self) -> Option<String> {
+        let out = self
+            .node
+            .command("nft")
+            .args(["list", "table", "inet", "mcs_dataplane"])
+            .output()
+            .unwrap();
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).to_string())
+    }
+
+    pub fn write(&self, file: &str, text: &str) {
+        // Write beside and rename, so the source never reads a half-written file.
+        let tmp = self.dir.path().join(format!(".{file}.tmp"));
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, self.dir.path().join(file)).unwrap();
+    }
+
+    pub fn read(&self, file: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(file)).unwrap()
+    }
+}
+
+pub fn prerequisites() -> bool {
+    require(prereq::all([
+        prereq::root(),
+        prereq::program("ip"),
+        prereq::program("nft"),
+    ]))
+}
+
+pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+pub const ALL: [&str; 6] = [
+    "198.18.1.2:8080",
+    "198.18.1.3:8080",
+    "198.18.2.2:8080",
+    "198.18.2.3:8080",
+    "[2001:2::1:2]:8080",
+    "[2001:2::1:3]:8080",
+];
