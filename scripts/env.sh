@@ -11,3 +11,6 @@ export MCS_KUBE_BIN_DIR="$MCS_CACHE/kube/$KUBE_VERSION"
 export PATH="$MCS_TOOLS/bin:$MCS_KUBE_BIN_DIR:$HOME/.cargo/bin:$PATH"
 # bpf-linker is linked against the stable toolchain's libLLVM.
 export LD_LIBRARY_PATH="$MCS_CACHE/llvm-prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export HELM_VERSION="v3.22.0"
+export MCS_HELM_BIN_DIR="$MCS_TOOLS/helm-$HELM_VERSION"
+export PATH="$MCS_HELM_BIN_DIR:$PATH"

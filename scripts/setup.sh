@@ -7,6 +7,7 @@
 #     that builds the kernel-side eBPF crate
 #   - bpf-linker 0.13.0 linked against the stable toolchain's own LLVM 22
 #   - kube-apiserver + kubectl, built from the Go module proxy with the machine's Go
+#   - helm v3, built from the Go module proxy (renders the chart in CI)
 #
 # Prints the environment to use afterwards as `export` lines on fd 3 when asked:
 #   source <(bash scripts/setup.sh --print-env)   # or simply `. scripts/env.sh`
@@ -64,6 +65,14 @@ log "bpf-linker $("$MCS_TOOLS/bin/bpf-linker" --version | awk '{print $2}')"
 
 # --- kube-apiserver + kubectl ------------------------------------------------------------------
 KUBE_VERSION="$KUBE_VERSION" MCS_CACHE="$MCS_CACHE" bash "$HERE/build-kube-apiserver.sh"
+
+# --- helm (renders deploy/helm in CI), built from the Go module proxy ---------------------------
+if [[ ! -x "$MCS_HELM_BIN_DIR/helm" ]]; then
+  log "building helm $HELM_VERSION from the Go module proxy (about 2 min cold)"
+  mkdir -p "$MCS_HELM_BIN_DIR"
+  GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$MCS_HELM_BIN_DIR" go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+fi
+log "helm $("$MCS_HELM_BIN_DIR/helm" version --short 2>/dev/null)"
 
 # --- bpffs (eBPF maps are pinned there) ---------------------------------------------------------
 if ! mount | grep -q ' /sys/fs/bpf type bpf'; then

@@ -39,9 +39,9 @@ pub struct SourceArgs {
     /// `file:DIR` (a directory of YAML: ServiceImports, EndpointSlices, ClusterProperty).
     #[arg(long, value_parser = parse_source)]
     pub source: SourceSpec,
-    /// This cluster's id; when absent, read from the `cluster.clusterset.k8s.io`
+    /// This cluster's id; when absent (or empty), read from the `cluster.clusterset.k8s.io`
     /// ClusterProperty. Local endpoints are preferred over remote ones.
-    #[arg(long, env = "MCS_CLUSTER_ID")]
+    #[arg(long, env = "MCS_CLUSTER_ID", value_parser = non_empty)]
     pub cluster_id: Option<String>,
     /// This node's zone, for `trafficDistribution: PreferClose`.
     #[arg(long, env = "MCS_ZONE")]
@@ -56,12 +56,15 @@ pub struct SourceArgs {
 pub struct RunArgs {
     #[command(flatten)]
     pub source: SourceArgs,
-    /// Which dataplane programs the table.
-    #[arg(long, value_enum, default_value_t = DataplaneKind::Log)]
+    /// Which dataplane programs the table (`log` only logs what it would program).
+    #[arg(long, env = "MCS_DATAPLANE", value_enum, default_value_t = DataplaneKind::Log)]
     pub dataplane: DataplaneKind,
     /// Address of /metrics, /healthz and /readyz.
-    #[arg(long, default_value = "0.0.0.0:9464")]
+    #[arg(long, env = "MCS_METRICS_ADDR", default_value = "0.0.0.0:9464")]
     pub metrics_addr: SocketAddr,
+    /// cgroup v2 root whose processes the eBPF dataplane serves (eBPF dataplane: issue 5).
+    #[arg(long, env = "MCS_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
+    pub cgroup_root: PathBuf,
     /// Name of this node (reported on Kubernetes Events).
     #[arg(long, env = "NODE_NAME", default_value = "unknown-node")]
     pub node_name: String,
@@ -76,7 +79,7 @@ pub struct RunArgs {
 #[derive(Debug, Args)]
 pub struct ProxyArgs {
     /// Port the forwarder listens on (TCP and UDP, all addresses, IP_TRANSPARENT).
-    #[arg(long, default_value_t = 15001)]
+    #[arg(long, env = "MCS_PROXY_PORT", default_value_t = 15001)]
     pub proxy_port: u16,
     /// nftables table (family inet) the agent owns.
     #[arg(long, default_value = "mcs_dataplane")]
@@ -151,6 +154,15 @@ pub enum DataplaneKind {
     Userspace,
     /// eBPF when the kernel allows it, else userspace.
     Auto,
+}
+
+/// An empty value (e.g. an unset ConfigMap key) counts as absent.
+fn non_empty(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        Err("must not be empty".into())
+    } else {
+        Ok(s.trim().to_string())
+    }
 }
 
 fn parse_source(s: &str) -> Result<SourceSpec, String> {

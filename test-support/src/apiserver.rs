@@ -418,6 +418,7 @@ async fn apply_crds(_url: String, kubeconfig: PathBuf) -> anyhow::Result<()> {
         .filter_map(Result::ok)
         .map(|e| e.path())
         .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .filter(|p| p.file_name().is_some_and(|n| n != "kustomization.yaml"))
         .collect();
     entries.sort();
     for path in entries {

@@ -1,6 +1,6 @@
 //! The kube source against a real kube-apiserver: ServiceImports and MCS EndpointSlices of two
 //! clusters drive the controller; restarts of the apiserver neither lose nor reprogram state;
-//! the agent works under exactly the ClusterRole of deploy/rbac.yaml, and nothing more is
+//! the agent works under exactly the ClusterRole of deploy/kustomize/base/rbac.yaml, and nothing more is
 //! granted.
 
 mod common;
@@ -261,11 +261,11 @@ async fn apiserver_restart_loses_nothing_and_reprograms_nothing() {
     let _ = run.stop.send(true);
 }
 
-/// Applies deploy/rbac.yaml (ServiceAccount, ClusterRole, ClusterRoleBinding) as admin.
+/// Applies deploy/kustomize/base/rbac.yaml (ServiceAccount, ClusterRole, ClusterRoleBinding) as admin.
 async fn apply_rbac(admin: Client) {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../deploy/rbac.yaml"
+        "/../../deploy/kustomize/base/rbac.yaml"
     ))
     .unwrap();
     let pp = PatchParams::apply("mcs-test").force();
@@ -307,7 +307,7 @@ async fn apply_rbac(admin: Client) {
                 .await
                 .unwrap();
             }
-            other => panic!("unexpected kind {other} in deploy/rbac.yaml"),
+            other => panic!("unexpected kind {other} in deploy/kustomize/base/rbac.yaml"),
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Writes the CRDs to `deploy/crds/` (default) or checks that the files there are current.
+//! Writes the CRDs to `deploy/crds/` and the Helm chart's `crds/` (default), or checks that
+//! the files there are current.
 //!
 //! ```text
 //! crdgen [DIR]            write DIR/<file>.yaml for each CRD
@@ -22,21 +23,27 @@ fn main() -> anyhow::Result<()> {
             other => dir = Some(PathBuf::from(other)),
         }
     }
-    let dir =
-        dir.unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/crds"));
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy");
+    let dirs = match dir {
+        Some(d) => vec![d],
+        None => vec![root.join("crds"), root.join("helm/mcs-dataplane/crds")],
+    };
     let mut stale = Vec::new();
-    for (file, crd) in mcs_api::crds() {
-        let path = dir.join(file);
-        let want = mcs_api::crd_yaml(&crd);
-        if check {
-            let have = std::fs::read_to_string(&path).unwrap_or_default();
-            if have != want {
-                stale.push(path.display().to_string());
+    for dir in &dirs {
+        for (file, crd) in mcs_api::crds() {
+            let path = dir.join(file);
+            let want = mcs_api::crd_yaml(&crd);
+            if check {
+                let have = std::fs::read_to_string(&path).unwrap_or_default();
+                if have != want {
+                    stale.push(path.display().to_string());
+                }
+            } else {
+                std::fs::create_dir_all(dir)?;
+                std::fs::write(&path, want)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                println!("wrote {}", path.display());
             }
-        } else {
-            std::fs::create_dir_all(&dir)?;
-            std::fs::write(&path, want).with_context(|| format!("writing {}", path.display()))?;
-            println!("wrote {}", path.display());
         }
     }
     if !stale.is_empty() {
