@@ -1,31 +1,59 @@
-//! Loader of the eBPF socket load balancer: load the embedded programs, attach them to a
-//! cgroup v2, and program frontends into the maps.
+//! The eBPF socket load balancer, userspace side: load the embedded programs, pin maps and
+//! links under bpffs, attach to a cgroup v2, and program frontends from the controller's diffs.
 //!
-//! Map update order (see `mcs_ebpf_common`): backends first, then backend slots `1..=n`, then
-//! the frontend at slot 0 with the new count, then stale slots and backends are freed. A
-//! concurrent `connect()` therefore never reads a count that points to a missing slot.
+//! # Pinning and restarts
+//!
+//! Maps are pinned at `<pin_dir>/<MAP_NAME>` and links at `<pin_dir>/links/<program>`
+//! (directory mode 0700, objects 0600). On start, pinned maps are adopted (same kernel maps)
+//! and pinned links are kept as they are, so connects keep being translated while the agent
+//! is down or restarting. The first diff after start carries the whole table; frontends found
+//! in the adopted maps but not in it are removed then. Only [`SocketLb::uninstall`] detaches
+//! and unpins.
+//!
+//! # Update order
+//!
+//! Backends first, then backend slots `1..=n`, then the frontend at slot 0 with the new count,
+//! then stale slots and backends are freed (and their ids reused later). A concurrent
+//! `connect()` never reads a count that points at a missing slot or a freed backend.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fs::File,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
 };
 
 use aya::{
-    Ebpf,
+    EbpfLoader,
     maps::{HashMap, MapData},
-    programs::{CgroupAttachMode, CgroupSockAddr},
+    programs::{CgroupAttachMode, CgroupSockAddr, links::PinnedLink},
 };
-use mcs_ebpf_common::{BE4_MAP, Backend4, MAX_BACKENDS_PER_SVC, SVC4_MAP, Svc4Key, SvcValue};
+use mcs_ebpf_common::{
+    ALL_MAPS, BE_MAP_MAX_ENTRIES, BE4_MAP, BE6_MAP, Backend4, Backend6, MAX_BACKENDS_PER_SVC,
+    SVC4_MAP, SVC6_MAP, Svc4Key, Svc6Key, SvcValue,
+};
+use mcs_model::{Dataplane, DataplaneError, Frontend, Protocol, TableDiff};
 
 /// The object built by `build.rs`, 8-byte aligned as the ELF parser wants.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/mcs-ebpf"));
 
-/// Names of the programs in the object and the hook each one attaches to.
-pub const PROGRAMS: &[&str] = &["mcs_connect4"];
+/// Programs in the object, each attached to the hook its section names.
+pub const PROGRAMS: &[&str] = &[
+    "mcs_connect4",
+    "mcs_sendmsg4",
+    "mcs_recvmsg4",
+    "mcs_getpeername4",
+    "mcs_connect6",
+    "mcs_sendmsg6",
+    "mcs_recvmsg6",
+    "mcs_getpeername6",
+];
 
-/// Errors of the eBPF loader.
+/// Default pin directory.
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/mcs";
+
+/// Errors of the eBPF dataplane.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The object could not be loaded (verifier, missing kernel support, no privilege).
@@ -40,7 +68,7 @@ pub enum Error {
         #[source]
         source: aya::programs::ProgramError,
     },
-    /// A map is missing from the object or has the wrong type.
+    /// A map operation failed.
     #[error("map {name}: {source}")]
     Map {
         /// Map name.
@@ -49,9 +77,17 @@ pub enum Error {
         #[source]
         source: aya::maps::MapError,
     },
-    /// A map is missing from the object.
-    #[error("map {0} is missing from the eBPF object")]
-    MissingMap(&'static str),
+    /// A map or program is missing from the object.
+    #[error("{0} is missing from the eBPF object")]
+    Missing(&'static str),
+    /// Pinning or unpinning failed.
+    #[error("pinning {path}: {message}")]
+    Pin {
+        /// The path.
+        path: PathBuf,
+        /// What failed.
+        message: String,
+    },
     /// The cgroup directory cannot be opened.
     #[error("opening cgroup {path}: {source}")]
     Cgroup {
@@ -64,178 +100,599 @@ pub enum Error {
     /// More backends than one frontend may have.
     #[error("frontend has {0} backends; at most {MAX_BACKENDS_PER_SVC} are supported")]
     TooManyBackends(usize),
+    /// No free backend id: the backends map is full.
+    #[error("the backends map is full ({BE_MAP_MAX_ENTRIES} entries)")]
+    BackendsFull,
 }
 
-/// The IP protocol of a frontend.
+/// The transport protocol of a frontend, as the socket hooks see it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Protocol {
+pub enum L4 {
     /// TCP.
     Tcp,
     /// UDP.
     Udp,
 }
 
-impl Protocol {
+impl L4 {
     fn number(self) -> u8 {
         match self {
             Self::Tcp => mcs_ebpf_common::proto::TCP,
             Self::Udp => mcs_ebpf_common::proto::UDP,
         }
     }
+
+    fn from_number(n: u8) -> Option<Self> {
+        match n {
+            mcs_ebpf_common::proto::TCP => Some(Self::Tcp),
+            mcs_ebpf_common::proto::UDP => Some(Self::Udp),
+            _ => None,
+        }
+    }
 }
 
-/// A loaded socket load balancer. Dropping it detaches the programs (pinning, so that traffic
-/// survives an agent restart, comes with the full socket LB).
+/// Backward-compatible name.
+pub type Protocol4 = L4;
+
+type FrontKey = (SocketAddr, L4);
+
+/// What the maps hold, read back from the kernel (for `mcs-agent status`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Programmed {
+    /// Frontend → backends (in slot order).
+    pub frontends: BTreeMap<String, Vec<String>>,
+}
+
+/// The loaded socket load balancer.
 #[derive(Debug)]
 pub struct SocketLb {
-    ebpf: Ebpf,
-    services: HashMap<MapData, Svc4Key, SvcValue>,
-    backends: HashMap<MapData, u32, Backend4>,
-    /// Backend slots currently programmed per frontend, to free stale ones.
-    programmed: BTreeMap<(SocketAddrV4, Protocol), Vec<u32>>,
-    next_backend_id: u32,
+    pin_dir: PathBuf,
+    ebpf: Option<aya::Ebpf>,
+    svc4: HashMap<MapData, Svc4Key, SvcValue>,
+    be4: HashMap<MapData, u32, Backend4>,
+    svc6: HashMap<MapData, Svc6Key, SvcValue>,
+    be6: HashMap<MapData, u32, Backend6>,
+    /// Backend ids per frontend, as programmed.
+    programmed: BTreeMap<FrontKey, Vec<u32>>,
+    used_ids: BTreeSet<u32>,
+    free_ids: Vec<u32>,
+    next_id: u32,
+    first_apply: bool,
+    links: Vec<PinnedLink>,
+    adopted_links: usize,
+}
+
+fn pin_err(path: &Path, e: impl std::fmt::Display) -> Error {
+    Error::Pin {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    }
 }
 
 impl SocketLb {
-    /// Loads the embedded programs and takes their maps. Needs CAP_BPF/CAP_SYS_ADMIN.
-    pub fn load() -> Result<Self, Error> {
-        let mut ebpf = Ebpf::load(OBJECT)?;
-        for &name in PROGRAMS {
-            let prog: &mut CgroupSockAddr = ebpf
-                .program_mut(name)
-                .ok_or(Error::MissingMap(name))?
-                .try_into()
-                .map_err(|source| Error::Program { name, source })?;
-            prog.load()
-                .map_err(|source| Error::Program { name, source })?;
+    /// Loads the object with its maps pinned in `pin_dir` (adopting maps already pinned there)
+    /// and reads back what they hold.
+    pub fn open(pin_dir: &Path) -> Result<Self, Error> {
+        std::fs::create_dir_all(pin_dir.join("links")).map_err(|e| pin_err(pin_dir, e))?;
+        for d in [pin_dir.to_path_buf(), pin_dir.join("links")] {
+            let _ = std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700));
         }
-        let services = take_hash_map(&mut ebpf, SVC4_MAP)?;
-        let backends = take_hash_map(&mut ebpf, BE4_MAP)?;
-        Ok(Self {
-            ebpf,
-            services,
-            backends,
+        let paths: Vec<(&'static str, PathBuf)> =
+            ALL_MAPS.iter().map(|m| (*m, pin_dir.join(m))).collect();
+        let mut loader = EbpfLoader::new();
+        for (name, path) in &paths {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader.load(OBJECT)?;
+        for (_, path) in &paths {
+            let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
+        }
+        let take = |ebpf: &mut aya::Ebpf, name: &'static str| -> Result<aya::maps::Map, Error> {
+            ebpf.take_map(name).ok_or(Error::Missing(name))
+        };
+        let map_err = |name: &'static str| move |source| Error::Map { name, source };
+        let svc4 = HashMap::try_from(take(&mut ebpf, SVC4_MAP)?).map_err(map_err(SVC4_MAP))?;
+        let be4 = HashMap::try_from(take(&mut ebpf, BE4_MAP)?).map_err(map_err(BE4_MAP))?;
+        let svc6 = HashMap::try_from(take(&mut ebpf, SVC6_MAP)?).map_err(map_err(SVC6_MAP))?;
+        let be6 = HashMap::try_from(take(&mut ebpf, BE6_MAP)?).map_err(map_err(BE6_MAP))?;
+        let mut lb = Self {
+            pin_dir: pin_dir.to_path_buf(),
+            ebpf: Some(ebpf),
+            svc4,
+            be4,
+            svc6,
+            be6,
             programmed: BTreeMap::new(),
-            next_backend_id: 1,
-        })
+            used_ids: BTreeSet::new(),
+            free_ids: Vec::new(),
+            next_id: 1,
+            first_apply: true,
+            links: Vec::new(),
+            adopted_links: 0,
+        };
+        lb.adopt_state();
+        Ok(lb)
     }
 
-    /// Attaches every program to the cgroup v2 directory `cgroup` (it then applies to every
-    /// process in that cgroup and below).
+    /// Reads what pinned maps already hold (a previous agent's work).
+    fn adopt_state(&mut self) {
+        let mut fronts: BTreeMap<FrontKey, BTreeMap<u16, u32>> = BTreeMap::new();
+        for (k, v) in self.svc4.iter().filter_map(Result::ok) {
+            let Some(l4) = L4::from_number(k.proto) else {
+                continue;
+            };
+            let fk = (
+                SocketAddr::new(
+                    IpAddr::V4(Ipv4Addr::from(k.vip.to_ne_bytes())),
+                    u16::from_be(k.port),
+                ),
+                l4,
+            );
+            let e = fronts.entry(fk).or_default();
+            if k.slot > 0 {
+                e.insert(k.slot, v.backend_id);
+            }
+        }
+        for (k, v) in self.svc6.iter().filter_map(Result::ok) {
+            let Some(l4) = L4::from_number(k.proto) else {
+                continue;
+            };
+            let fk = (
+                SocketAddr::new(IpAddr::V6(ip6_from_words(k.vip)), u16::from_be(k.port)),
+                l4,
+            );
+            let e = fronts.entry(fk).or_default();
+            if k.slot > 0 {
+                e.insert(k.slot, v.backend_id);
+            }
+        }
+        let ids: BTreeSet<u32> = self
+            .be4
+            .keys()
+            .filter_map(Result::ok)
+            .chain(self.be6.keys().filter_map(Result::ok))
+            .collect();
+        self.next_id = ids.iter().max().map_or(1, |m| m + 1);
+        self.used_ids = ids;
+        self.programmed = fronts
+            .into_iter()
+            .map(|(k, slots)| (k, slots.into_values().collect()))
+            .collect();
+        if !self.programmed.is_empty() {
+            tracing::info!(
+                frontends = self.programmed.len(),
+                "adopted pinned eBPF maps"
+            );
+        }
+    }
+
+    /// Attaches every program to `cgroup`, or keeps the links a previous agent pinned.
     pub fn attach(&mut self, cgroup: &Path) -> Result<(), Error> {
         let file = File::open(cgroup).map_err(|source| Error::Cgroup {
             path: cgroup.to_path_buf(),
             source,
         })?;
+        let ebpf = self.ebpf.as_mut().ok_or(Error::Missing("programs"))?;
         for &name in PROGRAMS {
-            let prog: &mut CgroupSockAddr = self
-                .ebpf
+            let pin = self.pin_dir.join("links").join(name);
+            if pin.exists() {
+                match PinnedLink::from_pin(&pin) {
+                    Ok(link) => {
+                        self.links.push(link);
+                        self.adopted_links += 1;
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(program = name, error = %e, "unusable pinned link; attaching anew");
+                        let _ = std::fs::remove_file(&pin);
+                    }
+                }
+            }
+            let prog: &mut CgroupSockAddr = ebpf
                 .program_mut(name)
-                .ok_or(Error::MissingMap(name))?
+                .ok_or(Error::Missing(name))?
                 .try_into()
                 .map_err(|source| Error::Program { name, source })?;
-            prog.attach(&file, CgroupAttachMode::Single)
+            prog.load()
                 .map_err(|source| Error::Program { name, source })?;
-            tracing::info!(program = name, cgroup = %cgroup.display(), "attached");
+            // Through bpf_link (kernel ≥ 5.7): links coexist with other programs on the cgroup
+            // whatever the mode; `Single` is the flag value link_create accepts.
+            let id = prog
+                .attach(&file, CgroupAttachMode::Single)
+                .map_err(|source| Error::Program { name, source })?;
+            let link = prog
+                .take_link(id)
+                .map_err(|source| Error::Program { name, source })?;
+            let fd_link: aya::programs::links::FdLink = link
+                .try_into()
+                .map_err(|e: aya::programs::links::LinkError| pin_err(&pin, e))?;
+            let pinned = fd_link.pin(&pin).map_err(|e| pin_err(&pin, e))?;
+            let _ = std::fs::set_permissions(&pin, std::fs::Permissions::from_mode(0o600));
+            self.links.push(pinned);
+        }
+        if self.adopted_links > 0 {
+            tracing::info!(
+                adopted = self.adopted_links,
+                "kept pinned links: no detach, no gap"
+            );
+        } else {
+            tracing::info!(cgroup = %cgroup.display(), programs = PROGRAMS.len(), "attached socket LB");
         }
         Ok(())
     }
 
-    /// Programs (or replaces) the frontend `vip/proto` with `backends`, in the safe order.
+    /// Links adopted from a previous run.
+    pub fn adopted_links(&self) -> usize {
+        self.adopted_links
+    }
+
+    /// Programs (or replaces) the frontend `vip` with `backends`, in the safe order.
     pub fn set_service(
         &mut self,
-        vip: SocketAddrV4,
-        proto: Protocol,
-        backends: &[SocketAddrV4],
+        vip: SocketAddr,
+        l4: L4,
+        backends: &[SocketAddr],
     ) -> Result<(), Error> {
+        let backends: Vec<SocketAddr> = backends
+            .iter()
+            .filter(|b| b.is_ipv4() == vip.is_ipv4())
+            .copied()
+            .collect();
         let count = u16::try_from(backends.len())
             .ok()
             .filter(|&n| n <= MAX_BACKENDS_PER_SVC)
             .ok_or(Error::TooManyBackends(backends.len()))?;
-        let (vip_be, port_be) = (ip_be(*vip.ip()), vip.port().to_be());
-        let p = proto.number();
-        let map_err = |source| Error::Map {
-            name: SVC4_MAP,
-            source,
-        };
         // 1. Backends, under fresh ids.
         let mut ids = Vec::with_capacity(backends.len());
-        for be in backends {
-            let id = self.alloc_backend_id();
-            let value = Backend4 {
-                addr: ip_be(*be.ip()),
-                port: be.port().to_be(),
-                proto: p,
-                ..Default::default()
+        for be in &backends {
+            let id = self.alloc_id()?;
+            let r = match be {
+                SocketAddr::V4(a) => self.be4.insert(
+                    id,
+                    Backend4 {
+                        addr: u32::from_ne_bytes(a.ip().octets()),
+                        port: a.port().to_be(),
+                        proto: l4.number(),
+                        ..Default::default()
+                    },
+                    0,
+                ),
+                SocketAddr::V6(a) => self.be6.insert(
+                    id,
+                    Backend6 {
+                        addr: ip6_words(*a.ip()),
+                        port: a.port().to_be(),
+                        proto: l4.number(),
+                        ..Default::default()
+                    },
+                    0,
+                ),
             };
-            self.backends
-                .insert(id, value, 0)
-                .map_err(|source| Error::Map {
-                    name: BE4_MAP,
+            if let Err(source) = r {
+                self.release_id(id);
+                for id in ids {
+                    self.free_backend(id);
+                }
+                return Err(Error::Map {
+                    name: if be.is_ipv4() { BE4_MAP } else { BE6_MAP },
                     source,
-                })?;
+                });
+            }
             ids.push(id);
         }
-        // 2. Slots 1..=count.
+        // 2. Slots, 3. the frontend last.
         for (i, &id) in ids.iter().enumerate() {
-            let key = Svc4Key::new(vip_be, port_be, p, i as u16 + 1);
-            let value = SvcValue {
-                backend_id: id,
-                ..Default::default()
-            };
-            self.services.insert(key, value, 0).map_err(map_err)?;
+            self.put_slot(
+                vip,
+                l4,
+                i as u16 + 1,
+                SvcValue {
+                    backend_id: id,
+                    ..Default::default()
+                },
+            )?;
         }
-        // 3. The frontend last.
-        let front = SvcValue {
-            count,
-            ..Default::default()
-        };
-        self.services
-            .insert(Svc4Key::new(vip_be, port_be, p, 0), front, 0)
-            .map_err(map_err)?;
+        self.put_slot(
+            vip,
+            l4,
+            0,
+            SvcValue {
+                count,
+                ..Default::default()
+            },
+        )?;
         // 4. Free what the previous version used beyond the new count, and its backends.
-        let old = self
-            .programmed
-            .insert((vip, proto), ids)
-            .unwrap_or_default();
+        let old = self.programmed.insert((vip, l4), ids).unwrap_or_default();
         for slot in (backends.len() + 1)..=old.len() {
-            let _ = self
-                .services
-                .remove(&Svc4Key::new(vip_be, port_be, p, slot as u16));
+            self.delete_slot(vip, l4, slot as u16);
         }
         for id in old {
-            let _ = self.backends.remove(&id);
+            self.free_backend(id);
         }
         Ok(())
     }
 
-    fn alloc_backend_id(&mut self) -> u32 {
-        let id = self.next_backend_id;
-        self.next_backend_id = self.next_backend_id.checked_add(1).unwrap_or(1);
-        id
+    /// Removes a frontend: slot 0 first (new connects stop matching), then slots, then backends.
+    pub fn remove_service(&mut self, vip: SocketAddr, l4: L4) {
+        self.delete_slot(vip, l4, 0);
+        if let Some(old) = self.programmed.remove(&(vip, l4)) {
+            for slot in 1..=old.len() {
+                self.delete_slot(vip, l4, slot as u16);
+            }
+            for id in old {
+                self.free_backend(id);
+            }
+        }
     }
 
-    /// Number of frontends (slot-0 entries) in the services map, read back from the kernel.
+    fn put_slot(&mut self, vip: SocketAddr, l4: L4, slot: u16, v: SvcValue) -> Result<(), Error> {
+        match vip {
+            SocketAddr::V4(a) => self
+                .svc4
+                .insert(
+                    Svc4Key::new(
+                        u32::from_ne_bytes(a.ip().octets()),
+                        a.port().to_be(),
+                        l4.number(),
+                        slot,
+                    ),
+                    v,
+                    0,
+                )
+                .map_err(|source| Error::Map {
+                    name: SVC4_MAP,
+                    source,
+                }),
+            SocketAddr::V6(a) => self
+                .svc6
+                .insert(
+                    Svc6Key::new(ip6_words(*a.ip()), a.port().to_be(), l4.number(), slot),
+                    v,
+                    0,
+                )
+                .map_err(|source| Error::Map {
+                    name: SVC6_MAP,
+                    source,
+                }),
+        }
+    }
+
+    fn delete_slot(&mut self, vip: SocketAddr, l4: L4, slot: u16) {
+        let _ = match vip {
+            SocketAddr::V4(a) => self.svc4.remove(&Svc4Key::new(
+                u32::from_ne_bytes(a.ip().octets()),
+                a.port().to_be(),
+                l4.number(),
+                slot,
+            )),
+            SocketAddr::V6(a) => self.svc6.remove(&Svc6Key::new(
+                ip6_words(*a.ip()),
+                a.port().to_be(),
+                l4.number(),
+                slot,
+            )),
+        };
+    }
+
+    fn alloc_id(&mut self) -> Result<u32, Error> {
+        let id = match self.free_ids.pop() {
+            Some(id) => id,
+            None if (self.used_ids.len() as u32) < BE_MAP_MAX_ENTRIES => {
+                while self.used_ids.contains(&self.next_id) || self.next_id == 0 {
+                    self.next_id = self.next_id.wrapping_add(1);
+                }
+                let id = self.next_id;
+                self.next_id = self.next_id.wrapping_add(1);
+                id
+            }
+            None => return Err(Error::BackendsFull),
+        };
+        self.used_ids.insert(id);
+        Ok(id)
+    }
+
+    fn release_id(&mut self, id: u32) {
+        if self.used_ids.remove(&id) {
+            self.free_ids.push(id);
+        }
+    }
+
+    fn free_backend(&mut self, id: u32) {
+        let _ = self.be4.remove(&id);
+        let _ = self.be6.remove(&id);
+        self.release_id(id);
+    }
+
+    /// Number of frontends (slot-0 entries) in the maps, read back from the kernel.
     pub fn frontends_in_map(&self) -> usize {
-        self.services
+        self.svc4
             .keys()
             .filter_map(Result::ok)
             .filter(|k| k.slot == 0)
             .count()
+            + self
+                .svc6
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|k| k.slot == 0)
+                .count()
+    }
+
+    /// Removes the pinned links (detaching the programs) and maps of `pin_dir`.
+    pub fn uninstall(pin_dir: &Path) -> Result<usize, Error> {
+        let mut removed = 0;
+        let links = pin_dir.join("links");
+        if let Ok(dir) = std::fs::read_dir(&links) {
+            for e in dir.filter_map(Result::ok) {
+                std::fs::remove_file(e.path()).map_err(|err| pin_err(&e.path(), err))?;
+                removed += 1;
+            }
+        }
+        let _ = std::fs::remove_dir(&links);
+        for m in ALL_MAPS {
+            let p = pin_dir.join(m);
+            if p.exists() {
+                std::fs::remove_file(&p).map_err(|e| pin_err(&p, e))?;
+                removed += 1;
+            }
+        }
+        let _ = std::fs::remove_dir(pin_dir);
+        Ok(removed)
     }
 }
 
-fn take_hash_map<K: aya::Pod, V: aya::Pod>(
-    ebpf: &mut Ebpf,
-    name: &'static str,
-) -> Result<HashMap<MapData, K, V>, Error> {
-    let map = ebpf.take_map(name).ok_or(Error::MissingMap(name))?;
-    HashMap::try_from(map).map_err(|source| Error::Map { name, source })
+/// Reads what the pinned maps in `pin_dir` hold (no program is loaded).
+pub fn read_pinned(pin_dir: &Path) -> Result<Programmed, Error> {
+    let open = |name: &'static str| {
+        let p = pin_dir.join(name);
+        MapData::from_pin(&p).map_err(|source| Error::Map { name, source })
+    };
+    let svc4: HashMap<_, Svc4Key, SvcValue> =
+        HashMap::try_from(aya::maps::Map::HashMap(open(SVC4_MAP)?)).map_err(|source| {
+            Error::Map {
+                name: SVC4_MAP,
+                source,
+            }
+        })?;
+    let be4: HashMap<_, u32, Backend4> = HashMap::try_from(aya::maps::Map::HashMap(open(BE4_MAP)?))
+        .map_err(|source| Error::Map {
+            name: BE4_MAP,
+            source,
+        })?;
+    let svc6: HashMap<_, Svc6Key, SvcValue> =
+        HashMap::try_from(aya::maps::Map::HashMap(open(SVC6_MAP)?)).map_err(|source| {
+            Error::Map {
+                name: SVC6_MAP,
+                source,
+            }
+        })?;
+    let be6: HashMap<_, u32, Backend6> = HashMap::try_from(aya::maps::Map::HashMap(open(BE6_MAP)?))
+        .map_err(|source| Error::Map {
+            name: BE6_MAP,
+            source,
+        })?;
+    let proto = |p: u8| match L4::from_number(p) {
+        Some(L4::Tcp) => "TCP",
+        Some(L4::Udp) => "UDP",
+        None => "?",
+    };
+    let mut out = Programmed::default();
+    let mut slots: BTreeMap<String, BTreeMap<u16, String>> = BTreeMap::new();
+    for (k, v) in svc4.iter().filter_map(Result::ok) {
+        let f = format!(
+            "{}:{}/{}",
+            Ipv4Addr::from(k.vip.to_ne_bytes()),
+            u16::from_be(k.port),
+            proto(k.proto)
+        );
+        let e = slots.entry(f).or_default();
+        if k.slot > 0 {
+            let b = be4.get(&v.backend_id, 0).map(|b| {
+                format!(
+                    "{}:{}",
+                    Ipv4Addr::from(b.addr.to_ne_bytes()),
+                    u16::from_be(b.port)
+                )
+            });
+            e.insert(
+                k.slot,
+                b.unwrap_or_else(|_| format!("<missing backend {}>", v.backend_id)),
+            );
+        }
+    }
+    for (k, v) in svc6.iter().filter_map(Result::ok) {
+        let f = format!(
+            "[{}]:{}/{}",
+            ip6_from_words(k.vip),
+            u16::from_be(k.port),
+            proto(k.proto)
+        );
+        let e = slots.entry(f).or_default();
+        if k.slot > 0 {
+            let b = be6
+                .get(&v.backend_id, 0)
+                .map(|b| format!("[{}]:{}", ip6_from_words(b.addr), u16::from_be(b.port)));
+            e.insert(
+                k.slot,
+                b.unwrap_or_else(|_| format!("<missing backend {}>", v.backend_id)),
+            );
+        }
+    }
+    for (f, s) in slots {
+        out.frontends.insert(f, s.into_values().collect());
+    }
+    Ok(out)
 }
 
-/// An IPv4 address as the kernel's `user_ip4`: network byte order in a native `u32`.
-fn ip_be(ip: Ipv4Addr) -> u32 {
-    u32::from_ne_bytes(ip.octets())
+/// An IPv6 address as the kernel's `user_ip6`: four words, each in network byte order.
+fn ip6_words(ip: Ipv6Addr) -> [u32; 4] {
+    let o = ip.octets();
+    core::array::from_fn(|i| {
+        u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+    })
+}
+
+fn ip6_from_words(w: [u32; 4]) -> Ipv6Addr {
+    let mut o = [0u8; 16];
+    for (i, word) in w.iter().enumerate() {
+        o[4 * i..4 * i + 4].copy_from_slice(&word.to_ne_bytes());
+    }
+    Ipv6Addr::from(o)
+}
+
+fn l4_of(p: Protocol) -> Option<L4> {
+    match p {
+        Protocol::Tcp => Some(L4::Tcp),
+        Protocol::Udp => Some(L4::Udp),
+        Protocol::Sctp => None,
+    }
+}
+
+fn key_of(f: &Frontend) -> Option<(SocketAddr, L4)> {
+    Some((SocketAddr::new(f.vip, f.port), l4_of(f.protocol)?))
+}
+
+impl Dataplane for SocketLb {
+    fn name(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn apply(&mut self, diff: &TableDiff) -> Result<(), DataplaneError> {
+        let err = |e: Error| DataplaneError {
+            message: e.to_string(),
+        };
+        for f in &diff.remove {
+            if let Some((vip, l4)) = key_of(f) {
+                self.remove_service(vip, l4);
+            }
+        }
+        for (f, svc) in &diff.upsert {
+            let Some((vip, l4)) = key_of(f) else {
+                tracing::warn!(frontend = %f, "SCTP is not translated by the socket LB");
+                continue;
+            };
+            let backends: Vec<SocketAddr> = svc
+                .selected()
+                .map(|b| SocketAddr::new(b.address, b.port))
+                .collect();
+            self.set_service(vip, l4, &backends).map_err(err)?;
+        }
+        if std::mem::take(&mut self.first_apply) {
+            // The first diff is the whole table: drop what a previous agent left that is gone.
+            let keep: BTreeSet<FrontKey> = diff.upsert.keys().filter_map(key_of).collect();
+            let stale: Vec<FrontKey> = self
+                .programmed
+                .keys()
+                .filter(|k| !keep.contains(k))
+                .copied()
+                .collect();
+            for (vip, l4) in stale {
+                tracing::info!(frontend = %vip, "removing a frontend left by the previous agent");
+                self.remove_service(vip, l4);
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -243,14 +700,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ip_is_kept_in_network_order() {
-        let v = ip_be(Ipv4Addr::new(198, 18, 0, 10));
-        assert_eq!(v.to_ne_bytes(), [198, 18, 0, 10]);
+    fn ipv6_words_round_trip_in_network_order() {
+        let ip: Ipv6Addr = "2001:2::1:2".parse().unwrap();
+        let w = ip6_words(ip);
+        assert_eq!(w[0].to_ne_bytes(), [0x20, 0x01, 0x00, 0x02]);
+        assert_eq!(ip6_from_words(w), ip);
     }
 
     #[test]
     fn object_is_embedded() {
-        // An ELF object for the BPF machine.
         assert_eq!(&OBJECT[..4], b"\x7fELF");
     }
 }

@@ -45,6 +45,23 @@ pub enum Probe {
         /// Bytes to send, then half-close.
         send: String,
     },
+    /// UDP `sendto` (unconnected) to `to`, one `recvfrom`; `peer` is the reply's source.
+    Udp {
+        /// Destination.
+        to: SocketAddr,
+        /// Datagram.
+        send: String,
+    },
+    /// `count` TCP request/response exchanges, one new connection each, `interval_ms` apart;
+    /// counts successes and failures (bounded: count × (interval + timeout)).
+    TcpLoop {
+        /// Destination.
+        to: SocketAddr,
+        /// Connections.
+        count: u32,
+        /// Pause between connections.
+        interval_ms: u64,
+    },
 }
 
 /// What the kernel did with the probe's socket.
@@ -58,6 +75,10 @@ pub struct ProbeResult {
     pub reply: String,
     /// The error, if the probe failed.
     pub error: Option<String>,
+    /// `TcpLoop`: exchanges that worked.
+    pub ok: u32,
+    /// `TcpLoop`: exchanges that failed.
+    pub failed: u32,
 }
 
 impl Probe {
@@ -138,6 +159,54 @@ fn run(probe: &Probe) -> ProbeResult {
             };
             if let Err(e) = attempt() {
                 result.error = Some(e.to_string());
+            }
+        }
+        Probe::Udp { to, send } => {
+            let attempt = || -> std::io::Result<(SocketAddr, String)> {
+                let bind: SocketAddr = if to.is_ipv4() {
+                    "0.0.0.0:0".parse().unwrap()
+                } else {
+                    "[::]:0".parse().unwrap()
+                };
+                let s = std::net::UdpSocket::bind(bind)?;
+                s.set_read_timeout(Some(PROBE_TIMEOUT))?;
+                s.send_to(send.as_bytes(), to)?;
+                let mut buf = [0u8; 2048];
+                let (n, from) = s.recv_from(&mut buf)?;
+                Ok((from, String::from_utf8_lossy(&buf[..n]).to_string()))
+            };
+            match attempt() {
+                Ok((from, reply)) => {
+                    result.peer = Some(from);
+                    result.reply = reply;
+                }
+                Err(e) => result.error = Some(e.to_string()),
+            }
+        }
+        Probe::TcpLoop {
+            to,
+            count,
+            interval_ms,
+        } => {
+            for i in 0..*count {
+                let one = || -> std::io::Result<bool> {
+                    let mut s = TcpStream::connect_timeout(to, PROBE_TIMEOUT)?;
+                    s.set_read_timeout(Some(PROBE_TIMEOUT))?;
+                    write!(s, "loop{i}")?;
+                    s.shutdown(std::net::Shutdown::Write)?;
+                    let mut out = String::new();
+                    s.read_to_string(&mut out)?;
+                    Ok(!out.is_empty())
+                };
+                match one() {
+                    Ok(true) => result.ok += 1,
+                    Ok(false) => result.failed += 1,
+                    Err(e) => {
+                        result.failed += 1;
+                        result.error.get_or_insert_with(|| e.to_string());
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(*interval_ms));
             }
         }
     }

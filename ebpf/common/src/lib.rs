@@ -31,6 +31,25 @@
 pub const SVC4_MAP: &str = "MCS_SVC4_V1";
 /// Name of the IPv4 backends map (backend id → address).
 pub const BE4_MAP: &str = "MCS_BE4_V1";
+/// Name of the IPv6 services map.
+pub const SVC6_MAP: &str = "MCS_SVC6_V1";
+/// Name of the IPv6 backends map.
+pub const BE6_MAP: &str = "MCS_BE6_V1";
+/// Name of the IPv4 reverse-NAT LRU map (socket cookie + backend → VIP).
+pub const REVNAT4_MAP: &str = "MCS_REVNAT4_V1";
+/// Name of the IPv6 reverse-NAT LRU map.
+pub const REVNAT6_MAP: &str = "MCS_REVNAT6_V1";
+/// Every map, for pinning and status.
+pub const ALL_MAPS: [&str; 6] = [
+    SVC4_MAP,
+    BE4_MAP,
+    SVC6_MAP,
+    BE6_MAP,
+    REVNAT4_MAP,
+    REVNAT6_MAP,
+];
+/// Entries of each reverse-NAT LRU map.
+pub const REVNAT_MAP_MAX_ENTRIES: u32 = 262_144;
 /// Maximum number of entries of the services map (frontends + backend slots).
 pub const SVC_MAP_MAX_ENTRIES: u32 = 65_536;
 /// Maximum number of entries of the backends map.
@@ -118,6 +137,106 @@ pub struct Backend4 {
     pub cluster_id: u32,
 }
 
+/// Key of the services map, IPv6 (same meaning as [`Svc4Key`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Svc6Key {
+    /// ClusterSetIP, network byte order, as `bpf_sock_addr.user_ip6` (four 32-bit words).
+    pub vip: [u32; 4],
+    /// Service port, network byte order.
+    pub port: u16,
+    /// IP protocol number.
+    pub proto: u8,
+    /// Always 0.
+    pub _pad0: u8,
+    /// 0 = frontend, `1..=count` = backend slots. Host byte order.
+    pub slot: u16,
+    /// Always 0.
+    pub _pad1: [u8; 2],
+}
+
+impl Svc6Key {
+    /// Key of slot `slot` of the frontend `vip:port/proto` (network byte order).
+    pub const fn new(vip_be: [u32; 4], port_be: u16, proto: u8, slot: u16) -> Self {
+        Self {
+            vip: vip_be,
+            port: port_be,
+            proto,
+            _pad0: 0,
+            slot,
+            _pad1: [0; 2],
+        }
+    }
+}
+
+/// Value of the backends map, IPv6.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Backend6 {
+    /// Backend address, network byte order (four 32-bit words).
+    pub addr: [u32; 4],
+    /// Backend port, network byte order.
+    pub port: u16,
+    /// IP protocol number.
+    pub proto: u8,
+    /// Always 0.
+    pub _pad0: u8,
+    /// Source cluster number (assigned by the agent). Host order.
+    pub cluster_id: u32,
+}
+
+/// Key of the IPv4 reverse-NAT map: which backend a socket was sent to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RevNat4Key {
+    /// `bpf_get_socket_cookie()` of the socket.
+    pub cookie: u64,
+    /// Backend address, network byte order.
+    pub addr: u32,
+    /// Backend port, network byte order.
+    pub port: u16,
+    /// Always 0.
+    pub _pad0: [u8; 2],
+}
+
+/// Value of the IPv4 reverse-NAT map: the frontend the application asked for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RevNat4Value {
+    /// VIP, network byte order.
+    pub vip: u32,
+    /// VIP port, network byte order.
+    pub port: u16,
+    /// Always 0.
+    pub _pad0: [u8; 2],
+}
+
+/// Key of the IPv6 reverse-NAT map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RevNat6Key {
+    /// `bpf_get_socket_cookie()` of the socket.
+    pub cookie: u64,
+    /// Backend address, network byte order.
+    pub addr: [u32; 4],
+    /// Backend port, network byte order.
+    pub port: u16,
+    /// Always 0.
+    pub _pad0: [u8; 6],
+}
+
+/// Value of the IPv6 reverse-NAT map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RevNat6Value {
+    /// VIP, network byte order.
+    pub vip: [u32; 4],
+    /// VIP port, network byte order.
+    pub port: u16,
+    /// Always 0.
+    pub _pad0: [u8; 2],
+}
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY (of the `unsafe impl`s below; the one use of `unsafe` in this crate, allowed
@@ -127,6 +246,12 @@ mod pod {
     unsafe impl aya::Pod for super::Svc4Key {}
     unsafe impl aya::Pod for super::SvcValue {}
     unsafe impl aya::Pod for super::Backend4 {}
+    unsafe impl aya::Pod for super::Svc6Key {}
+    unsafe impl aya::Pod for super::Backend6 {}
+    unsafe impl aya::Pod for super::RevNat4Key {}
+    unsafe impl aya::Pod for super::RevNat4Value {}
+    unsafe impl aya::Pod for super::RevNat6Key {}
+    unsafe impl aya::Pod for super::RevNat6Value {}
 }
 
 #[cfg(test)]
@@ -142,6 +267,12 @@ mod tests {
         assert_eq!(align_of::<Svc4Key>(), 4);
         assert_eq!(size_of::<SvcValue>(), 4 + 2 + 1 + 1 + 4 + 4);
         assert_eq!(size_of::<Backend4>(), 4 + 2 + 1 + 1 + 4);
+        assert_eq!(size_of::<Svc6Key>(), 16 + 2 + 1 + 1 + 2 + 2);
+        assert_eq!(size_of::<Backend6>(), 16 + 2 + 1 + 1 + 4);
+        assert_eq!(size_of::<RevNat4Key>(), 8 + 4 + 2 + 2);
+        assert_eq!(size_of::<RevNat4Value>(), 4 + 2 + 2);
+        assert_eq!(size_of::<RevNat6Key>(), 8 + 16 + 2 + 6);
+        assert_eq!(size_of::<RevNat6Value>(), 16 + 2 + 2);
     }
 
     #[test]

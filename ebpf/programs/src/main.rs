@@ -5,84 +5,204 @@
 //! Each program is a thin entry point (`#[cgroup_sock_addr]`) around a `try_*` function that
 //! returns `Result`; map types come from `mcs-ebpf-common`.
 //!
-//! - `mcs_connect4` (`cgroup/connect4`): on `connect()` to a frontend `vip:port` (TCP, or UDP
-//!   connected sockets), rewrite the destination to one of the frontend's backends. Anything
-//!   that is not a frontend is left untouched.
+//! - `connect4/6` (TCP, connected UDP) and `sendmsg4/6` (unconnected UDP): a destination that
+//!   is a frontend `vip:port` is rewritten to one of its backends, and the reverse-NAT map
+//!   remembers (socket cookie, backend) → VIP.
+//! - `recvmsg4/6` (UDP source address) and `getpeername4/6`: a backend address of this socket
+//!   is shown as the VIP the application asked for.
 //!
-//! Return value 1 lets the syscall proceed (with the rewritten address); the programs never
-//! refuse a connect.
+//! Anything that is not a frontend is left untouched. Every program returns 1 (proceed): the
+//! load balancer never refuses a syscall.
 #![no_std]
 #![no_main]
 // eBPF programs read the context and maps through raw pointers: the kernel verifier, not
-// rustc, checks those accesses. `unsafe` is confined to the helpers below and the map reads.
+// rustc, checks those accesses. `unsafe` is confined to context access, helpers and map reads.
 #![allow(unsafe_code)]
 
 use aya_ebpf::{
-    helpers::bpf_get_prandom_u32,
+    EbpfContext as _,
+    bindings::bpf_sock_addr,
+    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie},
     macros::{cgroup_sock_addr, map},
-    maps::HashMap,
+    maps::{HashMap, LruHashMap},
     programs::SockAddrContext,
 };
 use mcs_ebpf_common::{
-    BE_MAP_MAX_ENTRIES, Backend4, SVC_MAP_MAX_ENTRIES, Svc4Key, SvcValue, proto,
+    BE_MAP_MAX_ENTRIES, Backend4, Backend6, REVNAT_MAP_MAX_ENTRIES, RevNat4Key, RevNat4Value,
+    RevNat6Key, RevNat6Value, SVC_MAP_MAX_ENTRIES, Svc4Key, Svc6Key, SvcValue, proto,
 };
 
-/// Services: frontend at slot 0, backend ids at slots 1..=count. See `mcs_ebpf_common`.
 #[map(name = "MCS_SVC4_V1")]
-static MCS_SVC4_V1: HashMap<Svc4Key, SvcValue> = HashMap::with_max_entries(SVC_MAP_MAX_ENTRIES, 0);
-
-/// Backends by id.
+static MCS_SVC4_V1: HashMap<Svc4Key, SvcValue> = HashMap::pinned(SVC_MAP_MAX_ENTRIES, 0);
 #[map(name = "MCS_BE4_V1")]
-static MCS_BE4_V1: HashMap<u32, Backend4> = HashMap::with_max_entries(BE_MAP_MAX_ENTRIES, 0);
+static MCS_BE4_V1: HashMap<u32, Backend4> = HashMap::pinned(BE_MAP_MAX_ENTRIES, 0);
+#[map(name = "MCS_SVC6_V1")]
+static MCS_SVC6_V1: HashMap<Svc6Key, SvcValue> = HashMap::pinned(SVC_MAP_MAX_ENTRIES, 0);
+#[map(name = "MCS_BE6_V1")]
+static MCS_BE6_V1: HashMap<u32, Backend6> = HashMap::pinned(BE_MAP_MAX_ENTRIES, 0);
+#[map(name = "MCS_REVNAT4_V1")]
+static MCS_REVNAT4_V1: LruHashMap<RevNat4Key, RevNat4Value> =
+    LruHashMap::pinned(REVNAT_MAP_MAX_ENTRIES, 0);
+#[map(name = "MCS_REVNAT6_V1")]
+static MCS_REVNAT6_V1: LruHashMap<RevNat6Key, RevNat6Value> =
+    LruHashMap::pinned(REVNAT_MAP_MAX_ENTRIES, 0);
 
 /// Let the syscall go on.
 const SYSCALL_PROCEED: i32 = 1;
 const SOCK_STREAM: u32 = 1;
 const SOCK_DGRAM: u32 = 2;
 
-#[cgroup_sock_addr(connect4)]
-pub fn mcs_connect4(ctx: SockAddrContext) -> i32 {
-    // Whatever happens inside, the connect proceeds: at worst untranslated.
-    let _ = try_connect4(&ctx);
-    SYSCALL_PROCEED
-}
-
-/// Why a connect was not translated (kept for future per-reason counters).
+/// Why a socket address was left alone.
 enum Skip {
     NotFrontend,
     NoBackend,
 }
 
-fn try_connect4(ctx: &SockAddrContext) -> Result<(), Skip> {
-    // SAFETY: `ctx.sock_addr` is the kernel's `bpf_sock_addr` for this call; the verifier
-    // checks each field access.
+fn l4(sa: &bpf_sock_addr) -> Result<u8, Skip> {
+    match sa.type_ {
+        SOCK_STREAM => Ok(proto::TCP),
+        SOCK_DGRAM => Ok(proto::UDP),
+        _ => Err(Skip::NotFrontend),
+    }
+}
+
+fn cookie(ctx: &SockAddrContext) -> u64 {
+    // SAFETY: the helper takes the program's context.
+    unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
+}
+
+fn pick(count: u16) -> u16 {
+    // SAFETY: helper without arguments.
+    (unsafe { bpf_get_prandom_u32() } % u32::from(count)) as u16 + 1
+}
+
+fn translate4(ctx: &SockAddrContext) -> Result<(), Skip> {
+    // SAFETY: `sock_addr` is the kernel's context for this call; the verifier checks accesses.
     let sa = unsafe { &mut *ctx.sock_addr };
-    let l4 = match sa.type_ {
-        SOCK_STREAM => proto::TCP,
-        SOCK_DGRAM => proto::UDP,
-        _ => return Err(Skip::NotFrontend),
-    };
-    let vip = sa.user_ip4;
-    // `user_port` holds the port in network byte order in its low 16 bits.
-    let port = sa.user_port as u16;
-    let key = Svc4Key::new(vip, port, l4, 0);
-    // SAFETY: the map value is only read, and copied out before any other map call.
-    let svc = unsafe { MCS_SVC4_V1.get(&key) }.ok_or(Skip::NotFrontend)?;
-    let count = svc.count;
-    if count == 0 {
+    let p = l4(sa)?;
+    let (vip, port) = (sa.user_ip4, sa.user_port as u16);
+    // SAFETY: values are copied out before any other map call.
+    let svc =
+        unsafe { MCS_SVC4_V1.get(&Svc4Key::new(vip, port, p, 0)) }.ok_or(Skip::NotFrontend)?;
+    if svc.count == 0 {
         return Err(Skip::NoBackend);
     }
-    // SAFETY: helper without arguments.
-    let pick = unsafe { bpf_get_prandom_u32() } % u32::from(count);
-    let slot_key = Svc4Key::new(vip, port, l4, pick as u16 + 1);
-    // SAFETY: as above.
-    let slot = unsafe { MCS_SVC4_V1.get(&slot_key) }.ok_or(Skip::NoBackend)?;
-    // SAFETY: as above.
+    let slot = unsafe { MCS_SVC4_V1.get(&Svc4Key::new(vip, port, p, pick(svc.count))) }
+        .ok_or(Skip::NoBackend)?;
     let be = unsafe { MCS_BE4_V1.get(&slot.backend_id) }.ok_or(Skip::NoBackend)?;
-    sa.user_ip4 = be.addr;
-    sa.user_port = u32::from(be.port);
+    let (addr, bport) = (be.addr, be.port);
+    let key = RevNat4Key {
+        cookie: cookie(ctx),
+        addr,
+        port: bport,
+        _pad0: [0; 2],
+    };
+    let value = RevNat4Value {
+        vip,
+        port,
+        _pad0: [0; 2],
+    };
+    let _ = MCS_REVNAT4_V1.insert(&key, &value, 0);
+    sa.user_ip4 = addr;
+    sa.user_port = u32::from(bport);
     Ok(())
 }
+
+fn reverse4(ctx: &SockAddrContext) -> Result<(), Skip> {
+    let sa = unsafe { &mut *ctx.sock_addr };
+    let key = RevNat4Key {
+        cookie: cookie(ctx),
+        addr: sa.user_ip4,
+        port: sa.user_port as u16,
+        _pad0: [0; 2],
+    };
+    let v = unsafe { MCS_REVNAT4_V1.get(&key) }.ok_or(Skip::NotFrontend)?;
+    let (vip, port) = (v.vip, v.port);
+    sa.user_ip4 = vip;
+    sa.user_port = u32::from(port);
+    Ok(())
+}
+
+fn ip6(sa: &bpf_sock_addr) -> [u32; 4] {
+    [
+        sa.user_ip6[0],
+        sa.user_ip6[1],
+        sa.user_ip6[2],
+        sa.user_ip6[3],
+    ]
+}
+
+fn set_ip6(sa: &mut bpf_sock_addr, a: [u32; 4]) {
+    sa.user_ip6[0] = a[0];
+    sa.user_ip6[1] = a[1];
+    sa.user_ip6[2] = a[2];
+    sa.user_ip6[3] = a[3];
+}
+
+fn translate6(ctx: &SockAddrContext) -> Result<(), Skip> {
+    let sa = unsafe { &mut *ctx.sock_addr };
+    let p = l4(sa)?;
+    let (vip, port) = (ip6(sa), sa.user_port as u16);
+    let svc =
+        unsafe { MCS_SVC6_V1.get(&Svc6Key::new(vip, port, p, 0)) }.ok_or(Skip::NotFrontend)?;
+    if svc.count == 0 {
+        return Err(Skip::NoBackend);
+    }
+    let slot = unsafe { MCS_SVC6_V1.get(&Svc6Key::new(vip, port, p, pick(svc.count))) }
+        .ok_or(Skip::NoBackend)?;
+    let be = unsafe { MCS_BE6_V1.get(&slot.backend_id) }.ok_or(Skip::NoBackend)?;
+    let (addr, bport) = (be.addr, be.port);
+    let key = RevNat6Key {
+        cookie: cookie(ctx),
+        addr,
+        port: bport,
+        _pad0: [0; 6],
+    };
+    let value = RevNat6Value {
+        vip,
+        port,
+        _pad0: [0; 2],
+    };
+    let _ = MCS_REVNAT6_V1.insert(&key, &value, 0);
+    set_ip6(sa, addr);
+    sa.user_port = u32::from(bport);
+    Ok(())
+}
+
+fn reverse6(ctx: &SockAddrContext) -> Result<(), Skip> {
+    let sa = unsafe { &mut *ctx.sock_addr };
+    let key = RevNat6Key {
+        cookie: cookie(ctx),
+        addr: ip6(sa),
+        port: sa.user_port as u16,
+        _pad0: [0; 6],
+    };
+    let v = unsafe { MCS_REVNAT6_V1.get(&key) }.ok_or(Skip::NotFrontend)?;
+    let (vip, port) = (v.vip, v.port);
+    set_ip6(sa, vip);
+    sa.user_port = u32::from(port);
+    Ok(())
+}
+
+macro_rules! hook {
+    ($name:ident, $attach:ident, $f:ident) => {
+        #[cgroup_sock_addr($attach)]
+        pub fn $name(ctx: SockAddrContext) -> i32 {
+            // Whatever happens inside, the syscall proceeds: at worst untranslated.
+            let _ = $f(&ctx);
+            SYSCALL_PROCEED
+        }
+    };
+}
+
+hook!(mcs_connect4, connect4, translate4);
+hook!(mcs_sendmsg4, sendmsg4, translate4);
+hook!(mcs_recvmsg4, recvmsg4, reverse4);
+hook!(mcs_getpeername4, getpeername4, reverse4);
+hook!(mcs_connect6, connect6, translate6);
+hook!(mcs_sendmsg6, sendmsg6, translate6);
+hook!(mcs_recvmsg6, recvmsg6, reverse6);
+hook!(mcs_getpeername6, getpeername6, reverse6);
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -1,0 +1,291 @@
+//! The eBPF socket load balancer against the running kernel: the embedded programs load, pin
+//! their maps and links in a test pin directory under bpffs, attach to a test cgroup, and
+//! translate the sockets of processes in that cgroup (run as probe children inside a fresh
+//! network namespace with loopback backends): TCP connect, UDP sendto/recvfrom, getpeername,
+//! IPv6; removed backends get no new connection; 1000 services; restart adoption; uninstall.
+
+use std::{
+    collections::BTreeSet,
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpListener, UdpSocket},
+    path::{Path, PathBuf},
+    thread,
+};
+
+use mcs_proxy::ebpf::{L4, SocketLb, read_pinned};
+use mcs_test_support::{
+    cgroup::{self, TestCgroup},
+    netns::Netns,
+    prereq,
+    probe::{Probe, ProbeResult},
+    require,
+};
+
+mcs_test_support::probe_entry!();
+
+/// A pin directory under bpffs, unpinned (programs detached) on drop.
+struct PinDir(PathBuf);
+
+impl PinDir {
+    fn new() -> Self {
+        PinDir(Path::new("/sys/fs/bpf").join(mcs_test_support::unique_name("pin")))
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        let _ = SocketLb::uninstall(&self.0);
+    }
+}
+
+fn prerequisites() -> bool {
+    require(prereq::all([
+        prereq::root(),
+        cgroup::prerequisite(),
+        prereq::program("ip"),
+        if Path::new("/sys/fs/bpf").is_dir() {
+            Ok(())
+        } else {
+            Err("bpffs not mounted at /sys/fs/bpf".into())
+        },
+    ]))
+}
+
+/// TCP servers answering "backend <port> got <request>" until the test ends.
+fn tcp_backend(ns: &Netns, addr: &str) -> SocketAddr {
+    let l = ns
+        .run(|| TcpListener::bind(addr))
+        .unwrap()
+        .expect("bind backend");
+    let local = l.local_addr().unwrap();
+    thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let mut req = String::new();
+            let _ = s.read_to_string(&mut req);
+            let _ = write!(s, "backend {} got {req}", local.port());
+        }
+    });
+    local
+}
+
+fn udp_backend(ns: &Netns, addr: &str) -> SocketAddr {
+    let u = ns
+        .run(|| UdpSocket::bind(addr))
+        .unwrap()
+        .expect("bind udp backend");
+    let local = u.local_addr().unwrap();
+    thread::spawn(move || {
+        let mut buf = [0u8; 512];
+        while let Ok((n, from)) = u.recv_from(&mut buf) {
+            let reply = format!(
+                "backend {} got {}",
+                local.port(),
+                String::from_utf8_lossy(&buf[..n])
+            );
+            let _ = u.send_to(reply.as_bytes(), from);
+        }
+    });
+    local
+}
+
+fn probe(cg: &TestCgroup, ns: &Netns, p: &Probe) -> ProbeResult {
+    let mut cmd = cg.command(Some(ns), &Probe::program());
+    p.configure(&mut cmd);
+    Probe::parse(&cmd.output().expect("run probe")).expect("probe result")
+}
+
+fn tcp(to: &str) -> Probe {
+    Probe::Tcp {
+        to: to.parse().unwrap(),
+        send: "hi".into(),
+    }
+}
+
+#[test]
+fn tcp_udp_and_ipv6_are_translated_and_getpeername_shows_the_vip() {
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let ns = Netns::new("bpf").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let be = tcp_backend(&ns, "127.0.0.1:0");
+    let ube = udp_backend(&ns, "127.0.0.1:0");
+    let be6 = tcp_backend(&ns, "[::1]:0");
+    let mut lb = SocketLb::open(&pins.0).expect("load eBPF programs");
+    lb.attach(cg.path()).expect("attach");
+    lb.set_service("198.18.0.10:80".parse().unwrap(), L4::Tcp, &[be])
+        .unwrap();
+    lb.set_service("198.18.0.10:53".parse().unwrap(), L4::Udp, &[ube])
+        .unwrap();
+    lb.set_service("[2001:2::10]:80".parse().unwrap(), L4::Tcp, &[be6])
+        .unwrap();
+    assert_eq!(lb.frontends_in_map(), 3);
+
+    let r = probe(&cg, &ns, &tcp("198.18.0.10:80"));
+    assert_eq!(r.error, None, "{r:?}");
+    assert_eq!(
+        r.reply,
+        format!("backend {} got hi", be.port()),
+        "connect not rewritten"
+    );
+    assert_eq!(
+        r.peer,
+        Some("198.18.0.10:80".parse().unwrap()),
+        "getpeername must show the VIP"
+    );
+
+    let r = probe(
+        &cg,
+        &ns,
+        &Probe::Udp {
+            to: "198.18.0.10:53".parse().unwrap(),
+            send: "q".into(),
+        },
+    );
+    assert_eq!(r.error, None, "{r:?}");
+    assert_eq!(r.reply, format!("backend {} got q", ube.port()));
+    assert_eq!(
+        r.peer,
+        Some("198.18.0.10:53".parse().unwrap()),
+        "recvfrom must show the VIP"
+    );
+
+    let r = probe(&cg, &ns, &tcp("[2001:2::10]:80"));
+    assert_eq!(r.error, None, "{r:?}");
+    assert_eq!(r.reply, format!("backend {} got hi", be6.port()));
+    assert_eq!(r.peer, Some("[2001:2::10]:80".parse().unwrap()));
+
+    // Outside the cgroup nothing is translated (no route to the VIP in this namespace).
+    let mut cmd = ns.command(Probe::program().to_str().unwrap());
+    tcp("198.18.0.10:80").configure(&mut cmd);
+    let r = Probe::parse(&cmd.output().unwrap()).unwrap();
+    assert!(r.error.is_some(), "translated outside the cgroup: {r:?}");
+
+    // A destination that is not a frontend is untouched.
+    let r = probe(&cg, &ns, &tcp(&be.to_string()));
+    assert_eq!((r.error.as_deref(), r.peer), (None, Some(be)));
+    let read = read_pinned(&pins.0).unwrap();
+    assert_eq!(read.frontends["198.18.0.10:80/TCP"], vec![be.to_string()]);
+}
+
+#[test]
+fn removed_backends_get_no_new_connections_and_1000_services_work() {
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let ns = Netns::new("bpf").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let a = tcp_backend(&ns, "127.0.0.1:0");
+    let b = tcp_backend(&ns, "127.0.0.1:0");
+    let mut lb = SocketLb::open(&pins.0).unwrap();
+    lb.attach(cg.path()).unwrap();
+    let vip: SocketAddr = "198.18.0.10:80".parse().unwrap();
+    lb.set_service(vip, L4::Tcp, &[a, b]).unwrap();
+    let seen: BTreeSet<String> = (0..16)
+        .map(|_| probe(&cg, &ns, &tcp("198.18.0.10:80")).reply)
+        .collect();
+    assert_eq!(
+        seen.len(),
+        2,
+        "both backends should get connections: {seen:?}"
+    );
+    lb.set_service(vip, L4::Tcp, &[b]).unwrap();
+    for _ in 0..16 {
+        let r = probe(&cg, &ns, &tcp("198.18.0.10:80"));
+        assert_eq!(
+            r.reply,
+            format!("backend {} got hi", b.port()),
+            "removed backend got a connection"
+        );
+    }
+    // 1000 services: 198.18.4.0 .. 198.18.7.231, each to backend a or b by parity.
+    for i in 0..1000u32 {
+        let ip = std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(198, 18, 4, 0)) + i);
+        lb.set_service(
+            SocketAddr::new(ip.into(), 80),
+            L4::Tcp,
+            &[if i % 2 == 0 { a } else { b }],
+        )
+        .unwrap();
+    }
+    assert_eq!(lb.frontends_in_map(), 1001);
+    for i in [0u32, 1, 499, 998, 999] {
+        let ip = std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(198, 18, 4, 0)) + i);
+        let r = probe(&cg, &ns, &tcp(&format!("{ip}:80")));
+        let want = if i % 2 == 0 { a } else { b };
+        assert_eq!(
+            r.reply,
+            format!("backend {} got hi", want.port()),
+            "service {i}"
+        );
+    }
+}
+
+#[test]
+fn pinned_state_outlives_the_loader_is_adopted_and_uninstall_detaches() {
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let ns = Netns::new("bpf").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let be = tcp_backend(&ns, "127.0.0.1:0");
+    {
+        let mut lb = SocketLb::open(&pins.0).unwrap();
+        lb.attach(cg.path()).unwrap();
+        lb.set_service("198.18.0.10:80".parse().unwrap(), L4::Tcp, &[be])
+            .unwrap();
+        lb.set_service("198.18.0.11:80".parse().unwrap(), L4::Tcp, &[be])
+            .unwrap();
+        assert_eq!(lb.adopted_links(), 0);
+    }
+    // The loader is gone (as if the agent died): connects are still translated.
+    let r = probe(&cg, &ns, &tcp("198.18.0.10:80"));
+    assert_eq!(r.reply, format!("backend {} got hi", be.port()), "{r:?}");
+
+    // A new loader adopts maps and links; its first (full) diff drops what is gone.
+    let mut lb = SocketLb::open(&pins.0).unwrap();
+    lb.attach(cg.path()).unwrap();
+    assert_eq!(lb.adopted_links(), mcs_proxy::ebpf::PROGRAMS.len());
+    let mut diff = mcs_model::TableDiff::default();
+    let f = mcs_model::Frontend {
+        vip: "198.18.0.10".parse().unwrap(),
+        port: 80,
+        protocol: mcs_model::Protocol::Tcp,
+    };
+    diff.upsert.insert(
+        f,
+        mcs_model::Service {
+            service: "ns/web".into(),
+            affinity: None,
+            backends: vec![mcs_model::Backend {
+                address: be.ip(),
+                port: be.port(),
+                cluster: "c1".into(),
+                zone: None,
+                ready: true,
+                serving: true,
+                terminating: false,
+                selected: true,
+            }],
+        },
+    );
+    mcs_model::Dataplane::apply(&mut lb, &diff).unwrap();
+    assert_eq!(
+        lb.frontends_in_map(),
+        1,
+        "the frontend missing from the full table stays"
+    );
+    let r = probe(&cg, &ns, &tcp("198.18.0.10:80"));
+    assert_eq!(r.reply, format!("backend {} got hi", be.port()));
+    drop(lb);
+
+    // Uninstall: links unpinned (programs detached), maps gone.
+    SocketLb::uninstall(&pins.0).unwrap();
+    assert!(!pins.0.exists());
+    let r = probe(&cg, &ns, &tcp("198.18.0.10:80"));
+    assert!(r.error.is_some(), "still translated after uninstall: {r:?}");
+}
