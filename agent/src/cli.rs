@@ -25,8 +25,11 @@ pub enum Command {
     Run(RunArgs),
     /// Compute and print the forwarding table from a source, without touching the system.
     Table(TableArgs),
-    /// Print what a running agent has programmed (needs the eBPF dataplane; issue 5).
-    Status,
+    /// Print what the eBPF dataplane has programmed, read back from the pinned maps.
+    Status(StatusArgs),
+    /// Detach the eBPF programs and remove the pinned maps (the agent leaves them in place
+    /// when it stops, so that traffic keeps flowing across restarts).
+    Uninstall(PinArgs),
     /// Build a sandbox of network namespaces with two clusters and show the dataplane at work
     /// (needs root; removes everything it creates).
     Demo(DemoArgs),
@@ -62,9 +65,11 @@ pub struct RunArgs {
     /// Address of /metrics, /healthz and /readyz.
     #[arg(long, env = "MCS_METRICS_ADDR", default_value = "0.0.0.0:9464")]
     pub metrics_addr: SocketAddr,
-    /// cgroup v2 root whose processes the eBPF dataplane serves (eBPF dataplane: issue 5).
+    /// cgroup v2 directory whose processes (and descendants) the eBPF dataplane serves.
     #[arg(long, env = "MCS_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
     pub cgroup_root: PathBuf,
+    #[command(flatten)]
+    pub pins: PinArgs,
     /// Name of this node (reported on Kubernetes Events).
     #[arg(long, env = "NODE_NAME", default_value = "unknown-node")]
     pub node_name: String,
@@ -108,6 +113,24 @@ pub struct ProxyArgs {
     /// Relay with a buffered copy instead of splice(2).
     #[arg(long)]
     pub no_splice: bool,
+}
+
+/// Where the eBPF dataplane pins its maps and links.
+#[derive(Debug, Args)]
+pub struct PinArgs {
+    /// bpffs directory of the pinned maps and links.
+    #[arg(long, env = "MCS_BPF_PIN_DIR", default_value = mcs_proxy::ebpf::DEFAULT_PIN_DIR)]
+    pub bpf_pin_dir: PathBuf,
+}
+
+/// Options of `mcs-agent status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
 }
 
 /// Options of `mcs-agent demo`.

@@ -11,12 +11,15 @@ use mcs_controller::{
     source::{SourceSpec, file::FileSource},
 };
 use mcs_model::{Dataplane, Index, NodeConfig, render};
+use mcs_proxy::ebpf::{SocketLb, read_pinned};
 use mcs_proxy::userspace::{
     Userspace, UserspaceConfig, metrics::ProxyMetrics, nft::InterceptConfig,
 };
 use tokio::sync::{mpsc, watch};
 
-use crate::cli::{Cli, Command, DataplaneKind, Format, ProxyArgs, RunArgs, SourceArgs, TableArgs};
+use crate::cli::{
+    Cli, Command, DataplaneKind, Format, ProxyArgs, RunArgs, SourceArgs, StatusArgs, TableArgs,
+};
 
 /// Capacity of the source → controller channel.
 const SOURCE_CHANNEL: usize = 4096;
@@ -25,7 +28,15 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Table(args) => runtime()?.block_on(table(args)),
         Command::Run(args) => runtime()?.block_on(agent(args)),
-        Command::Status => not_yet("`mcs-agent status`", 5),
+        Command::Status(args) => status(&args),
+        Command::Uninstall(args) => {
+            let n = SocketLb::uninstall(&args.bpf_pin_dir)?;
+            println!(
+                "removed {n} pinned objects from {} (programs detached)",
+                args.bpf_pin_dir.display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Demo(args) => crate::demo::run(&args),
     }
 }
@@ -46,14 +57,6 @@ pub fn table_text(dir: &std::path::Path, cluster_id: &str) -> anyhow::Result<Str
     }
     index.flush();
     Ok(render::text(index.table(), &index.rejections()))
-}
-
-fn not_yet(what: &str, issue: u32) -> anyhow::Result<ExitCode> {
-    eprintln!(
-        "error: {what} is not implemented yet in this build (tracked as issue {issue}); \
-         nothing was changed on this machine"
-    );
-    Ok(ExitCode::from(2))
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -169,24 +172,76 @@ fn userspace_config(p: &ProxyArgs) -> UserspaceConfig {
     }
 }
 
-async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
-    match args.dataplane {
-        DataplaneKind::Log | DataplaneKind::Userspace => {}
-        DataplaneKind::Ebpf => return not_yet("--dataplane ebpf", 5),
-        DataplaneKind::Auto => return not_yet("--dataplane auto", 5),
+fn status(args: &StatusArgs) -> anyhow::Result<ExitCode> {
+    let dir = &args.pins.bpf_pin_dir;
+    if !dir.exists() {
+        bail!(
+            "no pinned maps at {}: is an agent running with --dataplane ebpf (and this --bpf-pin-dir)?",
+            dir.display()
+        );
     }
+    let p = read_pinned(dir)
+        .with_context(|| format!("reading the pinned maps in {}", dir.display()))?;
+    match args.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&p)?),
+        Format::Text => {
+            println!(
+                "eBPF socket LB, maps pinned in {}: {} frontends",
+                dir.display(),
+                p.frontends.len()
+            );
+            for (f, backends) in &p.frontends {
+                println!("{f}  ({} backends)", backends.len());
+                for b in backends {
+                    println!("  {b}");
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Loads and attaches the eBPF dataplane.
+fn start_ebpf(args: &RunArgs) -> anyhow::Result<SocketLb> {
+    let mut lb = SocketLb::open(&args.pins.bpf_pin_dir).with_context(|| {
+        format!(
+            "loading the eBPF programs (pins in {})",
+            args.pins.bpf_pin_dir.display()
+        )
+    })?;
+    lb.attach(&args.cgroup_root)
+        .with_context(|| format!("attaching to cgroup {}", args.cgroup_root.display()))?;
+    Ok(lb)
+}
+
+async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(Metrics::new(&mut registry));
-    let dataplane = match args.dataplane {
-        DataplaneKind::Userspace => {
+    let start_userspace =
+        |registry: &mut prometheus_client::registry::Registry| -> anyhow::Result<AgentDataplane> {
             let proxy_metrics = ProxyMetrics::default();
-            proxy_metrics.register(&mut registry);
-            AgentDataplane::Userspace(
+            proxy_metrics.register(registry);
+            Ok(AgentDataplane::Userspace(
                 Userspace::start(userspace_config(&args.proxy), proxy_metrics)
                     .context("starting the userspace forwarder")?,
-            )
-        }
-        _ => AgentDataplane::Log(LogDataplane::default()),
+            ))
+        };
+    let dataplane = match args.dataplane {
+        DataplaneKind::Userspace => start_userspace(&mut registry)?,
+        DataplaneKind::Ebpf => AgentDataplane::Ebpf(Box::new(start_ebpf(&args)?)),
+        DataplaneKind::Auto => match start_ebpf(&args) {
+            Ok(lb) => {
+                tracing::info!(
+                    "--dataplane auto: the kernel accepted the eBPF socket LB; using it"
+                );
+                AgentDataplane::Ebpf(Box::new(lb))
+            }
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "--dataplane auto: eBPF socket LB unavailable; using the userspace forwarder");
+                start_userspace(&mut registry)?
+            }
+        },
+        DataplaneKind::Log => AgentDataplane::Log(LogDataplane::default()),
     };
     let health = Health::default();
     let addr = http::spawn(args.metrics_addr, Arc::new(registry), health.clone())
@@ -217,8 +272,13 @@ async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
     });
     tracing::info!(source = ?args.source.source, dataplane = ?args.dataplane, "mcs-agent running");
     let controller = controller.run(rx, stop_rx).await;
-    if let AgentDataplane::Userspace(u) = controller.into_dataplane() {
-        u.shutdown().await;
+    match controller.into_dataplane() {
+        AgentDataplane::Userspace(u) => u.shutdown().await,
+        AgentDataplane::Ebpf(_) => tracing::info!(
+            pins = %args.pins.bpf_pin_dir.display(),
+            "eBPF programs stay attached and keep translating; `mcs-agent uninstall` removes them"
+        ),
+        AgentDataplane::Log(_) => {}
     }
     tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
@@ -229,6 +289,7 @@ async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
 enum AgentDataplane {
     Log(LogDataplane),
     Userspace(Userspace),
+    Ebpf(Box<SocketLb>),
 }
 
 impl Dataplane for AgentDataplane {
@@ -236,6 +297,7 @@ impl Dataplane for AgentDataplane {
         match self {
             AgentDataplane::Log(d) => d.name(),
             AgentDataplane::Userspace(d) => d.name(),
+            AgentDataplane::Ebpf(d) => d.name(),
         }
     }
 
@@ -243,6 +305,7 @@ impl Dataplane for AgentDataplane {
         match self {
             AgentDataplane::Log(d) => d.apply(diff),
             AgentDataplane::Userspace(d) => tokio::task::block_in_place(|| d.apply(diff)),
+            AgentDataplane::Ebpf(d) => d.apply(diff),
         }
     }
 }

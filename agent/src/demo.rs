@@ -124,6 +124,50 @@ fn start_backend(ns: &Netns, cluster: &'static str, addr: SocketAddr) -> anyhow:
     Ok(Backend { stop, addr })
 }
 
+/// The eBPF part of the sandbox: the client cgroup and the pin directory.
+struct EbpfDemo {
+    cgroup: mcs_sandbox::cgroup::TestCgroup,
+    pins: std::path::PathBuf,
+    /// The cgroup this process came from, while it is inside the demo cgroup.
+    home: Option<std::path::PathBuf>,
+}
+
+impl EbpfDemo {
+    /// Moves this process into the demo cgroup.
+    fn join(&mut self) -> anyhow::Result<()> {
+        let root = mcs_sandbox::cgroup::cgroup2_root().context("no cgroup v2")?;
+        let own = std::fs::read_to_string("/proc/self/cgroup")?;
+        let rel = own
+            .lines()
+            .find_map(|l| l.strip_prefix("0::"))
+            .unwrap_or("/")
+            .trim_start_matches('/')
+            .to_string();
+        self.home = Some(root.join(rel));
+        std::fs::write(
+            self.cgroup.path().join("cgroup.procs"),
+            std::process::id().to_string(),
+        )
+        .context("joining the demo cgroup")?;
+        Ok(())
+    }
+
+    /// Moves this process back where it was.
+    fn leave(&mut self) {
+        if let Some(home) = self.home.take() {
+            let _ = std::fs::write(home.join("cgroup.procs"), std::process::id().to_string());
+        }
+    }
+}
+
+impl Drop for EbpfDemo {
+    fn drop(&mut self) {
+        // Out of the cgroup before it is removed (removal kills what is inside).
+        self.leave();
+        let _ = mcs_proxy::ebpf::SocketLb::uninstall(&self.pins);
+    }
+}
+
 /// Everything the demo creates; dropping it removes it all.
 struct Sandbox {
     cli: Netns,
@@ -132,6 +176,7 @@ struct Sandbox {
     c2: Netns,
     dir: std::path::PathBuf,
     agent: Option<Child>,
+    ebpf: Option<EbpfDemo>,
 }
 
 impl Drop for Sandbox {
@@ -149,7 +194,8 @@ impl Drop for Sandbox {
             let _ = a.wait();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
-        // The namespaces go with their guards (fields dropped after this).
+        // Leave the cgroup, detach and unpin (eBPF), then the namespaces go with their guards.
+        drop(self.ebpf.take());
     }
 }
 
@@ -199,26 +245,38 @@ fn build() -> anyhow::Result<Sandbox> {
         c2,
         dir,
         agent: None,
+        ebpf: None,
     })
 }
 
-fn http(node: &Netns, path: &str) -> Option<(u16, String)> {
-    let path = path.to_string();
-    node.run(move || {
-        let mut s = TcpStream::connect_timeout(
-            &SocketAddr::from(([127, 0, 0, 1], METRICS_PORT)),
-            IO_TIMEOUT,
-        )
+/// Where the agent serves /metrics and /readyz: inside the node namespace (userspace) or,
+/// for eBPF, in this namespace on a free port (the agent then runs outside the node namespace,
+/// because `ip netns exec` hides bpffs and the cgroup hierarchy, and eBPF needs no netns).
+#[derive(Clone, Copy)]
+enum Metrics<'a> {
+    Node(&'a Netns),
+    Host(u16),
+}
+
+fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut s =
+        TcpStream::connect_timeout(&SocketAddr::from(([127, 0, 0, 1], port)), IO_TIMEOUT).ok()?;
+    s.set_read_timeout(Some(IO_TIMEOUT)).ok()?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\n\r\n").as_bytes())
         .ok()?;
-        s.set_read_timeout(Some(IO_TIMEOUT)).ok()?;
-        s.write_all(format!("GET {path} HTTP/1.1\r\n\r\n").as_bytes())
-            .ok()?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).ok()?;
-        Some((out.split_whitespace().nth(1)?.parse().ok()?, out))
-    })
-    .ok()
-    .flatten()
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some((out.split_whitespace().nth(1)?.parse().ok()?, out))
+}
+
+fn http(at: Metrics<'_>, path: &str) -> Option<(u16, String)> {
+    match at {
+        Metrics::Host(port) => get(port, path),
+        Metrics::Node(node) => {
+            let path = path.to_string();
+            node.run(move || get(METRICS_PORT, &path)).ok().flatten()
+        }
+    }
 }
 
 /// Results of a run of requests: per cluster and backend, and latencies.
@@ -227,6 +285,7 @@ struct Tally {
     by_backend: BTreeMap<String, usize>,
     latencies: Vec<Duration>,
     failed: usize,
+    first_error: Option<String>,
 }
 
 impl Tally {
@@ -241,7 +300,15 @@ impl Tally {
                     .or_default() += 1;
                 self.latencies.push(took);
             }
-            _ => self.failed += 1,
+            Ok(r) => {
+                self.failed += 1;
+                self.first_error
+                    .get_or_insert(format!("unexpected reply {r:?}"));
+            }
+            Err(e) => {
+                self.failed += 1;
+                self.first_error.get_or_insert(e);
+            }
         }
     }
 
@@ -268,7 +335,11 @@ impl Tally {
             }
         }
         if self.failed > 0 {
-            println!("      failed: {}", self.failed);
+            println!(
+                "      failed: {} (first: {})",
+                self.failed,
+                self.first_error.as_deref().unwrap_or("?")
+            );
         }
         if !self.latencies.is_empty() {
             self.latencies.sort();
@@ -344,17 +415,17 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
     }
     let dataplane = match args.dataplane {
         DataplaneKind::Userspace | DataplaneKind::Log => "userspace",
+        DataplaneKind::Ebpf => "ebpf",
         DataplaneKind::Auto => {
-            println!(
-                "--dataplane auto: the eBPF socket LB is not complete in this build (issue 5); using userspace"
-            );
-            "userspace"
-        }
-        DataplaneKind::Ebpf => {
-            eprintln!(
-                "error: --dataplane ebpf is not implemented yet in this build (issue 5); try --dataplane userspace"
-            );
-            return Ok(std::process::ExitCode::from(2));
+            if mcs_sandbox::cgroup::cgroup2_root().is_some() && Path::new("/sys/fs/bpf").is_dir() {
+                println!(
+                    "--dataplane auto: cgroup v2 and bpffs are here; using the eBPF socket LB"
+                );
+                "ebpf"
+            } else {
+                println!("--dataplane auto: no cgroup v2 or no bpffs; using userspace");
+                "userspace"
+            }
         }
     };
     let n = args.requests.max(1);
@@ -393,9 +464,41 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
 
     step.say("starting the agent on the node: mcs-agent run --source file:<example ClusterSet> --cluster-id c1");
     let exe = std::env::current_exe()?;
+    // eBPF: the client pod's sockets are those of processes in a cgroup the agent attaches to;
+    // here that is this demo process itself (it joins the cgroup once the agent runs). The
+    // packets then go straight from the pod to the backend, routed by the node.
+    let mut ebpf_args: Vec<String> = Vec::new();
+    if dataplane == "ebpf" {
+        let cg =
+            mcs_sandbox::cgroup::TestCgroup::new("demo").context("creating the demo cgroup")?;
+        let pins =
+            Path::new("/sys/fs/bpf").join(format!("{}-demo", mcs_sandbox::resource_prefix()));
+        ebpf_args = vec![
+            "--cgroup-root".into(),
+            cg.path().display().to_string(),
+            "--bpf-pin-dir".into(),
+            pins.display().to_string(),
+        ];
+        sb.node.enable_forwarding()?;
+        sb.ebpf = Some(EbpfDemo {
+            cgroup: cg,
+            pins,
+            home: None,
+        });
+    }
     let log_path = sb.dir.join("agent.log");
     let log = std::fs::File::create(&log_path)?;
-    let mut cmd = sb.node.command(exe.to_str().context("binary path")?);
+    let host_port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let (mut cmd, metrics_port) = if dataplane == "ebpf" {
+        (std::process::Command::new(&exe), host_port)
+    } else {
+        (
+            sb.node.command(exe.to_str().context("binary path")?),
+            METRICS_PORT,
+        )
+    };
     cmd.args([
         "run",
         "--dataplane",
@@ -405,14 +508,20 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
         "--file-poll-ms",
         "100",
     ])
-    .args(["--metrics-addr", &format!("127.0.0.1:{METRICS_PORT}")])
+    .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
     .arg("--source")
     .arg(format!("file:{}", sb.dir.display()))
+    .args(&ebpf_args)
     .stdout(Stdio::null())
     .stderr(log);
     sb.agent = Some(cmd.spawn().context("starting the agent")?);
     let started = Instant::now();
-    while http(&sb.node, "/readyz").map(|r| r.0) != Some(200) {
+    let at = if dataplane == "ebpf" {
+        Metrics::Host(metrics_port)
+    } else {
+        Metrics::Node(&sb.node)
+    };
+    while http(at, "/readyz").map(|r| r.0) != Some(200) {
         if let Some(status) = sb.agent.as_mut().and_then(|a| a.try_wait().ok().flatten()) {
             bail!(
                 "the agent exited ({status}); its log:\n{}",
@@ -431,6 +540,13 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
         "    ready in {:.0} ms; it programs these frontends:",
         started.elapsed().as_secs_f64() * 1e3
     );
+    if let Some(e) = sb.ebpf.as_mut() {
+        e.join()?;
+        println!(
+            "    (this demo process joined cgroup {}: its sockets are the client pod's)",
+            e.cgroup.path().display()
+        );
+    }
     let table = crate::commands::table_text(&sb.dir, "c1")?;
     for line in table.lines() {
         println!("      {line}");
@@ -493,7 +609,18 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
     tcp_requests(&sb.cli, WEB_VIP, n)?.print(&format!("TCP {WEB_VIP} (shop/web)"));
     let (mut udp, _) = udp_requests(&sb.cli, DNS_VIP, n.min(100))?;
     udp.print(&format!("UDP {DNS_VIP} (shop/dns-cache)"));
-    if let Some((_, metrics)) = http(&sb.node, "/metrics") {
+    if let Some(e) = sb.ebpf.as_ref() {
+        println!("    what the eBPF maps hold now (mcs-agent status):");
+        if let Ok(p) = mcs_proxy::ebpf::read_pinned(&e.pins) {
+            for (f, b) in p
+                .frontends
+                .iter()
+                .filter(|(f, _)| f.starts_with("198.18.100.10:80"))
+            {
+                println!("      {f} -> {}", b.join(", "));
+            }
+        }
+    } else if let Some((_, metrics)) = http(at, "/metrics") {
         let lines: Vec<&str> = metrics
             .lines()
             .filter(|l| {
@@ -506,7 +633,9 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
         }
     }
 
-    step.say("cleaning up: stopping the agent, removing namespaces, nftables rules and files");
+    step.say(
+        "cleaning up: stopping the agent, removing namespaces, nftables rules, eBPF pins and files",
+    );
     drop(backends);
     let names = [
         sb.cli.name().to_string(),
@@ -514,15 +643,18 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
         sb.c1.name().to_string(),
         sb.c2.name().to_string(),
     ];
+    let pins = sb.ebpf.as_ref().map(|e| e.pins.clone());
     drop(sb);
-    let left: Vec<&String> = names
+    let mut left: Vec<String> = names
         .iter()
         .filter(|n| Path::new("/run/netns").join(n).exists())
+        .cloned()
         .collect();
+    left.extend(pins.filter(|p| p.exists()).map(|p| p.display().to_string()));
     if left.is_empty() {
         println!("    done: nothing left behind");
     } else {
-        println!("    warning: namespaces still present: {left:?}");
+        println!("    warning: still present: {left:?}");
     }
     Ok(std::process::ExitCode::SUCCESS)
 }

@@ -1,6 +1,5 @@
 //! The `mcs-agent` binary as a user runs it: `table` prints the documented JSON shape for the
-//! example ClusterSet, `run` serves health and metrics and stops cleanly on SIGTERM, and the
-//! commands that are not there yet say so.
+//! example ClusterSet, `run` serves health and metrics and stops cleanly on SIGTERM.
 
 use std::{
     io::{Read as _, Write as _},
@@ -247,25 +246,10 @@ fn run_serves_readyz_and_metrics_and_stops_on_sigterm() {
 }
 
 #[test]
-fn demo_with_the_ebpf_dataplane_says_it_is_not_there_yet() {
-    let out = agent()
-        .args(["demo", "--dataplane", "ebpf"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    // As root: exit 2 with the reason; elsewhere: the root requirement, exit 1.
-    assert!(!out.status.success());
-    assert!(
-        err.contains("not implemented yet") || err.contains("as root"),
-        "{err}"
-    );
-}
-
-#[test]
 fn help_lists_the_subcommands() {
     let out = agent().arg("--help").output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    for cmd in ["run", "table", "status", "demo"] {
+    for cmd in ["run", "table", "status", "uninstall", "demo"] {
         assert!(text.contains(cmd), "{text}");
     }
 }
