@@ -7,9 +7,11 @@
 #
 # Topology (network namespaces, 198.18.0.0/15 only), everything removed on exit:
 #   cli 198.18.30.2 ── node 198.18.30.1 | 198.18.31.1 ── be 198.18.31.2:8080 (nginx, 1 worker)
-# Modes: direct (client → backend IP, routed by the node's kernel), mcs-userspace (client →
-# ClusterSetIP 198.18.100.10:80, mcs-agent on the node), haproxy (client → 198.18.30.1:80,
-# HAProxy on the node, mode tcp, 2 threads, splice). Workloads with wrk -t2 -c50: keep-alive
+# Modes: direct (client → backend IP, routed by the node's kernel), mcs-ebpf (client in a
+# cgroup with the socket LB attached → ClusterSetIP 198.18.100.11:80, rewritten at connect to
+# the backend, then routed like direct), mcs-userspace (client → ClusterSetIP
+# 198.18.100.10:80, mcs-agent TPROXY forwarder on the node), haproxy (client →
+# 198.18.30.1:80, HAProxy on the node, mode tcp, 2 threads, splice). Workloads with wrk -t2 -c50: keep-alive
 # requests/s, and new connections/s (Connection: close). Runs interleaved; prints medians.
 set -euo pipefail
 DUR="${1:-5}"
@@ -22,9 +24,15 @@ for p in haproxy nginx wrk; do
 done
 P="mcsq$$"
 WORK="$(mktemp -d)"
+PINS="/sys/fs/bpf/$P"
+CG2="$(awk '$3 == "cgroup2" {print $2; exit}' /proc/mounts)"
+CG="$CG2/$P"
 cleanup() {
   set +e
   [[ -n "${AGENT_PID:-}" ]] && kill "$AGENT_PID" 2>/dev/null && wait "$AGENT_PID" 2>/dev/null
+  [[ -n "${EBPF_PID:-}" ]] && kill "$EBPF_PID" 2>/dev/null && wait "$EBPF_PID" 2>/dev/null
+  "$AGENT" uninstall --bpf-pin-dir "$PINS" >/dev/null 2>&1
+  [[ -n "${CG:-}" ]] && rmdir "$CG" 2>/dev/null
   [[ -f "$WORK/haproxy.pid" ]] && kill "$(cat "$WORK/haproxy.pid")" 2>/dev/null
   [[ -f "$WORK/nginx.pid" ]] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null
   for n in cli node be; do ip netns del "$P$n" 2>/dev/null; done
@@ -98,10 +106,23 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 
-declare -A URL=([direct]="http://198.18.31.2:8080/" [mcs-userspace]="http://198.18.100.10/" [haproxy]="http://198.18.30.1/")
-MODES=(direct mcs-userspace haproxy)
+# The eBPF socket LB: its own ServiceImport (198.18.100.11), attached to a cgroup that only the
+# mcs-ebpf client joins; the agent runs outside the netns (it touches no network config).
+mkdir -p "$CG" "$WORK/objects-ebpf"
+sed 's/198.18.100.10/198.18.100.11/' "$WORK/objects/objects.yaml" > "$WORK/objects-ebpf/objects.yaml"
+"$AGENT" run --dataplane ebpf --cluster-id c1 --cgroup-root "$CG" --bpf-pin-dir "$PINS" \
+  --metrics-addr 127.0.0.1:0 --source "file:$WORK/objects-ebpf" 2>"$WORK/agent-ebpf.log" &
+EBPF_PID=$!
+for _ in $(seq 100); do "$AGENT" status --bpf-pin-dir "$PINS" 2>/dev/null | grep -q '198.18.100.11:80/TCP' && break; sleep 0.1; done
+
+declare -A URL=([direct]="http://198.18.31.2:8080/" [mcs-ebpf]="http://198.18.100.11/" [mcs-userspace]="http://198.18.100.10/" [haproxy]="http://198.18.30.1/")
+MODES=(direct mcs-ebpf mcs-userspace haproxy)
 run() { # mode, extra wrk args -> req/s
-  ip netns exec "${P}cli" wrk -t2 -c50 -d"${DUR}s" "${@:2}" "${URL[$1]}" | awk '/Requests\/sec/ {print $2}'
+  if [[ "$1" == mcs-ebpf ]]; then
+    sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$CG" ip netns exec "${P}cli" wrk -t2 -c50 -d"${DUR}s" "${@:2}" "${URL[$1]}" | awk '/Requests\/sec/ {print $2}'
+  else
+    ip netns exec "${P}cli" wrk -t2 -c50 -d"${DUR}s" "${@:2}" "${URL[$1]}" | awk '/Requests\/sec/ {print $2}'
+  fi
 }
 declare -A KA CRR
 for r in $(seq "$REPS"); do
