@@ -333,6 +333,19 @@ impl SocketLb {
         l4: L4,
         backends: &[SocketAddr],
     ) -> Result<(), Error> {
+        self.set_service_with(vip, l4, backends, None)
+    }
+
+    /// As [`SocketLb::set_service`], with ClientIP affinity for `affinity_timeout_s` seconds
+    /// when given. The socket LB sees a client before it has a source address, so a client is
+    /// its network namespace (its pod), as in Cilium's socket LB.
+    pub fn set_service_with(
+        &mut self,
+        vip: SocketAddr,
+        l4: L4,
+        backends: &[SocketAddr],
+        affinity_timeout_s: Option<u32>,
+    ) -> Result<(), Error> {
         let backends: Vec<SocketAddr> = backends
             .iter()
             .filter(|b| b.is_ipv4() == vip.is_ipv4())
@@ -392,15 +405,19 @@ impl SocketLb {
                 },
             )?;
         }
-        self.put_slot(
-            vip,
-            l4,
-            0,
-            SvcValue {
+        let front = match affinity_timeout_s {
+            Some(t) => SvcValue {
+                count,
+                flags: mcs_ebpf_common::SVC_FLAG_AFFINITY,
+                affinity_timeout_s: t,
+                ..Default::default()
+            },
+            None => SvcValue {
                 count,
                 ..Default::default()
             },
-        )?;
+        };
+        self.put_slot(vip, l4, 0, front)?;
         // 4. Free what the previous version used beyond the new count, and its backends.
         let old = self.programmed.insert((vip, l4), ids).unwrap_or_default();
         for slot in (backends.len() + 1)..=old.len() {
@@ -675,7 +692,9 @@ impl Dataplane for SocketLb {
                 .selected()
                 .map(|b| SocketAddr::new(b.address, b.port))
                 .collect();
-            self.set_service(vip, l4, &backends).map_err(err)?;
+            let affinity = svc.affinity.map(|a| a.timeout_seconds);
+            self.set_service_with(vip, l4, &backends, affinity)
+                .map_err(err)?;
         }
         if std::mem::take(&mut self.first_apply) {
             // The first diff is the whole table: drop what a previous agent left that is gone.

@@ -289,3 +289,35 @@ fn pinned_state_outlives_the_loader_is_adopted_and_uninstall_detaches() {
     let r = probe(&cg, &ns, &tcp("198.18.0.10:80"));
     assert!(r.error.is_some(), "still translated after uninstall: {r:?}");
 }
+
+#[test]
+fn client_ip_affinity_holds_per_client() {
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let ns = Netns::new("bpf").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let backends: Vec<SocketAddr> = (0..4).map(|_| tcp_backend(&ns, "127.0.0.1:0")).collect();
+    let mut lb = SocketLb::open(&pins.0).unwrap();
+    lb.attach(cg.path()).unwrap();
+    lb.set_service_with(
+        "198.18.0.12:80".parse().unwrap(),
+        L4::Tcp,
+        &backends,
+        Some(60),
+    )
+    .unwrap();
+    // Every connection of this client (its network namespace) lands on one backend.
+    let seen: BTreeSet<String> = (0..12)
+        .map(|_| probe(&cg, &ns, &tcp("198.18.0.12:80")).reply)
+        .collect();
+    assert_eq!(seen.len(), 1, "affinity broken: {seen:?}");
+    // Without affinity the same client is spread.
+    lb.set_service("198.18.0.12:80".parse().unwrap(), L4::Tcp, &backends)
+        .unwrap();
+    let seen: BTreeSet<String> = (0..16)
+        .map(|_| probe(&cg, &ns, &tcp("198.18.0.12:80")).reply)
+        .collect();
+    assert!(seen.len() > 1, "no spread without affinity: {seen:?}");
+}

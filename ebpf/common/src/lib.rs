@@ -39,14 +39,19 @@ pub const BE6_MAP: &str = "MCS_BE6_V1";
 pub const REVNAT4_MAP: &str = "MCS_REVNAT4_V1";
 /// Name of the IPv6 reverse-NAT LRU map.
 pub const REVNAT6_MAP: &str = "MCS_REVNAT6_V1";
+/// Name of the ClientIP affinity LRU map (client netns + frontend → backend).
+pub const AFFINITY_MAP: &str = "MCS_AFFINITY_V1";
+/// Entries of the affinity LRU map.
+pub const AFFINITY_MAP_MAX_ENTRIES: u32 = 262_144;
 /// Every map, for pinning and status.
-pub const ALL_MAPS: [&str; 6] = [
+pub const ALL_MAPS: [&str; 7] = [
     SVC4_MAP,
     BE4_MAP,
     SVC6_MAP,
     BE6_MAP,
     REVNAT4_MAP,
     REVNAT6_MAP,
+    AFFINITY_MAP,
 ];
 /// Entries of each reverse-NAT LRU map.
 pub const REVNAT_MAP_MAX_ENTRIES: u32 = 262_144;
@@ -237,6 +242,41 @@ pub struct RevNat6Value {
     pub _pad0: [u8; 2],
 }
 
+/// Key of the affinity map: a client (its network namespace, i.e. its pod, as the socket LB
+/// sees clients before they have a source address) and a frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityKey {
+    /// `bpf_get_netns_cookie()` of the client socket.
+    pub netns_cookie: u64,
+    /// VIP, network byte order (IPv4 in word 0, rest 0).
+    pub vip: [u32; 4],
+    /// VIP port, network byte order.
+    pub port: u16,
+    /// IP protocol number.
+    pub proto: u8,
+    /// 4 or 6.
+    pub family: u8,
+    /// Always 0.
+    pub _pad0: [u8; 4],
+}
+
+/// Value of the affinity map: the backend this client was sent to, and when.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityValue {
+    /// `bpf_ktime_get_ns()` of the last use.
+    pub last_used_ns: u64,
+    /// Backend id.
+    pub backend_id: u32,
+    /// Backend port, network byte order (checked, so a reused id is not followed).
+    pub port: u16,
+    /// Always 0.
+    pub _pad0: [u8; 2],
+    /// Backend address, network byte order (IPv4 in word 0).
+    pub addr: [u32; 4],
+}
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY (of the `unsafe impl`s below; the one use of `unsafe` in this crate, allowed
@@ -252,6 +292,8 @@ mod pod {
     unsafe impl aya::Pod for super::RevNat4Value {}
     unsafe impl aya::Pod for super::RevNat6Key {}
     unsafe impl aya::Pod for super::RevNat6Value {}
+    unsafe impl aya::Pod for super::AffinityKey {}
+    unsafe impl aya::Pod for super::AffinityValue {}
 }
 
 #[cfg(test)]
@@ -273,6 +315,8 @@ mod tests {
         assert_eq!(size_of::<RevNat4Value>(), 4 + 2 + 2);
         assert_eq!(size_of::<RevNat6Key>(), 8 + 16 + 2 + 6);
         assert_eq!(size_of::<RevNat6Value>(), 16 + 2 + 2);
+        assert_eq!(size_of::<AffinityKey>(), 8 + 16 + 2 + 1 + 1 + 4);
+        assert_eq!(size_of::<AffinityValue>(), 8 + 4 + 2 + 2 + 16);
     }
 
     #[test]

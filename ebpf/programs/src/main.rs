@@ -22,14 +22,15 @@
 use aya_ebpf::{
     EbpfContext as _,
     bindings::bpf_sock_addr,
-    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie},
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns},
     macros::{cgroup_sock_addr, map},
     maps::{HashMap, LruHashMap},
     programs::SockAddrContext,
 };
 use mcs_ebpf_common::{
-    BE_MAP_MAX_ENTRIES, Backend4, Backend6, REVNAT_MAP_MAX_ENTRIES, RevNat4Key, RevNat4Value,
-    RevNat6Key, RevNat6Value, SVC_MAP_MAX_ENTRIES, Svc4Key, Svc6Key, SvcValue, proto,
+    AFFINITY_MAP_MAX_ENTRIES, AffinityKey, AffinityValue, BE_MAP_MAX_ENTRIES, Backend4, Backend6,
+    REVNAT_MAP_MAX_ENTRIES, RevNat4Key, RevNat4Value, RevNat6Key, RevNat6Value, SVC_FLAG_AFFINITY,
+    SVC_MAP_MAX_ENTRIES, Svc4Key, Svc6Key, SvcValue, proto,
 };
 
 #[map(name = "MCS_SVC4_V1")]
@@ -46,6 +47,10 @@ static MCS_REVNAT4_V1: LruHashMap<RevNat4Key, RevNat4Value> =
 #[map(name = "MCS_REVNAT6_V1")]
 static MCS_REVNAT6_V1: LruHashMap<RevNat6Key, RevNat6Value> =
     LruHashMap::pinned(REVNAT_MAP_MAX_ENTRIES, 0);
+
+#[map(name = "MCS_AFFINITY_V1")]
+static MCS_AFFINITY_V1: LruHashMap<AffinityKey, AffinityValue> =
+    LruHashMap::pinned(AFFINITY_MAP_MAX_ENTRIES, 0);
 
 /// Let the syscall go on.
 const SYSCALL_PROCEED: i32 = 1;
@@ -71,6 +76,11 @@ fn cookie(ctx: &SockAddrContext) -> u64 {
     unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
 }
 
+fn netns_cookie(ctx: &SockAddrContext) -> u64 {
+    // SAFETY: the helper takes the program's context.
+    unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }
+}
+
 fn pick(count: u16) -> u16 {
     // SAFETY: helper without arguments.
     (unsafe { bpf_get_prandom_u32() } % u32::from(count)) as u16 + 1
@@ -84,13 +94,56 @@ fn translate4(ctx: &SockAddrContext) -> Result<(), Skip> {
     // SAFETY: values are copied out before any other map call.
     let svc =
         unsafe { MCS_SVC4_V1.get(&Svc4Key::new(vip, port, p, 0)) }.ok_or(Skip::NotFrontend)?;
-    if svc.count == 0 {
+    let (count, flags, timeout_s) = (svc.count, svc.flags, svc.affinity_timeout_s);
+    if count == 0 {
         return Err(Skip::NoBackend);
     }
-    let slot = unsafe { MCS_SVC4_V1.get(&Svc4Key::new(vip, port, p, pick(svc.count))) }
-        .ok_or(Skip::NoBackend)?;
-    let be = unsafe { MCS_BE4_V1.get(&slot.backend_id) }.ok_or(Skip::NoBackend)?;
-    let (addr, bport) = (be.addr, be.port);
+    let affinity = flags & SVC_FLAG_AFFINITY != 0;
+    let akey = AffinityKey {
+        netns_cookie: netns_cookie(ctx),
+        vip: [vip, 0, 0, 0],
+        port,
+        proto: p,
+        family: 4,
+        _pad0: [0; 4],
+    };
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let mut chosen: Option<(u32, u32, u16)> = None;
+    if affinity {
+        // SAFETY: as above; values copied out.
+        if let Some(a) = unsafe { MCS_AFFINITY_V1.get(&akey) } {
+            let (id, aaddr, aport, last) = (a.backend_id, a.addr[0], a.port, a.last_used_ns);
+            if now.saturating_sub(last) < u64::from(timeout_s) * 1_000_000_000 {
+                // Follow it only if the id still names that backend (ids are reused).
+                if let Some(be) = unsafe { MCS_BE4_V1.get(&id) } {
+                    if be.addr == aaddr && be.port == aport {
+                        chosen = Some((id, aaddr, aport));
+                    }
+                }
+            }
+        }
+    }
+    let (id, addr, bport) = match chosen {
+        Some(c) => c,
+        None => {
+            let slot = unsafe { MCS_SVC4_V1.get(&Svc4Key::new(vip, port, p, pick(count))) }
+                .ok_or(Skip::NoBackend)?;
+            let id = slot.backend_id;
+            let be = unsafe { MCS_BE4_V1.get(&id) }.ok_or(Skip::NoBackend)?;
+            (id, be.addr, be.port)
+        }
+    };
+    if affinity {
+        let v = AffinityValue {
+            last_used_ns: now,
+            backend_id: id,
+            port: bport,
+            _pad0: [0; 2],
+            addr: [addr, 0, 0, 0],
+        };
+        let _ = MCS_AFFINITY_V1.insert(&akey, &v, 0);
+    }
     let key = RevNat4Key {
         cookie: cookie(ctx),
         addr,
@@ -145,13 +198,55 @@ fn translate6(ctx: &SockAddrContext) -> Result<(), Skip> {
     let (vip, port) = (ip6(sa), sa.user_port as u16);
     let svc =
         unsafe { MCS_SVC6_V1.get(&Svc6Key::new(vip, port, p, 0)) }.ok_or(Skip::NotFrontend)?;
-    if svc.count == 0 {
+    let (count, flags, timeout_s) = (svc.count, svc.flags, svc.affinity_timeout_s);
+    if count == 0 {
         return Err(Skip::NoBackend);
     }
-    let slot = unsafe { MCS_SVC6_V1.get(&Svc6Key::new(vip, port, p, pick(svc.count))) }
-        .ok_or(Skip::NoBackend)?;
-    let be = unsafe { MCS_BE6_V1.get(&slot.backend_id) }.ok_or(Skip::NoBackend)?;
-    let (addr, bport) = (be.addr, be.port);
+    let affinity = flags & SVC_FLAG_AFFINITY != 0;
+    let akey = AffinityKey {
+        netns_cookie: netns_cookie(ctx),
+        vip,
+        port,
+        proto: p,
+        family: 6,
+        _pad0: [0; 4],
+    };
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let mut chosen: Option<(u32, [u32; 4], u16)> = None;
+    if affinity {
+        // SAFETY: as above; values copied out.
+        if let Some(a) = unsafe { MCS_AFFINITY_V1.get(&akey) } {
+            let (id, aaddr, aport, last) = (a.backend_id, a.addr, a.port, a.last_used_ns);
+            if now.saturating_sub(last) < u64::from(timeout_s) * 1_000_000_000 {
+                if let Some(be) = unsafe { MCS_BE6_V1.get(&id) } {
+                    if be.addr == aaddr && be.port == aport {
+                        chosen = Some((id, aaddr, aport));
+                    }
+                }
+            }
+        }
+    }
+    let (id, addr, bport) = match chosen {
+        Some(c) => c,
+        None => {
+            let slot = unsafe { MCS_SVC6_V1.get(&Svc6Key::new(vip, port, p, pick(count))) }
+                .ok_or(Skip::NoBackend)?;
+            let id = slot.backend_id;
+            let be = unsafe { MCS_BE6_V1.get(&id) }.ok_or(Skip::NoBackend)?;
+            (id, be.addr, be.port)
+        }
+    };
+    if affinity {
+        let v = AffinityValue {
+            last_used_ns: now,
+            backend_id: id,
+            port: bport,
+            _pad0: [0; 2],
+            addr,
+        };
+        let _ = MCS_AFFINITY_V1.insert(&akey, &v, 0);
+    }
     let key = RevNat6Key {
         cookie: cookie(ctx),
         addr,
