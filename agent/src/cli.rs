@@ -177,6 +177,8 @@ pub enum DataplaneKind {
     Userspace,
     /// eBPF when the kernel allows it, else userspace.
     Auto,
+    /// `demo` only: run the story on userspace, then eBPF, and compare.
+    Both,
 }
 
 /// An empty value (e.g. an unset ConfigMap key) counts as absent.

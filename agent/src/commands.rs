@@ -242,6 +242,7 @@ async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
             }
         },
         DataplaneKind::Log => AgentDataplane::Log(LogDataplane::default()),
+        DataplaneKind::Both => bail!("--dataplane both is for `mcs-agent demo` only"),
     };
     let health = Health::default();
     let addr = http::spawn(args.metrics_addr, Arc::new(registry), health.clone())

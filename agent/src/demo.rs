@@ -312,7 +312,7 @@ impl Tally {
         }
     }
 
-    fn print(&mut self, what: &str) {
+    fn print(&mut self, what: &str) -> (f64, f64) {
         let total: usize = self.by_backend.values().sum::<usize>() + self.failed;
         println!("    {what}: {total} requests");
         let mut per_cluster: BTreeMap<&str, usize> = BTreeMap::new();
@@ -341,15 +341,16 @@ impl Tally {
                 self.first_error.as_deref().unwrap_or("?")
             );
         }
-        if !self.latencies.is_empty() {
-            self.latencies.sort();
-            let q = |p: f64| self.latencies[((self.latencies.len() - 1) as f64 * p) as usize];
-            println!(
-                "      latency per request (connect + request + response): p50 {:.0} µs, p99 {:.0} µs",
-                q(0.5).as_secs_f64() * 1e6,
-                q(0.99).as_secs_f64() * 1e6
-            );
+        if self.latencies.is_empty() {
+            return (f64::NAN, f64::NAN);
         }
+        self.latencies.sort();
+        let q = |p: f64| self.latencies[((self.latencies.len() - 1) as f64 * p) as usize];
+        let (p50, p99) = (q(0.5).as_secs_f64() * 1e6, q(0.99).as_secs_f64() * 1e6);
+        println!(
+            "      latency per request (connect + request + response): p50 {p50:.0} µs, p99 {p99:.0} µs"
+        );
+        (p50, p99)
     }
 }
 
@@ -413,22 +414,52 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
             bail!("`{tool}` not found: install iproute2 and nftables (bash scripts/setup.sh does)");
         }
     }
-    let dataplane = match args.dataplane {
-        DataplaneKind::Userspace | DataplaneKind::Log => "userspace",
-        DataplaneKind::Ebpf => "ebpf",
+    let n = args.requests.max(1);
+    let dataplanes: Vec<&str> = match args.dataplane {
+        DataplaneKind::Userspace | DataplaneKind::Log => vec!["userspace"],
+        DataplaneKind::Ebpf => vec!["ebpf"],
+        DataplaneKind::Both => vec!["userspace", "ebpf"],
         DataplaneKind::Auto => {
             if mcs_sandbox::cgroup::cgroup2_root().is_some() && Path::new("/sys/fs/bpf").is_dir() {
                 println!(
                     "--dataplane auto: cgroup v2 and bpffs are here; using the eBPF socket LB"
                 );
-                "ebpf"
+                vec!["ebpf"]
             } else {
                 println!("--dataplane auto: no cgroup v2 or no bpffs; using userspace");
-                "userspace"
+                vec!["userspace"]
             }
         }
     };
-    let n = args.requests.max(1);
+    let mut summaries = Vec::new();
+    for dp in &dataplanes {
+        summaries.push((dp, story(dp, n)?));
+    }
+    if summaries.len() > 1 {
+        println!("\nside by side (same sandbox shape, same requests; debug builds are slower):");
+        println!(
+            "  {:<10} {:>14} {:>14} {:>14} {:>12}",
+            "dataplane", "TCP p50 µs", "TCP p99 µs", "UDP p50 µs", "failover ms"
+        );
+        for (dp, s) in &summaries {
+            println!(
+                "  {:<10} {:>14.0} {:>14.0} {:>14.0} {:>12.0}",
+                dp, s.tcp.0, s.tcp.1, s.udp.0, s.failover_ms
+            );
+        }
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// What one run of the story measured.
+struct Summary {
+    tcp: (f64, f64),
+    udp: (f64, f64),
+    failover_ms: f64,
+}
+
+/// The demo's story on one dataplane.
+fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
     let mut step = Step(0);
     println!(
         "mcs-agent demo: a ClusterSet of two clusters in network namespaces, dataplane {dataplane}"
@@ -555,10 +586,10 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
     step.say(&format!(
         "traffic from the client pod to the ClusterSetIPs ({n} new connections each)"
     ));
-    tcp_requests(&sb.cli, WEB_VIP, n)?.print(&format!("TCP {WEB_VIP} (shop/web)"));
+    let tcp = tcp_requests(&sb.cli, WEB_VIP, n)?.print(&format!("TCP {WEB_VIP} (shop/web)"));
     tcp_requests(&sb.cli, WEB_VIP6, n.min(50))?.print(&format!("TCP {WEB_VIP6} (shop/web, IPv6)"));
     let (mut udp, from_vip) = udp_requests(&sb.cli, DNS_VIP, n.min(100))?;
-    udp.print(&format!("UDP {DNS_VIP} (shop/dns-cache)"));
+    let udp_lat = udp.print(&format!("UDP {DNS_VIP} (shop/dns-cache)"));
     println!(
         "      replies came from the ClusterSetIP: {}",
         if from_vip { "yes" } else { "NO" }
@@ -594,6 +625,7 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+    let failover_ms = first_remote.map_or(f64::NAN, |t| t.as_secs_f64() * 1e3);
     match first_remote {
         Some(t) => println!(
             "    failover: new connections reach cluster c2 {:.0} ms after the EndpointSlice change",
@@ -656,5 +688,9 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
     } else {
         println!("    warning: still present: {left:?}");
     }
-    Ok(std::process::ExitCode::SUCCESS)
+    Ok(Summary {
+        tcp,
+        udp: udp_lat,
+        failover_ms,
+    })
 }

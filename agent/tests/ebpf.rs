@@ -299,10 +299,10 @@ fn status_without_pins_says_what_to_do() {
 }
 
 #[test]
-fn demo_with_the_ebpf_dataplane_runs_end_to_end() {
+fn demo_runs_both_dataplanes_side_by_side() {
     let Some(_s) = setup() else { return };
     let out = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
-        .args(["demo", "--dataplane", "ebpf", "--requests", "20"])
+        .args(["demo", "--dataplane", "both", "--requests", "20"])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
@@ -312,8 +312,10 @@ fn demo_with_the_ebpf_dataplane_runs_end_to_end() {
         String::from_utf8_lossy(&out.stderr)
     );
     for want in [
+        "dataplane userspace",
         "dataplane ebpf",
         "failover: new connections reach cluster c2",
+        "side by side",
         "replies came from the ClusterSetIP: yes",
         "what the eBPF maps hold now",
         "nothing left behind",

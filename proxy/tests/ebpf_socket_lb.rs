@@ -152,6 +152,26 @@ fn tcp_udp_and_ipv6_are_translated_and_getpeername_shows_the_vip() {
         "recvfrom must show the VIP"
     );
 
+    let r = probe(
+        &cg,
+        &ns,
+        &Probe::UdpConnected {
+            to: "198.18.0.10:53".parse().unwrap(),
+            send: "c".into(),
+        },
+    );
+    assert_eq!(r.error, None, "{r:?}");
+    assert_eq!(
+        r.reply,
+        format!("backend {} got c", ube.port()),
+        "connected UDP not translated"
+    );
+    assert_eq!(
+        r.peer,
+        Some("198.18.0.10:53".parse().unwrap()),
+        "getpeername on UDP"
+    );
+
     let r = probe(&cg, &ns, &tcp("[2001:2::10]:80"));
     assert_eq!(r.error, None, "{r:?}");
     assert_eq!(r.reply, format!("backend {} got hi", be6.port()));

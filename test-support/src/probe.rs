@@ -52,6 +52,13 @@ pub enum Probe {
         /// Datagram.
         send: String,
     },
+    /// Connected UDP: `connect(to)`, `send`, `recv`; `peer` is `getpeername()`.
+    UdpConnected {
+        /// Destination.
+        to: SocketAddr,
+        /// Datagram.
+        send: String,
+    },
     /// `count` TCP request/response exchanges, one new connection each, `interval_ms` apart;
     /// counts successes and failures (bounded: count × (interval + timeout)).
     TcpLoop {
