@@ -190,6 +190,30 @@ fn run(probe: &Probe) -> ProbeResult {
                 Err(e) => result.error = Some(e.to_string()),
             }
         }
+        Probe::UdpConnected { to, send } => {
+            let attempt = || -> std::io::Result<(Option<SocketAddr>, String)> {
+                let bind: SocketAddr = if to.is_ipv4() {
+                    "0.0.0.0:0".parse().unwrap()
+                } else {
+                    "[::]:0".parse().unwrap()
+                };
+                let s = std::net::UdpSocket::bind(bind)?;
+                s.set_read_timeout(Some(PROBE_TIMEOUT))?;
+                s.connect(to)?;
+                let peer = s.peer_addr().ok();
+                s.send(send.as_bytes())?;
+                let mut buf = [0u8; 2048];
+                let n = s.recv(&mut buf)?;
+                Ok((peer, String::from_utf8_lossy(&buf[..n]).to_string()))
+            };
+            match attempt() {
+                Ok((peer, reply)) => {
+                    result.peer = peer;
+                    result.reply = reply;
+                }
+                Err(e) => result.error = Some(e.to_string()),
+            }
+        }
         Probe::TcpLoop {
             to,
             count,
