@@ -70,6 +70,10 @@ pub struct RunArgs {
     pub cgroup_root: PathBuf,
     #[command(flatten)]
     pub pins: PinArgs,
+    /// eBPF backend choice per connection: `random`, or `maglev` (consistent per client pod,
+    /// minimal disruption when backends change).
+    #[arg(long, env = "MCS_EBPF_SELECTION", value_enum, default_value_t = Selection::Random)]
+    pub ebpf_selection: Selection,
     /// Name of this node (reported on Kubernetes Events).
     #[arg(long, env = "NODE_NAME", default_value = "unknown-node")]
     pub node_name: String,
@@ -155,6 +159,15 @@ pub struct TableArgs {
     /// Give up on `--source kube` if the first sync takes longer (seconds).
     #[arg(long, default_value_t = 30)]
     pub timeout_s: u64,
+}
+
+/// eBPF backend selection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Selection {
+    /// At random per connection.
+    Random,
+    /// Maglev table per frontend, hashed by the client's network namespace.
+    Maglev,
 }
 
 /// Output formats.

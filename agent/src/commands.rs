@@ -209,6 +209,7 @@ fn start_ebpf(args: &RunArgs) -> anyhow::Result<SocketLb> {
             args.pins.bpf_pin_dir.display()
         )
     })?;
+    lb.set_maglev(args.ebpf_selection == crate::cli::Selection::Maglev);
     lb.attach(&args.cgroup_root)
         .with_context(|| format!("attaching to cgroup {}", args.cgroup_root.display()))?;
     Ok(lb)

@@ -33,6 +33,7 @@ use mcs_ebpf_common::{
     ALL_MAPS, BE_MAP_MAX_ENTRIES, BE4_MAP, BE6_MAP, Backend4, Backend6, MAX_BACKENDS_PER_SVC,
     SVC4_MAP, SVC6_MAP, Svc4Key, Svc6Key, SvcValue,
 };
+use mcs_ebpf_common::{MAGLEV_MAP, MAGLEV_TABLE_SIZE, MaglevKey};
 use mcs_model::{Dataplane, DataplaneError, Frontend, Protocol, TableDiff};
 
 /// The object built by `build.rs`, 8-byte aligned as the ELF parser wants.
@@ -160,6 +161,13 @@ pub struct SocketLb {
     first_apply: bool,
     links: Vec<PinnedLink>,
     adopted_links: usize,
+    maglev_map: HashMap<MapData, MaglevKey, u32>,
+    /// Use Maglev tables (consistent per client pod) instead of random picks.
+    maglev: bool,
+    /// `rev_nat_id` of each frontend (names its Maglev table).
+    svc_ids: BTreeMap<FrontKey, u32>,
+    free_svc_ids: Vec<u32>,
+    next_svc_id: u32,
 }
 
 fn pin_err(path: &Path, e: impl std::fmt::Display) -> Error {
@@ -195,7 +203,14 @@ impl SocketLb {
         let be4 = HashMap::try_from(take(&mut ebpf, BE4_MAP)?).map_err(map_err(BE4_MAP))?;
         let svc6 = HashMap::try_from(take(&mut ebpf, SVC6_MAP)?).map_err(map_err(SVC6_MAP))?;
         let be6 = HashMap::try_from(take(&mut ebpf, BE6_MAP)?).map_err(map_err(BE6_MAP))?;
+        let maglev_map =
+            HashMap::try_from(take(&mut ebpf, MAGLEV_MAP)?).map_err(map_err(MAGLEV_MAP))?;
         let mut lb = Self {
+            maglev_map,
+            maglev: false,
+            svc_ids: BTreeMap::new(),
+            free_svc_ids: Vec::new(),
+            next_svc_id: 1,
             pin_dir: pin_dir.to_path_buf(),
             ebpf: Some(ebpf),
             svc4,
@@ -228,6 +243,9 @@ impl SocketLb {
                 ),
                 l4,
             );
+            if k.slot == 0 && v.rev_nat_id != 0 {
+                self.svc_ids.insert(fk, v.rev_nat_id);
+            }
             let e = fronts.entry(fk).or_default();
             if k.slot > 0 {
                 e.insert(k.slot, v.backend_id);
@@ -241,11 +259,15 @@ impl SocketLb {
                 SocketAddr::new(IpAddr::V6(ip6_from_words(k.vip)), u16::from_be(k.port)),
                 l4,
             );
+            if k.slot == 0 && v.rev_nat_id != 0 {
+                self.svc_ids.insert(fk, v.rev_nat_id);
+            }
             let e = fronts.entry(fk).or_default();
             if k.slot > 0 {
                 e.insert(k.slot, v.backend_id);
             }
         }
+        self.next_svc_id = self.svc_ids.values().max().map_or(1, |m| m + 1);
         let ids: BTreeSet<u32> = self
             .be4
             .keys()
@@ -319,6 +341,26 @@ impl SocketLb {
             tracing::info!(cgroup = %cgroup.display(), programs = PROGRAMS.len(), "attached socket LB");
         }
         Ok(())
+    }
+
+    /// Picks backends from per-frontend Maglev tables keyed by the client's network namespace
+    /// (each client pod consistently lands on one backend; a backend change moves the fewest
+    /// clients) instead of at random per connection. Applies to frontends programmed after.
+    pub fn set_maglev(&mut self, on: bool) {
+        self.maglev = on;
+    }
+
+    fn svc_id(&mut self, k: FrontKey) -> u32 {
+        if let Some(&id) = self.svc_ids.get(&k) {
+            return id;
+        }
+        let id = self.free_svc_ids.pop().unwrap_or_else(|| {
+            let id = self.next_svc_id;
+            self.next_svc_id += 1;
+            id
+        });
+        self.svc_ids.insert(k, id);
+        id
     }
 
     /// Links adopted from a previous run.
@@ -405,17 +447,38 @@ impl SocketLb {
                 },
             )?;
         }
-        let front = match affinity_timeout_s {
-            Some(t) => SvcValue {
-                count,
-                flags: mcs_ebpf_common::SVC_FLAG_AFFINITY,
-                affinity_timeout_s: t,
-                ..Default::default()
-            },
-            None => SvcValue {
-                count,
-                ..Default::default()
-            },
+        let svc_id = self.svc_id((vip, l4));
+        let mut flags = 0;
+        if self.maglev && !ids.is_empty() && ids.len() < MAGLEV_TABLE_SIZE as usize {
+            // Entries are overwritten in place; every entry names a live backend at all times
+            // (old ids are freed only below, after the frontend points at the new ones).
+            let keys: Vec<String> = backends.iter().map(ToString::to_string).collect();
+            let table = crate::userspace::maglev::Maglev::new(&keys, MAGLEV_TABLE_SIZE as usize);
+            for index in 0..MAGLEV_TABLE_SIZE {
+                let Some(i) = table.pick(u64::from(index)) else {
+                    break;
+                };
+                // `pick(index)` of a table of that size is entry `index`.
+                self.maglev_map
+                    .insert(MaglevKey { svc_id, index }, ids[i], 0)
+                    .map_err(|source| Error::Map {
+                        name: MAGLEV_MAP,
+                        source,
+                    })?;
+            }
+            flags |= mcs_ebpf_common::SVC_FLAG_MAGLEV;
+        }
+        let front = SvcValue {
+            count,
+            flags: flags
+                | if affinity_timeout_s.is_some() {
+                    mcs_ebpf_common::SVC_FLAG_AFFINITY
+                } else {
+                    0
+                },
+            affinity_timeout_s: affinity_timeout_s.unwrap_or(0),
+            rev_nat_id: svc_id,
+            ..Default::default()
         };
         self.put_slot(vip, l4, 0, front)?;
         // 4. Free what the previous version used beyond the new count, and its backends.
@@ -432,6 +495,12 @@ impl SocketLb {
     /// Removes a frontend: slot 0 first (new connects stop matching), then slots, then backends.
     pub fn remove_service(&mut self, vip: SocketAddr, l4: L4) {
         self.delete_slot(vip, l4, 0);
+        if let Some(svc_id) = self.svc_ids.remove(&(vip, l4)) {
+            for index in 0..MAGLEV_TABLE_SIZE {
+                let _ = self.maglev_map.remove(&MaglevKey { svc_id, index });
+            }
+            self.free_svc_ids.push(svc_id);
+        }
         if let Some(old) = self.programmed.remove(&(vip, l4)) {
             for slot in 1..=old.len() {
                 self.delete_slot(vip, l4, slot as u16);

@@ -341,3 +341,34 @@ fn client_ip_affinity_holds_per_client() {
         .collect();
     assert!(seen.len() > 1, "no spread without affinity: {seen:?}");
 }
+
+#[test]
+fn maglev_selection_is_consistent_per_client_across_reprogramming() {
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let ns = Netns::new("bpf").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let backends: Vec<SocketAddr> = (0..5).map(|_| tcp_backend(&ns, "127.0.0.1:0")).collect();
+    let mut lb = SocketLb::open(&pins.0).unwrap();
+    lb.attach(cg.path()).unwrap();
+    lb.set_maglev(true);
+    let vip: SocketAddr = "198.18.0.13:80".parse().unwrap();
+    lb.set_service(vip, L4::Tcp, &backends).unwrap();
+    let seen: BTreeSet<String> = (0..12)
+        .map(|_| probe(&cg, &ns, &tcp("198.18.0.13:80")).reply)
+        .collect();
+    assert_eq!(
+        seen.len(),
+        1,
+        "Maglev: one client (netns) should map to one backend: {seen:?}"
+    );
+    // Reprogramming the same backends (new ids) keeps the client where it was.
+    lb.set_service(vip, L4::Tcp, &backends).unwrap();
+    let again = probe(&cg, &ns, &tcp("198.18.0.13:80")).reply;
+    assert_eq!(Some(&again), seen.iter().next());
+    // Removing the frontend removes its table; the maps hold nothing for it.
+    lb.remove_service(vip, L4::Tcp);
+    assert_eq!(lb.frontends_in_map(), 0);
+}

@@ -43,8 +43,14 @@ pub const REVNAT6_MAP: &str = "MCS_REVNAT6_V1";
 pub const AFFINITY_MAP: &str = "MCS_AFFINITY_V1";
 /// Entries of the affinity LRU map.
 pub const AFFINITY_MAP_MAX_ENTRIES: u32 = 262_144;
+/// Name of the Maglev lookup map ((service id, index) → backend id), filled in userspace.
+pub const MAGLEV_MAP: &str = "MCS_MAGLEV_V1";
+/// Size of each service's Maglev table (a prime).
+pub const MAGLEV_TABLE_SIZE: u32 = 251;
+/// Entries of the Maglev map: tables of 4096 services.
+pub const MAGLEV_MAP_MAX_ENTRIES: u32 = MAGLEV_TABLE_SIZE * 4096;
 /// Every map, for pinning and status.
-pub const ALL_MAPS: [&str; 7] = [
+pub const ALL_MAPS: [&str; 8] = [
     SVC4_MAP,
     BE4_MAP,
     SVC6_MAP,
@@ -52,6 +58,7 @@ pub const ALL_MAPS: [&str; 7] = [
     REVNAT4_MAP,
     REVNAT6_MAP,
     AFFINITY_MAP,
+    MAGLEV_MAP,
 ];
 /// Entries of each reverse-NAT LRU map.
 pub const REVNAT_MAP_MAX_ENTRIES: u32 = 262_144;
@@ -106,6 +113,19 @@ impl Svc4Key {
 
 /// `SvcValue::flags` bit: ClientIP session affinity is on for this frontend.
 pub const SVC_FLAG_AFFINITY: u8 = 1;
+/// `SvcValue::flags` bit: pick backends from the frontend's Maglev table (keyed by
+/// `rev_nat_id`) with the client's network namespace as the hash, instead of at random.
+pub const SVC_FLAG_MAGLEV: u8 = 2;
+
+/// Key of the Maglev map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct MaglevKey {
+    /// The frontend's `rev_nat_id` (slot 0). Host order.
+    pub svc_id: u32,
+    /// Table index, `0..MAGLEV_TABLE_SIZE`. Host order.
+    pub index: u32,
+}
 
 /// Value of the services map. Slot 0 uses `count`, `flags`, `affinity_timeout_s`,
 /// `rev_nat_id`; slots 1.. use `backend_id`. Host byte order throughout.
@@ -294,6 +314,7 @@ mod pod {
     unsafe impl aya::Pod for super::RevNat6Value {}
     unsafe impl aya::Pod for super::AffinityKey {}
     unsafe impl aya::Pod for super::AffinityValue {}
+    unsafe impl aya::Pod for super::MaglevKey {}
 }
 
 #[cfg(test)]

@@ -32,6 +32,7 @@ use mcs_ebpf_common::{
     REVNAT_MAP_MAX_ENTRIES, RevNat4Key, RevNat4Value, RevNat6Key, RevNat6Value, SVC_FLAG_AFFINITY,
     SVC_MAP_MAX_ENTRIES, Svc4Key, Svc6Key, SvcValue, proto,
 };
+use mcs_ebpf_common::{MAGLEV_MAP_MAX_ENTRIES, MAGLEV_TABLE_SIZE, MaglevKey, SVC_FLAG_MAGLEV};
 
 #[map(name = "MCS_SVC4_V1")]
 static MCS_SVC4_V1: HashMap<Svc4Key, SvcValue> = HashMap::pinned(SVC_MAP_MAX_ENTRIES, 0);
@@ -51,6 +52,9 @@ static MCS_REVNAT6_V1: LruHashMap<RevNat6Key, RevNat6Value> =
 #[map(name = "MCS_AFFINITY_V1")]
 static MCS_AFFINITY_V1: LruHashMap<AffinityKey, AffinityValue> =
     LruHashMap::pinned(AFFINITY_MAP_MAX_ENTRIES, 0);
+
+#[map(name = "MCS_MAGLEV_V1")]
+static MCS_MAGLEV_V1: HashMap<MaglevKey, u32> = HashMap::pinned(MAGLEV_MAP_MAX_ENTRIES, 0);
 
 /// Let the syscall go on.
 const SYSCALL_PROCEED: i32 = 1;
@@ -81,6 +85,28 @@ fn netns_cookie(ctx: &SockAddrContext) -> u64 {
     unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }
 }
 
+/// The backend slot or id for a new connection: the Maglev table (consistent per client
+/// network namespace) when the frontend has one, else a random slot.
+enum Choice {
+    Slot(u16),
+    Id(u32),
+}
+
+fn choose(ctx: &SockAddrContext, count: u16, flags: u8, svc_id: u32) -> Choice {
+    if flags & SVC_FLAG_MAGLEV != 0 {
+        let h = netns_cookie(ctx).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let key = MaglevKey {
+            svc_id,
+            index: ((h >> 32) % u64::from(MAGLEV_TABLE_SIZE)) as u32,
+        };
+        // SAFETY: value copied out.
+        if let Some(id) = unsafe { MCS_MAGLEV_V1.get(&key) } {
+            return Choice::Id(*id);
+        }
+    }
+    Choice::Slot(pick(count))
+}
+
 fn pick(count: u16) -> u16 {
     // SAFETY: helper without arguments.
     (unsafe { bpf_get_prandom_u32() } % u32::from(count)) as u16 + 1
@@ -94,7 +120,8 @@ fn translate4(ctx: &SockAddrContext) -> Result<(), Skip> {
     // SAFETY: values are copied out before any other map call.
     let svc =
         unsafe { MCS_SVC4_V1.get(&Svc4Key::new(vip, port, p, 0)) }.ok_or(Skip::NotFrontend)?;
-    let (count, flags, timeout_s) = (svc.count, svc.flags, svc.affinity_timeout_s);
+    let (count, flags, timeout_s, svc_id) =
+        (svc.count, svc.flags, svc.affinity_timeout_s, svc.rev_nat_id);
     if count == 0 {
         return Err(Skip::NoBackend);
     }
@@ -127,9 +154,14 @@ fn translate4(ctx: &SockAddrContext) -> Result<(), Skip> {
     let (id, addr, bport) = match chosen {
         Some(c) => c,
         None => {
-            let slot = unsafe { MCS_SVC4_V1.get(&Svc4Key::new(vip, port, p, pick(count))) }
-                .ok_or(Skip::NoBackend)?;
-            let id = slot.backend_id;
+            let id = match choose(ctx, count, flags, svc_id) {
+                Choice::Id(id) => id,
+                Choice::Slot(slot) => {
+                    unsafe { MCS_SVC4_V1.get(&Svc4Key::new(vip, port, p, slot)) }
+                        .ok_or(Skip::NoBackend)?
+                        .backend_id
+                }
+            };
             let be = unsafe { MCS_BE4_V1.get(&id) }.ok_or(Skip::NoBackend)?;
             (id, be.addr, be.port)
         }
@@ -198,7 +230,8 @@ fn translate6(ctx: &SockAddrContext) -> Result<(), Skip> {
     let (vip, port) = (ip6(sa), sa.user_port as u16);
     let svc =
         unsafe { MCS_SVC6_V1.get(&Svc6Key::new(vip, port, p, 0)) }.ok_or(Skip::NotFrontend)?;
-    let (count, flags, timeout_s) = (svc.count, svc.flags, svc.affinity_timeout_s);
+    let (count, flags, timeout_s, svc_id) =
+        (svc.count, svc.flags, svc.affinity_timeout_s, svc.rev_nat_id);
     if count == 0 {
         return Err(Skip::NoBackend);
     }
@@ -230,9 +263,14 @@ fn translate6(ctx: &SockAddrContext) -> Result<(), Skip> {
     let (id, addr, bport) = match chosen {
         Some(c) => c,
         None => {
-            let slot = unsafe { MCS_SVC6_V1.get(&Svc6Key::new(vip, port, p, pick(count))) }
-                .ok_or(Skip::NoBackend)?;
-            let id = slot.backend_id;
+            let id = match choose(ctx, count, flags, svc_id) {
+                Choice::Id(id) => id,
+                Choice::Slot(slot) => {
+                    unsafe { MCS_SVC6_V1.get(&Svc6Key::new(vip, port, p, slot)) }
+                        .ok_or(Skip::NoBackend)?
+                        .backend_id
+                }
+            };
             let be = unsafe { MCS_BE6_V1.get(&id) }.ok_or(Skip::NoBackend)?;
             (id, be.addr, be.port)
         }
