@@ -454,19 +454,30 @@ impl SocketLb {
             // (old ids are freed only below, after the frontend points at the new ones).
             let keys: Vec<String> = backends.iter().map(ToString::to_string).collect();
             let table = crate::userspace::maglev::Maglev::new(&keys, MAGLEV_TABLE_SIZE as usize);
+            let mut complete = true;
             for index in 0..MAGLEV_TABLE_SIZE {
                 let Some(i) = table.pick(u64::from(index)) else {
                     break;
                 };
                 // `pick(index)` of a table of that size is entry `index`.
-                self.maglev_map
+                if let Err(e) = self
+                    .maglev_map
                     .insert(MaglevKey { svc_id, index }, ids[i], 0)
-                    .map_err(|source| Error::Map {
-                        name: MAGLEV_MAP,
-                        source,
-                    })?;
+                {
+                    // Map full (more Maglev frontends than it holds): this frontend falls back
+                    // to random choice rather than failing the whole diff.
+                    tracing::warn!(frontend = %vip, error = %e, "Maglev table does not fit; random choice for this frontend");
+                    complete = false;
+                    break;
+                }
             }
-            flags |= mcs_ebpf_common::SVC_FLAG_MAGLEV;
+            if complete {
+                flags |= mcs_ebpf_common::SVC_FLAG_MAGLEV;
+            } else {
+                for index in 0..MAGLEV_TABLE_SIZE {
+                    let _ = self.maglev_map.remove(&MaglevKey { svc_id, index });
+                }
+            }
         }
         let front = SvcValue {
             count,
