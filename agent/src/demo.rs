@@ -23,7 +23,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use mcs_sandbox::netns::{Netns, veth};
+use mcs_sandbox::netns::Netns;
 
 use crate::cli::{DataplaneKind, DemoArgs};
 
@@ -200,39 +200,8 @@ impl Drop for Sandbox {
 }
 
 fn build() -> anyhow::Result<Sandbox> {
-    mcs_sandbox::sweep_stale();
-    let (cli, node, c1, c2) = (
-        Netns::new("cli")?,
-        Netns::new("node")?,
-        Netns::new("c1")?,
-        Netns::new("c2")?,
-    );
-    veth(&cli, "eth0", &node, "cli0")?;
-    veth(&node, "c1", &c1, "eth0")?;
-    veth(&node, "c2", &c2, "eth0")?;
-    cli.addr("eth0", "198.18.10.2/24")?;
-    cli.addr("eth0", "2001:2::10:2/112")?;
-    node.addr("cli0", "198.18.10.1/24")?;
-    node.addr("cli0", "2001:2::10:1/112")?;
-    node.addr("c1", "198.18.1.1/24")?;
-    node.addr("c1", "2001:2::1:1/112")?;
-    node.addr("c2", "198.18.2.1/24")?;
-    for a in [
-        "198.18.1.2/24",
-        "198.18.1.3/24",
-        "2001:2::1:2/112",
-        "2001:2::1:3/112",
-    ] {
-        c1.addr("eth0", a)?;
-    }
-    for a in ["198.18.2.2/24", "198.18.2.3/24"] {
-        c2.addr("eth0", a)?;
-    }
-    cli.route("default", "198.18.10.1")?;
-    cli.route("default", "2001:2::10:1")?;
-    c1.route("default", "198.18.1.1")?;
-    c1.route("default", "2001:2::1:1")?;
-    c2.route("default", "198.18.2.1")?;
+    let mcs_sandbox::topology::TwoClusters { cli, node, c1, c2 } =
+        mcs_sandbox::topology::TwoClusters::build()?;
     let dir = std::env::temp_dir().join(format!("{}-demo", mcs_sandbox::resource_prefix()));
     std::fs::create_dir_all(&dir)?;
     for (name, text) in EXAMPLE {

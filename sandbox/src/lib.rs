@@ -5,6 +5,7 @@
 //! - [`netns`]: network namespaces, veth pairs, addresses and routes (198.18.0.0/15 and
 //!   2001:2::/48 only), run a closure or a command inside; removed on drop.
 //! - [`cgroup`]: a cgroup under the cgroup v2 root and commands started inside it.
+//! - [`topology`]: the two-cluster topology (client pod, node, clusters c1 and c2).
 //!
 //! Every resource carries the creating process id in its name (`mcst<pid>-...`);
 //! [`sweep_stale`] removes those whose process is gone (killed before it could clean up).
@@ -12,6 +13,7 @@
 
 pub mod cgroup;
 pub mod netns;
+pub mod topology;
 
 /// Prefix of every resource (netns, cgroup) this process creates: `mcst<pid>`.
 pub fn resource_prefix() -> String {

@@ -22,7 +22,7 @@ pub mod prereq;
 pub mod probe;
 mod supervise;
 
-pub use mcs_sandbox::{cgroup, netns, resource_prefix, sweep_stale, unique_name};
+pub use mcs_sandbox::{cgroup, netns, resource_prefix, sweep_stale, topology, unique_name};
 pub use prereq::{in_ci, require};
 
 /// Whether process `pid` is alive.

@@ -15,10 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use mcs_test_support::{
-    netns::{Netns, veth},
-    prereq, require,
-};
+use mcs_test_support::{netns::Netns, prereq, require};
 
 pub const WAIT: Duration = Duration::from_secs(20);
 pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -88,36 +85,8 @@ pub fn serve(ns: &Netns, addr: SocketAddr) -> Vec<std::thread::JoinHandle<()>> {
 impl Sandbox {
     /// Builds the namespaces and starts backends on `backends` (a subset of the example's).
     pub fn new(backends: &[&str]) -> Self {
-        let cli = Netns::new("cli").unwrap();
-        let node = Netns::new("node").unwrap();
-        let c1 = Netns::new("c1").unwrap();
-        let c2 = Netns::new("c2").unwrap();
-        veth(&cli, "eth0", &node, "cli0").unwrap();
-        veth(&node, "c1", &c1, "eth0").unwrap();
-        veth(&node, "c2", &c2, "eth0").unwrap();
-        cli.addr("eth0", "198.18.10.2/24").unwrap();
-        cli.addr("eth0", "2001:2::10:2/112").unwrap();
-        node.addr("cli0", "198.18.10.1/24").unwrap();
-        node.addr("cli0", "2001:2::10:1/112").unwrap();
-        node.addr("c1", "198.18.1.1/24").unwrap();
-        node.addr("c1", "2001:2::1:1/112").unwrap();
-        node.addr("c2", "198.18.2.1/24").unwrap();
-        for a in [
-            "198.18.1.2/24",
-            "198.18.1.3/24",
-            "2001:2::1:2/112",
-            "2001:2::1:3/112",
-        ] {
-            c1.addr("eth0", a).unwrap();
-        }
-        for a in ["198.18.2.2/24", "198.18.2.3/24"] {
-            c2.addr("eth0", a).unwrap();
-        }
-        cli.route("default", "198.18.10.1").unwrap();
-        cli.route("default", "2001:2::10:1").unwrap();
-        c1.route("default", "198.18.1.1").unwrap();
-        c1.route("default", "2001:2::1:1").unwrap();
-        c2.route("default", "198.18.2.1").unwrap();
+        let mcs_test_support::topology::TwoClusters { cli, node, c1, c2 } =
+            mcs_test_support::topology::TwoClusters::build().expect("two-cluster topology");
         let mut servers = Vec::new();
         for b in backends {
             let addr: SocketAddr = b.parse().unwrap();

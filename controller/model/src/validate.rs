@@ -132,6 +132,36 @@ pub fn parse_protocol(p: Option<&str>) -> Option<Protocol> {
     }
 }
 
+/// The protocol (default TCP) and port (1..=65535) of a port entry, or a rejection.
+fn protocol_and_port(
+    object: &str,
+    label: &str,
+    protocol: Option<&str>,
+    port: Option<i64>,
+    out: &mut Vec<Rejection>,
+) -> Option<(Protocol, u16)> {
+    let Some(p) = parse_protocol(protocol) else {
+        out.push(Rejection::new(
+            object,
+            Reason::UnknownProtocol,
+            format!("port {label} has protocol {:?}", protocol.unwrap_or("")),
+        ));
+        return None;
+    };
+    match port.and_then(|n| u16::try_from(n).ok()).filter(|&n| n != 0) {
+        Some(n) => Some((p, n)),
+        None => {
+            let shown = port.map_or("none".to_string(), |n| n.to_string());
+            out.push(Rejection::new(
+                object,
+                Reason::InvalidPort,
+                format!("port {label}: {shown} is out of 1..65535"),
+            ));
+            None
+        }
+    }
+}
+
 /// Why an address must never be programmed, if it must not.
 pub fn hostile(ip: IpAddr) -> Option<&'static str> {
     let ip = match ip {
@@ -278,24 +308,10 @@ pub fn import(input: &ImportInput, out: &mut Vec<Rejection>) -> Option<ValidImpo
     let mut seen = BTreeSet::new();
     let mut ports = Vec::new();
     for p in &input.ports {
-        let Some(protocol) = parse_protocol(p.protocol.as_deref()) else {
-            out.push(Rejection::new(
-                &object,
-                Reason::UnknownProtocol,
-                format!(
-                    "port {} has protocol {:?}",
-                    p.port,
-                    p.protocol.as_deref().unwrap_or("")
-                ),
-            ));
-            continue;
-        };
-        let Some(port) = u16::try_from(p.port).ok().filter(|&n| n != 0) else {
-            out.push(Rejection::new(
-                &object,
-                Reason::InvalidPort,
-                format!("port {} out of 1..65535", p.port),
-            ));
+        let label = p.port.to_string();
+        let Some((protocol, port)) =
+            protocol_and_port(&object, &label, p.protocol.as_deref(), Some(p.port), out)
+        else {
             continue;
         };
         if !seen.insert((port, protocol)) {
@@ -428,28 +444,10 @@ pub fn slice(input: &SliceInput, out: &mut Vec<Rejection>) -> Option<ValidSlice>
     };
     let mut ports = Vec::new();
     for p in &input.ports {
-        let Some(protocol) = parse_protocol(p.protocol.as_deref()) else {
-            out.push(Rejection::new(
-                &object,
-                Reason::UnknownProtocol,
-                format!(
-                    "port {:?} has protocol {:?}",
-                    p.name,
-                    p.protocol.as_deref().unwrap_or("")
-                ),
-            ));
-            continue;
-        };
-        let Some(port) = p
-            .port
-            .and_then(|n| u16::try_from(n).ok())
-            .filter(|&n| n != 0)
+        let label = format!("{:?}", p.name.as_deref().unwrap_or(""));
+        let Some((protocol, port)) =
+            protocol_and_port(&object, &label, p.protocol.as_deref(), p.port, out)
         else {
-            out.push(Rejection::new(
-                &object,
-                Reason::InvalidPort,
-                format!("port {:?}: {:?} out of 1..65535", p.name, p.port),
-            ));
             continue;
         };
         ports.push((p.name.clone().filter(|n| !n.is_empty()), protocol, port));
