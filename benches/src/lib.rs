@@ -81,6 +81,21 @@ pub mod fixtures {
         }
     }
 
+    /// The table of 10k ServiceImports × 3 clusters × 10 endpoints, computed by the index
+    /// (only the local cluster `c0` selected).
+    pub fn table_10k() -> mcs_model::ForwardingTable {
+        let (imports, slices) = clusterset(10_000, 3, 10);
+        mcs_model::compute(
+            mcs_model::NodeConfig {
+                cluster_id: "c0".into(),
+                zone: None,
+            },
+            imports,
+            slices,
+        )
+        .0
+    }
+
     /// Base of endpoint addresses used by [`clusterset`].
     pub fn endpoint_base() -> u32 {
         u32::from(Ipv4Addr::new(198, 19, 0, 0))

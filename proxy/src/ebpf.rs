@@ -722,7 +722,7 @@ pub fn read_pinned(pin_dir: &Path) -> Result<Programmed, Error> {
 }
 
 /// An IPv6 address as the kernel's `user_ip6`: four words, each in network byte order.
-fn ip6_words(ip: Ipv6Addr) -> [u32; 4] {
+pub fn ip6_words(ip: Ipv6Addr) -> [u32; 4] {
     let o = ip.octets();
     core::array::from_fn(|i| {
         u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])

@@ -2,8 +2,39 @@
 //! in which every backend owns about `M / n` entries, filled from per-backend permutations,
 //! so that removing one backend moves only the flows it had (plus a small fraction).
 
-/// Default table size: a prime, ≥ 100 × the backends we expect per frontend.
+/// Default (and largest) table size: a prime.
 pub const DEFAULT_TABLE_SIZE: usize = 16_381;
+
+/// Primes the table size is chosen from.
+const PRIMES: [usize; 9] = [251, 509, 1_021, 2_039, 4_093, 8_191, 16_381, 32_749, 65_521];
+
+/// The table size for `backends`: the smallest listed prime ≥ 100 × backends (≤ 1% load
+/// imbalance), at most `cap` (if `cap` is smaller than that, the largest prime ≤ cap, and
+/// always more than `backends`). Small services get small tables: 10k frontends of 10 backends
+/// take 1021 × 4 B each, not 16381 × 4 B.
+pub fn table_size_for(backends: usize, cap: usize) -> usize {
+    let want = backends.saturating_mul(100).max(1);
+    let fit = PRIMES
+        .iter()
+        .copied()
+        .find(|&p| p >= want)
+        .unwrap_or(PRIMES[PRIMES.len() - 1]);
+    let capped = PRIMES
+        .iter()
+        .copied()
+        .rfind(|&p| p <= cap.max(PRIMES[0]))
+        .unwrap_or(PRIMES[0]);
+    let size = fit.min(capped);
+    if size > backends {
+        size
+    } else {
+        PRIMES
+            .iter()
+            .copied()
+            .find(|&p| p > backends)
+            .unwrap_or(PRIMES[PRIMES.len() - 1])
+    }
+}
 
 /// A Maglev lookup table: entry → backend index.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,6 +146,16 @@ mod tests {
         let (lo, hi) = (*shares.iter().min().unwrap(), *shares.iter().max().unwrap());
         // Maglev guarantees shares within one of each other... up to the permutation tail.
         assert!(hi - lo <= 1, "{shares:?}");
+    }
+
+    #[test]
+    fn table_size_grows_with_backends_within_the_cap() {
+        assert_eq!(table_size_for(1, DEFAULT_TABLE_SIZE), 251);
+        assert_eq!(table_size_for(10, DEFAULT_TABLE_SIZE), 1_021);
+        assert_eq!(table_size_for(100, DEFAULT_TABLE_SIZE), 16_381);
+        assert_eq!(table_size_for(1_000, DEFAULT_TABLE_SIZE), 16_381);
+        assert_eq!(table_size_for(10, 509), 509);
+        assert!(table_size_for(600, 509) > 600);
     }
 
     #[test]

@@ -51,7 +51,7 @@ pub struct UserspaceConfig {
     pub udp_idle_timeout: Duration,
     /// Most UDP sessions.
     pub max_udp_sessions: usize,
-    /// Maglev table size (prime).
+    /// Largest Maglev table per frontend (a prime); each table is sized to its backends.
     pub maglev_table_size: usize,
     /// Zero-copy relay with splice(2) (else a buffered copy).
     pub splice: bool,

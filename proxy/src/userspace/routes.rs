@@ -48,7 +48,7 @@ impl Route {
         let labels: Vec<Arc<str>> = backends.iter().map(|b| Arc::from(b.to_string())).collect();
         let maglev = Maglev::new(
             &labels.iter().map(|l| l.as_bytes()).collect::<Vec<_>>(),
-            table_size,
+            maglev::table_size_for(labels.len(), table_size),
         );
         let fe = frontend.to_string();
         let counters = labels.iter().map(|l| metrics.backend(&fe, l)).collect();
