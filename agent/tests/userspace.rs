@@ -281,3 +281,52 @@ fn demo_runs_end_to_end_and_leaves_nothing_behind() {
     }
     // The demo checks its own namespaces are gone ("nothing left behind", asserted above).
 }
+
+#[test]
+fn udp_over_ipv6_replies_from_the_vip() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&["[2001:2::1:2]:5353"]);
+    sb.write(
+        "v6-udp.yaml",
+        r#"
+apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceImport
+metadata: { name: dns6, namespace: shop }
+spec:
+  type: ClusterSetIP
+  ipFamilies: [IPv6]
+  ips: ["2001:2::100:12"]
+  ports: [{ name: dns, protocol: UDP, port: 53 }]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: dns6-c1
+  namespace: shop
+  labels: { multicluster.kubernetes.io/service-name: dns6, multicluster.kubernetes.io/source-cluster: c1 }
+addressType: IPv6
+ports: [{ name: dns, protocol: UDP, port: 5353 }]
+endpoints: [{ addresses: ["2001:2::1:2"], conditions: { ready: true } }]
+"#,
+    );
+    sb.start_agent(&[]);
+    let to: std::net::SocketAddr = "[2001:2::100:12]:53".parse().unwrap();
+    let reply = sb
+        .cli
+        .run(move || {
+            let s = std::net::UdpSocket::bind("[::]:0").unwrap();
+            s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                .unwrap();
+            s.send_to(b"q6", to).unwrap();
+            let mut buf = [0u8; 512];
+            let (n, from) = s.recv_from(&mut buf).map_err(|e| e.to_string())?;
+            Ok::<_, String>((String::from_utf8_lossy(&buf[..n]).to_string(), from))
+        })
+        .unwrap();
+    let (text, from) = reply.expect("no UDP reply over IPv6");
+    assert_eq!(text, "[2001:2::1:2]:5353 q6");
+    assert_eq!(from, to, "the reply must come from the IPv6 VIP");
+    sb.stop_agent();
+}
