@@ -330,3 +330,38 @@ endpoints: [{ addresses: ["2001:2::1:2"], conditions: { ready: true } }]
     assert_eq!(from, to, "the reply must come from the IPv6 VIP");
     sb.stop_agent();
 }
+
+#[test]
+fn the_node_own_processes_are_intercepted_too() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&ALL);
+    // Like any real node, this one needs a route that covers the ClusterSetIPs (here a default
+    // route) so that connect() finds one; the output chain then marks the packets and the
+    // policy route delivers them to the forwarder instead.
+    sb.node.route("default", "198.18.10.2").unwrap();
+    sb.start_agent(&[]);
+    // A client in the node's namespace (a hostNetwork pod or a node daemon).
+    let reply = sb
+        .node
+        .run(|| {
+            let to: std::net::SocketAddr = "198.18.100.10:80".parse().unwrap();
+            let mut s = TcpStream::connect_timeout(&to, std::time::Duration::from_secs(5))
+                .map_err(|e| e.to_string())?;
+            s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                .unwrap();
+            s.write_all(b"from-node").map_err(|e| e.to_string())?;
+            s.shutdown(std::net::Shutdown::Write).unwrap();
+            let mut out = String::new();
+            s.read_to_string(&mut out).map_err(|e| e.to_string())?;
+            Ok::<_, String>(out)
+        })
+        .unwrap();
+    let reply = reply.expect("node-local client through the VIP");
+    assert!(
+        reply.starts_with("198.18.1.") && reply.ends_with(" from-node"),
+        "{reply}"
+    );
+    sb.stop_agent();
+}
