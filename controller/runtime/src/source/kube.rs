@@ -70,6 +70,71 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, watch_cluster_id
     }
 }
 
+/// The bookkeeping of one watcher: which objects exist, and what a (re-)list changes.
+/// Pure: fed `watcher::Event`s, it says which upserts and deletions to send.
+#[derive(Debug, Default)]
+struct Relister {
+    known: HashSet<(String, String)>,
+    relist: Option<HashSet<(String, String)>>,
+    lists: u32,
+}
+
+/// What one watcher event means for the controller.
+#[derive(Debug, PartialEq)]
+enum Step<K> {
+    /// Send an upsert of this object.
+    Upsert(K),
+    /// Send deletions of these (namespace, name).
+    Delete(Vec<(String, String)>),
+    /// A list finished (the first one: `first`), after these deletions.
+    Listed {
+        gone: Vec<(String, String)>,
+        first: bool,
+    },
+    /// Nothing to send.
+    Nothing,
+}
+
+impl Relister {
+    fn on<K: Resource>(&mut self, ev: watcher::Event<K>) -> Step<K> {
+        let key = |o: &K| (o.namespace().unwrap_or_default(), o.name_any());
+        match ev {
+            watcher::Event::Apply(o) => {
+                self.known.insert(key(&o));
+                Step::Upsert(o)
+            }
+            watcher::Event::Delete(o) => {
+                let k = key(&o);
+                self.known.remove(&k);
+                Step::Delete(vec![k])
+            }
+            watcher::Event::Init => {
+                self.relist = Some(HashSet::new());
+                Step::Nothing
+            }
+            watcher::Event::InitApply(o) => {
+                let k = key(&o);
+                if let Some(r) = self.relist.as_mut() {
+                    r.insert(k.clone());
+                }
+                self.known.insert(k);
+                Step::Upsert(o)
+            }
+            watcher::Event::InitDone => {
+                let listed = self.relist.take().unwrap_or_default();
+                let mut gone: Vec<_> = self.known.difference(&listed).cloned().collect();
+                gone.sort();
+                self.known = listed;
+                self.lists += 1;
+                Step::Listed {
+                    gone,
+                    first: self.lists == 1,
+                }
+            }
+        }
+    }
+}
+
 async fn watch<K>(
     api: Api<K>,
     config: watcher::Config,
@@ -82,10 +147,7 @@ async fn watch<K>(
     K::DynamicType: Default,
 {
     let kind = K::kind(&K::DynamicType::default()).to_string();
-    let key = |o: &K| (o.namespace().unwrap_or_default(), o.name_any());
-    let mut known: HashSet<(String, String)> = HashSet::new();
-    let mut relist: Option<HashSet<(String, String)>> = None;
-    let mut synced = false;
+    let mut state = Relister::default();
     let mut stream = watcher(api, config).default_backoff().boxed();
     let send = |ev: Option<SourceEvent>| {
         let tx = tx.clone();
@@ -100,58 +162,91 @@ async fn watch<K>(
         item = stream.next() => item,
         () = tx.closed() => None,
     } {
-        let ok = match item {
-            Ok(watcher::Event::Apply(o)) => {
-                known.insert(key(&o));
-                send(upsert(&o)).await
+        let step = match item {
+            Ok(ev) => state.on(ev),
+            Err(e) => {
+                tracing::warn!(kind, error = %e, "watch failed; retrying with backoff");
+                continue;
             }
-            Ok(watcher::Event::Delete(o)) => {
-                let (ns, name) = key(&o);
-                known.remove(&(ns.clone(), name.clone()));
-                send(delete(ns, name)).await
-            }
-            Ok(watcher::Event::Init) => {
-                relist = Some(HashSet::new());
-                true
-            }
-            Ok(watcher::Event::InitApply(o)) => {
-                let k = key(&o);
-                if let Some(r) = relist.as_mut() {
-                    r.insert(k.clone());
+        };
+        let ok = match step {
+            Step::Upsert(o) => send(upsert(&o)).await,
+            Step::Delete(keys) => {
+                let mut ok = true;
+                for (ns, name) in keys {
+                    ok &= send(delete(ns, name)).await;
                 }
-                known.insert(k);
-                send(upsert(&o)).await
+                ok
             }
-            Ok(watcher::Event::InitDone) => {
-                let listed = relist.take().unwrap_or_default();
-                let gone: Vec<_> = known.difference(&listed).cloned().collect();
+            Step::Listed { gone, first } => {
                 let mut ok = true;
                 for (ns, name) in gone {
                     ok &= send(delete(ns, name)).await;
                 }
-                known = listed;
-                if !synced {
-                    synced = true;
-                    tracing::info!(kind, objects = known.len(), "listed");
+                let objects = state.known.len();
+                if first {
+                    tracing::info!(kind, objects, "listed");
                     if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
                         ok &= send(Some(SourceEvent::Synced)).await;
                     }
                 } else {
-                    tracing::info!(
-                        kind,
-                        objects = known.len(),
-                        "re-listed after a watch restart"
-                    );
+                    tracing::info!(kind, objects, "re-listed after a watch restart");
                 }
                 ok
             }
-            Err(e) => {
-                tracing::warn!(kind, error = %e, "watch failed; retrying with backoff");
-                true
-            }
+            Step::Nothing => true,
         };
         if !ok {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use kube::runtime::watcher::Event;
+
+    use super::*;
+
+    fn es(name: &str) -> EndpointSlice {
+        serde_json::from_value(serde_json::json!({
+            "metadata": { "name": name, "namespace": "ns" }, "addressType": "IPv4", "endpoints": []
+        }))
+        .unwrap()
+    }
+
+    fn k(name: &str) -> (String, String) {
+        ("ns".into(), name.into())
+    }
+
+    /// A re-list (after `410 Gone` or a restart) deletes exactly what vanished meanwhile and
+    /// re-sends the rest as upserts (which the index ignores when unchanged).
+    #[test]
+    fn relist_deletes_what_vanished_and_keeps_the_rest() {
+        let mut r = Relister::default();
+        assert_eq!(r.on(Event::<EndpointSlice>::Init), Step::Nothing);
+        assert!(matches!(r.on(Event::InitApply(es("a"))), Step::Upsert(_)));
+        assert!(matches!(r.on(Event::InitApply(es("b"))), Step::Upsert(_)));
+        assert_eq!(
+            r.on(Event::<EndpointSlice>::InitDone),
+            Step::Listed {
+                gone: vec![],
+                first: true
+            }
+        );
+        assert!(matches!(r.on(Event::Apply(es("c"))), Step::Upsert(_)));
+        assert_eq!(r.on(Event::Delete(es("a"))), Step::Delete(vec![k("a")]));
+        // The watch breaks; "b" and "c" are deleted and "d" created while it was down.
+        r.on(Event::<EndpointSlice>::Init);
+        r.on(Event::InitApply(es("d")));
+        assert_eq!(
+            r.on(Event::<EndpointSlice>::InitDone),
+            Step::Listed {
+                gone: vec![k("b"), k("c")],
+                first: false
+            }
+        );
+        assert_eq!(r.known, [k("d")].into_iter().collect());
     }
 }
