@@ -20,7 +20,7 @@ log() { printf '\033[1msetup:\033[0m %s\n' "$*"; }
 t0=$(date +%s)
 
 # --- Debian packages ---------------------------------------------------------------------------
-APT_PKGS=(etcd-server nftables iproute2 bpftool openssl jq procps psmisc)
+APT_PKGS=(etcd-server etcd-client nftables iproute2 bpftool openssl jq procps psmisc)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

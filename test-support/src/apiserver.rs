@@ -120,6 +120,7 @@ pub fn shared() -> Option<&'static ApiServer> {
 pub struct ApiServer {
     dir: PathBuf,
     url: String,
+    etcd_url: String,
     etcd: Supervised,
     apiserver: Supervised,
     apiserver_args: Vec<String>,
@@ -226,6 +227,7 @@ impl ApiServer {
         )?;
         let url = format!("https://127.0.0.1:{port}");
         let mut api = ApiServer {
+            etcd_url: etcd_url.clone(),
             dir: dir.clone(),
             url,
             etcd,
@@ -316,6 +318,25 @@ impl ApiServer {
             None,
         )?;
         self.wait_ready()
+    }
+
+    /// Runs `etcdctl` (v3 API) against this apiserver's etcd, e.g. to delete a key behind the
+    /// apiserver's back or to compact the history (forcing `410 Gone` on resumed watches).
+    pub fn etcdctl(&self, args: &[&str]) -> anyhow::Result<String> {
+        let bin =
+            prereq::find_program("etcdctl").context("etcdctl not found (Debian etcd-client)")?;
+        let out = std::process::Command::new(bin)
+            .env("ETCDCTL_API", "3")
+            .arg(format!("--endpoints={}", self.etcd_url))
+            .args(args)
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "etcdctl {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).to_string())
     }
 
     /// Stops kube-apiserver only (etcd keeps running), until [`ApiServer::restart`].

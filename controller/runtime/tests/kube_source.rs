@@ -448,3 +448,73 @@ async fn agent_works_under_exactly_the_deployed_cluster_role() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// A watch that resumes after its history was compacted gets `410 Gone` and re-lists; an
+/// object deleted meanwhile (here behind the apiserver's back, in etcd) is then removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_410_gone_relist_drops_what_vanished_while_the_watch_was_down() {
+    if !mcs_test_support::require(mcs_test_support::prereq::all([
+        apiserver::prerequisites(),
+        mcs_test_support::prereq::program("etcdctl"),
+    ])) {
+        return;
+    }
+    let mut api = ApiServer::start().expect("start apiserver");
+    let ns = api.fresh_namespace("gone").await;
+    let client = api.client().await;
+    let run = run_kube_source(client.clone(), Some("c1"));
+    let dp = run.dataplane.clone();
+    let f = fe("198.18.61.10", 80, Protocol::Tcp);
+    Api::<ServiceImport>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &import(&ns, "web", "198.18.61.10"))
+        .await
+        .unwrap();
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &ns);
+    slices
+        .create(
+            &PostParams::default(),
+            &slice(&ns, "web", "c1", &[("198.18.62.2", true)]),
+        )
+        .await
+        .unwrap();
+    slices
+        .create(
+            &PostParams::default(),
+            &slice(&ns, "web", "c2", &[("198.18.63.2", true)]),
+        )
+        .await
+        .unwrap();
+    dp.wait_for("both clusters known", WAIT, |s| {
+        s.table
+            .frontends
+            .get(&f)
+            .is_some_and(|svc| svc.backends.len() == 2)
+    })
+    .await;
+
+    tokio::task::block_in_place(|| -> anyhow::Result<()> {
+        api.stop_apiserver();
+        let key = format!("/registry/endpointslices/{ns}/web-c1");
+        let deleted = api.etcdctl(&["del", &key])?;
+        anyhow::ensure!(deleted.trim() == "1", "etcdctl del {key}: {deleted}");
+        let status: serde_json::Value =
+            serde_json::from_str(&api.etcdctl(&["endpoint", "status", "-w", "json"])?)?;
+        let rev = status[0]["Status"]["header"]["revision"]
+            .as_i64()
+            .expect("revision");
+        api.etcdctl(&["compact", &rev.to_string()])?;
+        api.restart()
+    })
+    .expect("stop, delete in etcd, compact, restart");
+
+    dp.wait_for(
+        "c1's slice gone after the re-list; c2 takes over",
+        WAIT,
+        |s| {
+            common::selected_in(s, &f) == ["198.18.63.2:8080@c2"]
+                && s.table.frontends[&f].backends.len() == 1
+        },
+    )
+    .await;
+    let _ = run.stop.send(true);
+}
