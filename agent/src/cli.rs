@@ -59,8 +59,9 @@ pub struct SourceArgs {
 pub struct RunArgs {
     #[command(flatten)]
     pub source: SourceArgs,
-    /// Which dataplane programs the table (`log` only logs what it would program).
-    #[arg(long, env = "MCS_DATAPLANE", value_enum, default_value_t = DataplaneKind::Log)]
+    /// Which dataplane programs the table: `auto` (eBPF when the kernel allows it, else
+    /// userspace), `ebpf`, `userspace`, or `log` (program nothing, log what would be).
+    #[arg(long, env = "MCS_DATAPLANE", value_enum, default_value_t = DataplaneKind::Auto)]
     pub dataplane: DataplaneKind,
     /// Address of /metrics, /healthz and /readyz.
     #[arg(long, env = "MCS_METRICS_ADDR", default_value = "0.0.0.0:9464")]
@@ -140,8 +141,8 @@ pub struct StatusArgs {
 /// Options of `mcs-agent demo`.
 #[derive(Debug, Args)]
 pub struct DemoArgs {
-    /// Which dataplane the demo's agent uses.
-    #[arg(long, value_enum, default_value_t = DataplaneKind::Userspace)]
+    /// Which dataplane the demo's agent uses; `both` runs the story on each and compares.
+    #[arg(long, value_enum, default_value_t = DataplaneKind::Both)]
     pub dataplane: DataplaneKind,
     /// New connections per traffic step.
     #[arg(long, default_value_t = 200)]

@@ -405,7 +405,7 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
         summaries.push((dp, story(dp, n)?));
     }
     if summaries.len() > 1 {
-        println!("\nside by side (same sandbox shape, same requests; debug builds are slower):");
+        println!("\nside by side (same sandbox shape and requests; a new connection per request):");
         println!(
             "  {:<10} {:>14} {:>14} {:>14} {:>12}",
             "dataplane", "TCP p50 µs", "TCP p99 µs", "UDP p50 µs", "failover ms"

@@ -205,6 +205,8 @@ fn run_serves_readyz_and_metrics_and_stops_on_sigterm() {
     let mut child = agent()
         .args([
             "run",
+            "--dataplane",
+            "log",
             "--cluster-id",
             "c1",
             "--metrics-addr",
