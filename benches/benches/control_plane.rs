@@ -1,0 +1,193 @@
+//! Control plane against a real kube-apiserver (not criterion: each sample is an API write):
+//!
+//! - full sync: time from starting the kube source to the first full table applied;
+//! - event latency: time from an EndpointSlice write (one endpoint flips readiness) to the
+//!   dataplane having the diff, p50/p99 over `MCS_BENCH_SAMPLES` writes;
+//! - memory: RSS growth of this process while the controller holds the ClusterSet.
+//!
+//! `MCS_BENCH_IMPORTS=10000 cargo bench -p mcs-bench --bench control_plane` (default 1000
+//! imports, each with 2 clusters × 5 endpoints). Needs root-free prerequisites only: etcd and
+//! kube-apiserver (`bash scripts/setup.sh`).
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use futures::{StreamExt as _, stream};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::{
+    Api,
+    api::{Patch, PatchParams, PostParams},
+};
+use mcs_api::ServiceImport;
+use mcs_controller::{Controller, ControllerConfig, http::Health, metrics::Metrics};
+use mcs_model::{Dataplane, DataplaneError, NodeConfig, TableDiff};
+use tokio::sync::Notify;
+
+/// Records when diffs arrive.
+#[derive(Clone, Default)]
+struct Timed {
+    diffs: Arc<Mutex<Vec<(Instant, usize)>>>,
+    notify: Arc<Notify>,
+}
+
+impl Dataplane for Timed {
+    fn name(&self) -> &'static str {
+        "timed"
+    }
+    fn apply(&mut self, diff: &TableDiff) -> Result<(), DataplaneError> {
+        self.diffs
+            .lock()
+            .unwrap()
+            .push((Instant::now(), diff.upsert.len() + diff.remove.len()));
+        self.notify.notify_waiters();
+        Ok(())
+    }
+}
+
+fn rss_mib() -> f64 {
+    mcs_bench::rss_bytes().unwrap_or(0) as f64 / (1 << 20) as f64
+}
+
+fn vip(i: usize) -> String {
+    let base = u32::from(std::net::Ipv4Addr::new(198, 18, 128, 0));
+    std::net::Ipv4Addr::from(base + i as u32).to_string()
+}
+
+fn endpoint(i: usize, c: usize, e: usize) -> String {
+    let base = u32::from(std::net::Ipv4Addr::new(198, 19, 0, 0));
+    std::net::Ipv4Addr::from(base + ((i * 16 + c * 8 + e) % 65_000) as u32).to_string()
+}
+
+fn slice(ns: &str, i: usize, c: usize, unready: Option<usize>) -> EndpointSlice {
+    serde_json::from_value(serde_json::json!({
+        "metadata": { "name": format!("svc{i}-c{c}"), "namespace": ns, "labels": {
+            "multicluster.kubernetes.io/service-name": format!("svc{i}"),
+            "multicluster.kubernetes.io/source-cluster": format!("c{c}"),
+            "endpointslice.kubernetes.io/managed-by": "bench" } },
+        "addressType": "IPv4",
+        "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
+        "endpoints": (0..5).map(|e| serde_json::json!({
+            "addresses": [endpoint(i, c, e)], "conditions": { "ready": unready != Some(e) } })).collect::<Vec<_>>()
+    }))
+    .unwrap()
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return; // `cargo test --benches` asks for a listing
+    }
+    let imports: usize = std::env::var("MCS_BENCH_IMPORTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let samples: usize = std::env::var("MCS_BENCH_SAMPLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100);
+    let Some(api) = mcs_test_support::apiserver::shared() else {
+        return;
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let ns = api.fresh_namespace("bench").await;
+        let client = api.client().await;
+        let si: Api<ServiceImport> = Api::namespaced(client.clone(), &ns);
+        let es: Api<EndpointSlice> = Api::namespaced(client.clone(), &ns);
+        let t = Instant::now();
+        stream::iter(0..imports)
+            .for_each_concurrent(16, |i| {
+                let (si, es, ns) = (si.clone(), es.clone(), ns.clone());
+                async move {
+                    let import: ServiceImport = serde_json::from_value(serde_json::json!({
+                        "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceImport",
+                        "metadata": { "name": format!("svc{i}"), "namespace": ns },
+                        "spec": { "type": "ClusterSetIP", "ips": [vip(i)], "ports": [{ "name": "http", "protocol": "TCP", "port": 80 }] }
+                    })).unwrap();
+                    si.create(&PostParams::default(), &import).await.unwrap();
+                    for c in 0..2 {
+                        es.create(&PostParams::default(), &slice(&ns, i, c, None)).await.unwrap();
+                    }
+                }
+            })
+            .await;
+        eprintln!("created {imports} imports and {} slices in {:.1}s", imports * 2, t.elapsed().as_secs_f64());
+
+        let rss0 = rss_mib();
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = Arc::new(Metrics::new(&mut registry));
+        let health = Health::default();
+        let dp = Timed::default();
+        let controller = Controller::new(
+            NodeConfig { cluster_id: "c0".into(), zone: None },
+            dp.clone(),
+            ControllerConfig { cluster_id_fixed: true, ..Default::default() },
+            metrics,
+            health.clone(),
+            None,
+        );
+        let (tx, rx) = tokio::sync::mpsc::channel(8192);
+        let (_stop, stop_rx) = tokio::sync::watch::channel(false);
+        let start = Instant::now();
+        tokio::spawn(mcs_controller::source::kube::run(client.clone(), tx, false));
+        tokio::spawn(controller.run(rx, stop_rx));
+        while !health.is_ready() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let full_sync = start.elapsed();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let rss = rss_mib() - rss0;
+
+        let mut lat = Vec::with_capacity(samples);
+        // Every write changes something (a write that changes nothing rightly yields no diff).
+        let mut unready: std::collections::HashMap<usize, Option<usize>> = Default::default();
+        for k in 0..samples {
+            let i = (k * 7919) % imports;
+            let now = unready.entry(i).or_insert(None);
+            *now = if now.is_none() { Some(k % 5) } else { None };
+            let flip = *now;
+            let before = dp.diffs.lock().unwrap().len();
+            let t0 = Instant::now();
+            let s = slice(&ns, i, 0, flip);
+            es.patch(&format!("svc{i}-c0"), &PatchParams::apply("bench").force(), &Patch::Apply(&s))
+                .await
+                .unwrap();
+            loop {
+                let notified = dp.notify.notified();
+                tokio::pin!(notified);
+                // Register before checking, so a diff between the check and the wait wakes us.
+                notified.as_mut().enable();
+                if dp.diffs.lock().unwrap().len() > before {
+                    break;
+                }
+                if tokio::time::timeout(Duration::from_secs(10), notified).await.is_err() {
+                    let got = es.get(&format!("svc{i}-c0")).await.unwrap();
+                    panic!(
+                        "no diff within 10 s after writing svc{i}-c0 (diffs so far {}): now {:?}",
+                        dp.diffs.lock().unwrap().len(),
+                        got.endpoints.iter().flatten().map(|e| e.conditions.as_ref().and_then(|c| c.ready)).collect::<Vec<_>>()
+                    );
+                }
+            }
+            lat.push(t0.elapsed());
+        }
+        lat.sort();
+        let q = |p: f64| lat[((lat.len() - 1) as f64 * p) as usize].as_secs_f64() * 1e3;
+        println!(
+            "control plane, {imports} ServiceImports x 2 clusters x 5 endpoints ({} endpoints):",
+            imports * 10
+        );
+        println!("  full sync (start → first full table applied): {:.2} s", full_sync.as_secs_f64());
+        println!(
+            "  EndpointSlice write → diff applied: p50 {:.1} ms, p99 {:.1} ms ({samples} writes)",
+            q(0.5),
+            q(0.99)
+        );
+        println!("  RSS growth while holding the ClusterSet: {rss:.1} MiB");
+    });
+}
