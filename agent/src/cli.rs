@@ -185,9 +185,9 @@ pub enum Format {
 pub enum DataplaneKind {
     /// Only log what would be programmed.
     Log,
-    /// eBPF socket load balancer (issue 5).
+    /// eBPF socket load balancer (cgroup hooks).
     Ebpf,
-    /// Userspace transparent forwarder (issue 4).
+    /// Userspace transparent forwarder (nftables TPROXY).
     Userspace,
     /// eBPF when the kernel allows it, else userspace.
     Auto,
