@@ -8,7 +8,7 @@ use mcs_controller::{
     events::EventSink,
     http::{self, Health},
     metrics::Metrics,
-    source::{SourceSpec, file::FileSource},
+    source::{self, SourceSpec, file::FileSource},
 };
 use mcs_model::{Dataplane, Index, NodeConfig, render};
 use mcs_proxy::ebpf::{SocketLb, read_pinned};
@@ -48,12 +48,9 @@ pub fn table_text(dir: &std::path::Path, cluster_id: &str) -> anyhow::Result<Str
         cluster_id: cluster_id.into(),
         zone: None,
     });
+    let mut unreadable = std::collections::BTreeMap::new();
     for ev in src.scan()? {
-        match ev {
-            SourceEvent::Import(i) => index.upsert_import(i),
-            SourceEvent::Slice(s) => index.upsert_slice(s),
-            _ => {}
-        }
+        source::apply(&mut index, &mut unreadable, ev, true);
     }
     index.flush();
     Ok(render::text(index.table(), &index.rejections()))
@@ -121,28 +118,22 @@ async fn table(args: TableArgs) -> anyhow::Result<ExitCode> {
     let (tx, mut rx) = mpsc::channel(SOURCE_CHANNEL);
     spawn_source(&args.source, tx, Duration::from_secs(3600)).await?;
     let mut index = Index::new(node_config(&args.source));
-    let mut unreadable = Vec::new();
+    let mut unreadable = std::collections::BTreeMap::new();
+    let fixed = args.source.cluster_id.is_some();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout_s);
     loop {
         let ev = tokio::time::timeout_at(deadline, rx.recv())
             .await
             .context("timed out waiting for the source's first full sync")?;
-        match ev {
-            Some(SourceEvent::Synced) | None => break,
-            Some(SourceEvent::Import(i)) => index.upsert_import(i),
-            Some(SourceEvent::Slice(s)) => index.upsert_slice(s),
-            Some(SourceEvent::DeleteImport(ns, n)) => index.delete_import(&ns, &n),
-            Some(SourceEvent::DeleteSlice(ns, n)) => index.delete_slice(&ns, &n),
-            Some(SourceEvent::ClusterId(id)) if args.source.cluster_id.is_none() => {
-                index.set_cluster_id(&id)
-            }
-            Some(SourceEvent::Unreadable(r)) => unreadable.push(r),
-            Some(_) => {}
+        // Stop at the first full sync (or if the source ended).
+        let Some(ev) = ev else { break };
+        if source::apply(&mut index, &mut unreadable, ev, fixed) {
+            break;
         }
     }
     index.flush();
     let mut rejected = index.rejections();
-    rejected.extend(unreadable);
+    rejected.extend(unreadable.into_values());
     rejected.sort();
     let out = match args.format {
         Format::Json => render::json(index.table(), &rejected),

@@ -132,9 +132,6 @@ impl L4 {
     }
 }
 
-/// Backward-compatible name.
-pub type Protocol4 = L4;
-
 type FrontKey = (SocketAddr, L4);
 
 /// What the maps hold, read back from the kernel (for `mcs-agent status`).
@@ -231,40 +228,31 @@ impl SocketLb {
 
     /// Reads what pinned maps already hold (a previous agent's work).
     fn adopt_state(&mut self) {
+        // (vip, proto, slot, value) of both families.
+        let entries: Vec<(SocketAddr, u8, u16, SvcValue)> = self
+            .svc4
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(k, v)| (sock4(k.vip, k.port), k.proto, k.slot, v))
+            .chain(
+                self.svc6
+                    .iter()
+                    .filter_map(Result::ok)
+                    .map(|(k, v)| (sock6(k.vip, k.port), k.proto, k.slot, v)),
+            )
+            .collect();
         let mut fronts: BTreeMap<FrontKey, BTreeMap<u16, u32>> = BTreeMap::new();
-        for (k, v) in self.svc4.iter().filter_map(Result::ok) {
-            let Some(l4) = L4::from_number(k.proto) else {
+        for (vip, proto, slot, v) in entries {
+            let Some(l4) = L4::from_number(proto) else {
                 continue;
             };
-            let fk = (
-                SocketAddr::new(
-                    IpAddr::V4(Ipv4Addr::from(k.vip.to_ne_bytes())),
-                    u16::from_be(k.port),
-                ),
-                l4,
-            );
-            if k.slot == 0 && v.rev_nat_id != 0 {
+            let fk = (vip, l4);
+            if slot == 0 && v.rev_nat_id != 0 {
                 self.svc_ids.insert(fk, v.rev_nat_id);
             }
             let e = fronts.entry(fk).or_default();
-            if k.slot > 0 {
-                e.insert(k.slot, v.backend_id);
-            }
-        }
-        for (k, v) in self.svc6.iter().filter_map(Result::ok) {
-            let Some(l4) = L4::from_number(k.proto) else {
-                continue;
-            };
-            let fk = (
-                SocketAddr::new(IpAddr::V6(ip6_from_words(k.vip)), u16::from_be(k.port)),
-                l4,
-            );
-            if k.slot == 0 && v.rev_nat_id != 0 {
-                self.svc_ids.insert(fk, v.rev_nat_id);
-            }
-            let e = fronts.entry(fk).or_default();
-            if k.slot > 0 {
-                e.insert(k.slot, v.backend_id);
+            if slot > 0 {
+                e.insert(slot, v.backend_id);
             }
         }
         self.next_svc_id = self.svc_ids.values().max().map_or(1, |m| m + 1);
@@ -640,85 +628,66 @@ impl SocketLb {
 
 /// Reads what the pinned maps in `pin_dir` hold (no program is loaded).
 pub fn read_pinned(pin_dir: &Path) -> Result<Programmed, Error> {
-    let open = |name: &'static str| {
-        let p = pin_dir.join(name);
-        MapData::from_pin(&p).map_err(|source| Error::Map { name, source })
-    };
-    let svc4: HashMap<_, Svc4Key, SvcValue> =
-        HashMap::try_from(aya::maps::Map::HashMap(open(SVC4_MAP)?)).map_err(|source| {
-            Error::Map {
-                name: SVC4_MAP,
-                source,
-            }
-        })?;
-    let be4: HashMap<_, u32, Backend4> = HashMap::try_from(aya::maps::Map::HashMap(open(BE4_MAP)?))
-        .map_err(|source| Error::Map {
-            name: BE4_MAP,
-            source,
-        })?;
-    let svc6: HashMap<_, Svc6Key, SvcValue> =
-        HashMap::try_from(aya::maps::Map::HashMap(open(SVC6_MAP)?)).map_err(|source| {
-            Error::Map {
-                name: SVC6_MAP,
-                source,
-            }
-        })?;
-    let be6: HashMap<_, u32, Backend6> = HashMap::try_from(aya::maps::Map::HashMap(open(BE6_MAP)?))
-        .map_err(|source| Error::Map {
-            name: BE6_MAP,
-            source,
-        })?;
-    let proto = |p: u8| match L4::from_number(p) {
-        Some(L4::Tcp) => "TCP",
-        Some(L4::Udp) => "UDP",
-        None => "?",
-    };
-    let mut out = Programmed::default();
+    fn open<K: aya::Pod, V: aya::Pod>(
+        dir: &Path,
+        name: &'static str,
+    ) -> Result<HashMap<MapData, K, V>, Error> {
+        let err = |source| Error::Map { name, source };
+        let data = MapData::from_pin(dir.join(name)).map_err(err)?;
+        HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(err)
+    }
+    let svc4: HashMap<_, Svc4Key, SvcValue> = open(pin_dir, SVC4_MAP)?;
+    let be4: HashMap<_, u32, Backend4> = open(pin_dir, BE4_MAP)?;
+    let svc6: HashMap<_, Svc6Key, SvcValue> = open(pin_dir, SVC6_MAP)?;
+    let be6: HashMap<_, u32, Backend6> = open(pin_dir, BE6_MAP)?;
+    // Frontend text → slot → backend text.
     let mut slots: BTreeMap<String, BTreeMap<u16, String>> = BTreeMap::new();
+    let mut record =
+        |vip: SocketAddr, proto: u8, slot: u16, backend: Option<SocketAddr>, id: u32| {
+            let name = match L4::from_number(proto) {
+                Some(L4::Tcp) => "TCP",
+                Some(L4::Udp) => "UDP",
+                None => "?",
+            };
+            let e = slots.entry(format!("{vip}/{name}")).or_default();
+            if slot > 0 {
+                let b =
+                    backend.map_or_else(|| format!("<missing backend {id}>"), |b| b.to_string());
+                e.insert(slot, b);
+            }
+        };
     for (k, v) in svc4.iter().filter_map(Result::ok) {
-        let f = format!(
-            "{}:{}/{}",
-            Ipv4Addr::from(k.vip.to_ne_bytes()),
-            u16::from_be(k.port),
-            proto(k.proto)
-        );
-        let e = slots.entry(f).or_default();
-        if k.slot > 0 {
-            let b = be4.get(&v.backend_id, 0).map(|b| {
-                format!(
-                    "{}:{}",
-                    Ipv4Addr::from(b.addr.to_ne_bytes()),
-                    u16::from_be(b.port)
-                )
-            });
-            e.insert(
-                k.slot,
-                b.unwrap_or_else(|_| format!("<missing backend {}>", v.backend_id)),
-            );
-        }
+        let be = be4
+            .get(&v.backend_id, 0)
+            .ok()
+            .map(|b| sock4(b.addr, b.port));
+        record(sock4(k.vip, k.port), k.proto, k.slot, be, v.backend_id);
     }
     for (k, v) in svc6.iter().filter_map(Result::ok) {
-        let f = format!(
-            "[{}]:{}/{}",
-            ip6_from_words(k.vip),
-            u16::from_be(k.port),
-            proto(k.proto)
-        );
-        let e = slots.entry(f).or_default();
-        if k.slot > 0 {
-            let b = be6
-                .get(&v.backend_id, 0)
-                .map(|b| format!("[{}]:{}", ip6_from_words(b.addr), u16::from_be(b.port)));
-            e.insert(
-                k.slot,
-                b.unwrap_or_else(|_| format!("<missing backend {}>", v.backend_id)),
-            );
-        }
+        let be = be6
+            .get(&v.backend_id, 0)
+            .ok()
+            .map(|b| sock6(b.addr, b.port));
+        record(sock6(k.vip, k.port), k.proto, k.slot, be, v.backend_id);
     }
-    for (f, s) in slots {
-        out.frontends.insert(f, s.into_values().collect());
-    }
-    Ok(out)
+    let frontends = slots
+        .into_iter()
+        .map(|(f, s)| (f, s.into_values().collect()))
+        .collect();
+    Ok(Programmed { frontends })
+}
+
+/// An IPv4 address and port as the maps hold them (network byte order) → `SocketAddr`.
+fn sock4(addr: u32, port_be: u16) -> SocketAddr {
+    SocketAddr::new(
+        IpAddr::V4(Ipv4Addr::from(addr.to_ne_bytes())),
+        u16::from_be(port_be),
+    )
+}
+
+/// An IPv6 address (four network-order words) and port → `SocketAddr`.
+fn sock6(addr: [u32; 4], port_be: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::V6(ip6_from_words(addr)), u16::from_be(port_be))
 }
 
 /// An IPv6 address as the kernel's `user_ip6`: four words, each in network byte order.

@@ -39,7 +39,7 @@ pub fn sweep_stale() {
 }
 
 /// Whether process `pid` is alive.
-pub(crate) fn pid_alive(pid: u32) -> bool {
+pub fn pid_alive(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 

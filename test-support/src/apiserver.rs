@@ -242,7 +242,7 @@ impl ApiServer {
             )?;
         }
         api.wait_ready()?;
-        api.block_on(apply_crds(api.url.clone(), api.kubeconfig(User::Admin)))?;
+        api.block_on(apply_crds(api.kubeconfig(User::Admin)))?;
         eprintln!(
             "mcs-test-support: kube-apiserver ready at {} in {:.1}s (logs in {})",
             api.url,
@@ -429,7 +429,7 @@ pub async fn client_from(kubeconfig: &Path) -> anyhow::Result<Client> {
 }
 
 /// Applies every CRD in `deploy/crds/` (server-side apply) and waits until established.
-async fn apply_crds(_url: String, kubeconfig: PathBuf) -> anyhow::Result<()> {
+async fn apply_crds(kubeconfig: PathBuf) -> anyhow::Result<()> {
     let client = client_from(&kubeconfig).await?;
     let crds: Api<CustomResourceDefinition> = Api::all(client);
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/crds");

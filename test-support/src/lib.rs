@@ -22,10 +22,6 @@ pub mod prereq;
 pub mod probe;
 mod supervise;
 
+pub(crate) use mcs_sandbox::pid_alive;
 pub use mcs_sandbox::{cgroup, netns, resource_prefix, sweep_stale, topology, unique_name};
 pub use prereq::{in_ci, require};
-
-/// Whether process `pid` is alive.
-pub(crate) fn pid_alive(pid: u32) -> bool {
-    std::path::Path::new(&format!("/proc/{pid}")).exists()
-}

@@ -20,21 +20,14 @@ use kube::{CustomResource, CustomResourceExt as _};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// Label on an MCS EndpointSlice naming the imported service.
-pub const LABEL_SERVICE_NAME: &str = "multicluster.kubernetes.io/service-name";
-/// Label on an MCS EndpointSlice naming the cluster its endpoints are in.
-pub const LABEL_SOURCE_CLUSTER: &str = "multicluster.kubernetes.io/source-cluster";
-/// Label naming the controller that manages an EndpointSlice.
-pub const LABEL_MANAGED_BY: &str = "endpointslice.kubernetes.io/managed-by";
-/// `managed-by` value of the default Kubernetes EndpointSlice controller: such slices are for
-/// ordinary Services, never MCS.
-pub const DEFAULT_SLICE_CONTROLLER: &str = "endpointslice-controller.k8s.io";
+/// Labels of MCS EndpointSlices, defined once with the validation that reads them.
+pub use mcs_model::validate::{
+    DEFAULT_SLICE_CONTROLLER, LABEL_MANAGED_BY, LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER,
+};
 /// Name of the ClusterProperty holding this cluster's id (KEP-2149).
 pub const CLUSTER_ID_PROPERTY: &str = "cluster.clusterset.k8s.io";
 /// Name of the ClusterProperty holding the ClusterSet's id (KEP-2149).
 pub const CLUSTERSET_ID_PROPERTY: &str = "clusterset.k8s.io";
-/// Default ClientIP affinity timeout (seconds), as for Services.
-pub const DEFAULT_AFFINITY_TIMEOUT_SECONDS: i32 = 10_800;
 
 /// The approval of the `about.k8s.io` API (KEP-2149), required on CRDs of protected groups.
 pub const ABOUT_API_APPROVAL: &str = "https://github.com/kubernetes/enhancements/pull/3084";

@@ -141,28 +141,12 @@ impl<D: Dataplane> Controller<D> {
 
     /// Applies one event to the index; true when it is the first full sync.
     fn handle(&mut self, ev: SourceEvent) -> bool {
-        match ev {
-            SourceEvent::Import(i) => self.index.upsert_import(i),
-            SourceEvent::DeleteImport(ns, n) => self.index.delete_import(&ns, &n),
-            SourceEvent::Slice(s) => self.index.upsert_slice(s),
-            SourceEvent::DeleteSlice(ns, n) => self.index.delete_slice(&ns, &n),
-            SourceEvent::ClusterId(id) => {
-                if self.config.cluster_id_fixed {
-                    tracing::debug!(id, "ignoring ClusterProperty: --cluster-id was given");
-                } else if self.index.node().cluster_id != id {
-                    tracing::info!(cluster_id = %id, "cluster id from ClusterProperty");
-                    self.index.set_cluster_id(&id);
-                }
-            }
-            SourceEvent::Unreadable(r) => {
-                self.unreadable.insert(r.object.clone(), r);
-            }
-            SourceEvent::Readable(object) => {
-                self.unreadable.remove(&object);
-            }
-            SourceEvent::Synced => return true,
-        }
-        false
+        crate::source::apply(
+            &mut self.index,
+            &mut self.unreadable,
+            ev,
+            self.config.cluster_id_fixed,
+        )
     }
 
     /// Flushes the index, applies the diff, updates metrics, logs and Events.

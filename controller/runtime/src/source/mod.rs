@@ -7,7 +7,10 @@
 pub mod file;
 pub mod kube;
 
+use std::collections::BTreeMap;
+
 use mcs_model::{
+    Index,
     input::{ImportInput, SliceInput},
     validate::Rejection,
 };
@@ -55,4 +58,38 @@ impl std::str::FromStr for SourceSpec {
             },
         }
     }
+}
+
+/// Applies one source event to `index` (and to `unreadable`, keyed by object); returns true
+/// for [`SourceEvent::Synced`]. With `cluster_id_fixed` (`--cluster-id`), ClusterProperty
+/// updates are ignored. The one place that turns events into index calls: the controller,
+/// `mcs-agent table` and the demo all use it.
+pub fn apply(
+    index: &mut Index,
+    unreadable: &mut BTreeMap<String, Rejection>,
+    ev: SourceEvent,
+    cluster_id_fixed: bool,
+) -> bool {
+    match ev {
+        SourceEvent::Import(i) => index.upsert_import(i),
+        SourceEvent::DeleteImport(ns, n) => index.delete_import(&ns, &n),
+        SourceEvent::Slice(s) => index.upsert_slice(s),
+        SourceEvent::DeleteSlice(ns, n) => index.delete_slice(&ns, &n),
+        SourceEvent::ClusterId(id) => {
+            if cluster_id_fixed {
+                tracing::debug!(id, "ignoring ClusterProperty: --cluster-id was given");
+            } else if index.node().cluster_id != id {
+                tracing::info!(cluster_id = %id, "cluster id from ClusterProperty");
+                index.set_cluster_id(&id);
+            }
+        }
+        SourceEvent::Unreadable(r) => {
+            unreadable.insert(r.object.clone(), r);
+        }
+        SourceEvent::Readable(object) => {
+            unreadable.remove(&object);
+        }
+        SourceEvent::Synced => return true,
+    }
+    false
 }
