@@ -20,7 +20,9 @@ log() { printf '\033[1msetup:\033[0m %s\n' "$*"; }
 t0=$(date +%s)
 
 # --- Debian packages ---------------------------------------------------------------------------
-APT_PKGS=(etcd-server etcd-client nftables iproute2 bpftool openssl jq procps psmisc)
+APT_PKGS=(etcd-server etcd-client nftables iproute2 bpftool openssl jq procps psmisc
+  # peers and load generators of the benchmark harness (mcs-bench; its smoke run is in CI)
+  haproxy nginx-light libnginx-mod-stream wrk iperf3 iptables ipvsadm)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -31,7 +33,10 @@ if ((${#missing[@]})); then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   # The etcd-server package may start a system etcd; tests start their own.
-  if command -v systemctl >/dev/null 2>&1; then systemctl disable --now etcd >/dev/null 2>&1 || true; fi
+  # So may haproxy, nginx and iperf3; the harness starts its own inside its namespaces.
+  if command -v systemctl >/dev/null 2>&1; then
+    systemctl disable --now etcd haproxy nginx iperf3 >/dev/null 2>&1 || true
+  fi
 else
   log "Debian packages present"
 fi

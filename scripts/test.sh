@@ -28,6 +28,14 @@ cargo test --locked --no-fail-fast 2>&1 | tee "${MCS_TEST_LOG:-/tmp/mcs-test.log
 status=${PIPESTATUS[0]}
 set -e
 
+step "benchmark harness, smoke mode (proves every mode and workload runs; no speed asserted)"
+set +e
+cargo build --locked -q -p mcs-agent -p mcs-bench --bins &&
+  target/debug/mcs-bench --smoke --no-install --out target/mcs-bench-smoke >target/mcs-bench-smoke.md
+smoke=$?
+set -e
+if ((smoke == 0)); then cat target/mcs-bench-smoke.md; echo "harness smoke: ok"; else echo "harness smoke: FAILED"; status=1; fi
+
 step "summary"
 # One closing line over all test binaries.
 awk '/^test result:/ { for (i=1;i<=NF;i++) { if ($(i+1) ~ /^passed;?$/) p+=$i; if ($(i+1) ~ /^failed;?$/) f+=$i; if ($(i+1) ~ /^ignored;?$/) ig+=$i } }

@@ -4,8 +4,10 @@
 //!
 //! - `benches/`: criterion micro-benchmarks of the hot paths (`cargo bench -p mcs-bench`).
 //! - [`fixtures`]: synthetic ClusterSets of a given size, shared by the benches.
-//! - The side-by-side harness `mcs-bench` (issue 6) will live here too.
+//! - [`harness`]: the side-by-side harness behind the `mcs-bench` binary.
 #![forbid(unsafe_code)]
+
+pub mod harness;
 
 /// Synthetic inputs.
 pub mod fixtures {

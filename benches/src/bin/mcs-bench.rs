@@ -1,0 +1,213 @@
+//! `mcs-bench`: measures the mcs-dataplane dataplanes side by side with a direct connection,
+//! the kube-proxy analogs, HAProxy and nginx, on one topology of network namespaces.
+#![forbid(unsafe_code)]
+
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
+
+use clap::{Parser, Subcommand};
+use mcs_bench::harness::{self, bed::Mode, load::LoadConfig, load::Workload};
+
+/// Side-by-side benchmark of the mcs-dataplane dataplanes (as root).
+///
+/// Builds network namespaces (client, node, backends of two clusters; 198.18.0.0/15 only),
+/// sets up every mode on the node at once, each on its own addresses, and runs the
+/// workloads interleaved (A B C … A B C …). Writes results.json, results.md and SVG plots
+/// into --out, and prints the markdown. Everything it creates is removed when it ends.
+/// Exits 1 if a mode that the machine can run failed; a mode the machine cannot run
+/// (no IPVS in the kernel) is reported as unavailable.
+#[derive(Parser, Debug)]
+#[command(name = "mcs-bench", version, args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    tool: Option<Tool>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// Modes, comma-separated: direct, mcs-ebpf, mcs-userspace, iptables, ipvs, nftables,
+    /// haproxy, nginx (default: all).
+    #[arg(long, value_delimiter = ',')]
+    modes: Vec<String>,
+    /// Workloads, comma-separated: crr (new connections), rr (keep-alive requests with
+    /// latency), bulk-1, bulk-n (iperf3), udp-rr (default: all).
+    #[arg(long, value_delimiter = ',')]
+    workloads: Vec<String>,
+    /// Seconds per run.
+    #[arg(long, default_value_t = 5)]
+    seconds: u64,
+    /// Interleaved repetitions of every run.
+    #[arg(long, default_value_t = 3)]
+    repetitions: usize,
+    /// Services installed for the scaling workload, comma-separated (0 or empty: skip).
+    #[arg(long, value_delimiter = ',', default_value = "1,1000,10000")]
+    scales: Vec<usize>,
+    /// wrk threads.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// wrk connections.
+    #[arg(long, default_value_t = 50)]
+    connections: usize,
+    /// iperf3 streams of bulk-n.
+    #[arg(long, default_value_t = 8)]
+    bulk_streams: usize,
+    /// UDP flows (one datagram in flight each).
+    #[arg(long, default_value_t = 8)]
+    udp_flows: usize,
+    /// The mcs-agent binary (default: next to this one).
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// Output directory.
+    #[arg(long, default_value = "target/mcs-bench")]
+    out: PathBuf,
+    /// Do not install missing peers (haproxy, nginx, wrk, iperf3, iptables, ipvsadm) with apt-get.
+    #[arg(long)]
+    no_install: bool,
+    /// Smoke mode for CI: 1 s runs, 1 repetition, scaling to 100 services. Proves that every
+    /// mode and workload works; the figures mean nothing.
+    #[arg(long)]
+    smoke: bool,
+}
+
+#[derive(Subcommand, Debug)]
+enum Tool {
+    /// (internal) UDP echo server.
+    #[command(hide = true)]
+    UdpEcho {
+        #[arg(long)]
+        listen: SocketAddr,
+    },
+    /// (internal) UDP request/response load; prints one JSON line.
+    #[command(hide = true)]
+    UdpRr {
+        #[arg(long, required = true)]
+        target: Vec<SocketAddr>,
+        #[arg(long, default_value_t = 8)]
+        flows: usize,
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        #[arg(long, default_value_t = 64)]
+        size: usize,
+    },
+    /// (internal) One HTTP GET and one UDP echo through a target.
+    #[command(hide = true)]
+    Check {
+        #[arg(long)]
+        http: SocketAddr,
+        #[arg(long)]
+        udp: Option<SocketAddr>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.tool {
+        Some(Tool::UdpEcho { listen }) => harness::tools::udp_echo(listen),
+        Some(Tool::UdpRr {
+            target,
+            flows,
+            seconds,
+            size,
+        }) => harness::tools::udp_rr(&target, flows, seconds, size).and_then(|r| {
+            println!("{}", serde_json::to_string(&r)?);
+            Ok(())
+        }),
+        Some(Tool::Check { http, udp }) => harness::tools::check(http, udp),
+        None => return bench(cli.run),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mcs-bench: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn bench(mut a: RunArgs) -> ExitCode {
+    if a.smoke {
+        a.seconds = 1;
+        a.repetitions = 1;
+        a.scales = vec![1, 100];
+    }
+    let modes: Result<Vec<Mode>, String> = if a.modes.is_empty() {
+        Ok(Mode::ALL.to_vec())
+    } else {
+        a.modes
+            .iter()
+            .map(|m| Mode::parse(m).ok_or_else(|| format!("unknown mode {m:?}")))
+            .collect()
+    };
+    let workloads: Result<Vec<Workload>, String> = if a.workloads.is_empty() {
+        Ok(Workload::ALL.to_vec())
+    } else {
+        a.workloads
+            .iter()
+            .map(|w| Workload::parse(w).ok_or_else(|| format!("unknown workload {w:?}")))
+            .collect()
+    };
+    let (modes, workloads) = match (modes, workloads) {
+        (Ok(m), Ok(w)) => (m, w),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("mcs-bench: {e} (see --help)");
+            return ExitCode::from(2);
+        }
+    };
+    if a.seconds == 0 || a.repetitions == 0 || a.threads == 0 || a.connections < a.threads {
+        eprintln!(
+            "mcs-bench: --seconds, --repetitions, --threads must be > 0 and --connections >= --threads"
+        );
+        return ExitCode::from(2);
+    }
+    if let Some(n) = a.scales.iter().find(|n| **n > harness::bed::MAX_SERVICES) {
+        eprintln!(
+            "mcs-bench: at most {} services per mode (asked {n})",
+            harness::bed::MAX_SERVICES
+        );
+        return ExitCode::from(2);
+    }
+    let agent = a.agent.unwrap_or_else(|| {
+        std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(|d| d.join("mcs-agent")))
+            .unwrap_or_else(|| PathBuf::from("mcs-agent"))
+    });
+    let opts = harness::Options {
+        modes,
+        workloads,
+        repetitions: a.repetitions,
+        scales: a.scales.into_iter().filter(|n| *n > 0).collect(),
+        load: LoadConfig {
+            seconds: a.seconds,
+            threads: a.threads,
+            connections: a.connections,
+            bulk_streams: a.bulk_streams,
+            udp_flows: a.udp_flows,
+        },
+        agent,
+        out: a.out,
+        install: !a.no_install,
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+    };
+    match harness::run(&opts) {
+        Ok(report) => {
+            println!("{}", report.markdown());
+            eprintln!("mcs-bench: results in {}", opts.out.display());
+            let failures = report.failures();
+            if failures.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("mcs-bench: {} failure(s):", failures.len());
+                for f in failures {
+                    eprintln!("  {f}");
+                }
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            eprintln!("mcs-bench: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}

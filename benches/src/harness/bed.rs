@@ -1,0 +1,921 @@
+//! The test bed: the two-cluster topology, the backends, and every mode set up side by side
+//! on the node, each on its own addresses so they never see each other's traffic.
+//!
+//! ```text
+//!  cli 198.18.10.2 ── node ── c1: 198.18.1.2 (nginx :8080, UDP echo :9000)
+//!                          └─ c2: 198.18.2.2 (nginx :8080, UDP echo :9000, iperf3 :5201)
+//! ```
+//!
+//! Service `web` (80/TCP → 8080, 9000/UDP → 9000) has one backend in each cluster; `bulk`
+//! (5201/TCP) one backend in c2 (iperf3's data connections must reach the server of its
+//! control connection). Each mode has its own ClusterSetIPs: see [`Mode::vip_base`].
+
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    net::{Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use anyhow::{Context, bail};
+use mcs_sandbox::{cgroup::TestCgroup, topology::TwoClusters};
+
+use super::procs::{Proc, deathsig, run_ok, wait_for};
+
+/// Backends of `web`, one per cluster.
+pub const BACKENDS: [Ipv4Addr; 2] = [Ipv4Addr::new(198, 18, 1, 2), Ipv4Addr::new(198, 18, 2, 2)];
+/// Backends of the filler services (never sent traffic).
+const FILLER_BACKENDS: [Ipv4Addr; 2] = [Ipv4Addr::new(198, 18, 1, 3), Ipv4Addr::new(198, 18, 2, 3)];
+/// Backend ports.
+pub const HTTP_PORT: u16 = 8080;
+/// UDP echo port (service and backend).
+pub const UDP_PORT: u16 = 9000;
+/// iperf3 port (service and backend).
+pub const BULK_PORT: u16 = 5201;
+/// Most filler services a mode can hold (its /18 minus the first /24).
+pub const MAX_SERVICES: usize = 16_128;
+
+/// A way of reaching the service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// Client to the backend addresses: the limit.
+    Direct,
+    /// Our eBPF socket LB.
+    McsEbpf,
+    /// Our userspace TPROXY forwarder.
+    McsUserspace,
+    /// kube-proxy iptables mode analog.
+    Iptables,
+    /// kube-proxy IPVS mode analog.
+    Ipvs,
+    /// kube-proxy nftables mode analog.
+    Nftables,
+    /// HAProxy, mode tcp.
+    Haproxy,
+    /// nginx stream module.
+    Nginx,
+}
+
+impl Mode {
+    /// All modes, in report order.
+    pub const ALL: [Mode; 8] = [
+        Mode::Direct,
+        Mode::McsEbpf,
+        Mode::McsUserspace,
+        Mode::Iptables,
+        Mode::Ipvs,
+        Mode::Nftables,
+        Mode::Haproxy,
+        Mode::Nginx,
+    ];
+
+    /// Its name on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Direct => "direct",
+            Mode::McsEbpf => "mcs-ebpf",
+            Mode::McsUserspace => "mcs-userspace",
+            Mode::Iptables => "iptables",
+            Mode::Ipvs => "ipvs",
+            Mode::Nftables => "nftables",
+            Mode::Haproxy => "haproxy",
+            Mode::Nginx => "nginx",
+        }
+    }
+
+    /// Parses a name.
+    pub fn parse(s: &str) -> Option<Mode> {
+        Mode::ALL.into_iter().find(|m| m.name() == s)
+    }
+
+    /// Whether it can hold many services (the scaling workload applies).
+    pub fn scales(self) -> bool {
+        matches!(
+            self,
+            Mode::McsEbpf | Mode::McsUserspace | Mode::Iptables | Mode::Ipvs | Mode::Nftables
+        )
+    }
+
+    /// First address of the mode's ClusterSetIP range: `web` is base+1, `bulk` base+2,
+    /// filler `i` base+256+i. Proxies listen on node addresses instead.
+    fn vip_base(self) -> Ipv4Addr {
+        match self {
+            Mode::Iptables => Ipv4Addr::new(198, 19, 0, 0),
+            Mode::Nftables => Ipv4Addr::new(198, 19, 64, 0),
+            Mode::McsUserspace => Ipv4Addr::new(198, 19, 128, 0),
+            Mode::McsEbpf => Ipv4Addr::new(198, 19, 192, 0),
+            Mode::Ipvs => Ipv4Addr::new(198, 18, 128, 0),
+            Mode::Haproxy => Ipv4Addr::new(198, 18, 200, 0),
+            Mode::Nginx => Ipv4Addr::new(198, 18, 201, 0),
+            Mode::Direct => Ipv4Addr::UNSPECIFIED,
+        }
+    }
+
+    fn vip(self, offset: u32) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.vip_base()) + offset)
+    }
+}
+
+/// Where the load generators of a mode connect.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// HTTP service: one address, or for `direct` every backend (spread over the client's
+    /// threads / flows).
+    pub web: Vec<SocketAddr>,
+    /// iperf3 service.
+    pub bulk: SocketAddr,
+    /// UDP echo service (None: the mode has no UDP).
+    pub udp: Option<Vec<SocketAddr>>,
+    /// Whether the client must run in the cgroup with the socket LB attached.
+    pub in_cgroup: bool,
+    /// cgroup whose CPU time is the load balancer's (proxies).
+    pub cpu_cgroup: Option<PathBuf>,
+}
+
+/// A mode's state after set-up.
+#[derive(Debug)]
+pub enum ModeState {
+    /// Ready to measure.
+    Ready(Target),
+    /// The machine cannot run it (reported, not a failure).
+    Unavailable(String),
+    /// Set-up failed (a failure of the run).
+    Failed(String),
+}
+
+/// The bed; dropping it stops every process and removes every namespace, cgroup, rule and
+/// pinned map it created.
+#[derive(Debug)]
+pub struct Bed {
+    procs: Vec<Proc>,
+    /// Working directory (configs, logs).
+    pub work: PathBuf,
+    /// Binary of `mcs-agent`.
+    agent: PathBuf,
+    pins: PathBuf,
+    ebpf_metrics: Option<SocketAddr>,
+    cgroups: Vec<TestCgroup>,
+    /// The cgroup the eBPF clients join.
+    pub client_cg: Option<TestCgroup>,
+    /// The namespaces.
+    pub topo: TwoClusters,
+    /// State of every selected mode.
+    pub modes: BTreeMap<Mode, ModeState>,
+    /// Filler services installed per scalable mode.
+    pub services: usize,
+}
+
+impl Drop for Bed {
+    fn drop(&mut self) {
+        self.procs.clear();
+        if self.pins.exists() {
+            let _ = Command::new(&self.agent)
+                .args(["uninstall", "--bpf-pin-dir"])
+                .arg(&self.pins)
+                .output();
+            let _ = std::fs::remove_dir_all(&self.pins);
+        }
+    }
+}
+
+impl Bed {
+    /// Builds the topology and backends, then sets up each of `modes` (a mode that fails is
+    /// recorded, the others go on).
+    pub fn build(modes: &[Mode], agent: &Path, work: &Path) -> anyhow::Result<Self> {
+        sweep_stale_pins(agent);
+        let topo = TwoClusters::build().context("building the namespaces")?;
+        topo.node.enable_forwarding()?;
+        for (ns, cidr) in [
+            (&topo.node, "198.18.200.1/32"),
+            (&topo.node, "198.18.201.1/32"),
+        ] {
+            ns.addr("lo", cidr)?;
+        }
+        let mut bed = Bed {
+            procs: vec![],
+            work: work.into(),
+            agent: agent.into(),
+            pins: PathBuf::from("/sys/fs/bpf").join(mcs_sandbox::unique_name("bench")),
+            ebpf_metrics: None,
+            cgroups: vec![],
+            client_cg: None,
+            topo,
+            modes: BTreeMap::new(),
+            services: 1,
+        };
+        bed.start_backends()?;
+        for &mode in modes {
+            let state = match bed.setup(mode) {
+                Ok(state) => state,
+                Err(e) => ModeState::Failed(format!("{e:#}")),
+            };
+            bed.modes.insert(mode, state);
+        }
+        Ok(bed)
+    }
+
+    fn spawn(&mut self, name: &str, ns: &str, program: &str, args: &[&str]) -> anyhow::Result<()> {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns])
+            .args(deathsig(program))
+            .args(args);
+        let proc = Proc::spawn(name, cmd, &self.work.join(format!("{name}.log")))?;
+        self.procs.push(proc);
+        Ok(())
+    }
+
+    /// Starts a server inside its own cgroup (its CPU time is then measurable).
+    fn spawn_in_cgroup(
+        &mut self,
+        name: &str,
+        in_node: bool,
+        program: &str,
+        args: &[&str],
+    ) -> anyhow::Result<PathBuf> {
+        let cg = TestCgroup::new(name)?;
+        let wrapped = deathsig(program);
+        let mut cmd = cg.command(in_node.then_some(&self.topo.node), Path::new(&wrapped[0]));
+        cmd.args(&wrapped[1..]).args(args);
+        let path = cg.path().to_path_buf();
+        self.cgroups.push(cg);
+        let proc = Proc::spawn(name, cmd, &self.work.join(format!("{name}.log")))?;
+        self.procs.push(proc);
+        Ok(path)
+    }
+
+    fn start_backends(&mut self) -> anyhow::Result<()> {
+        let exe = std::env::current_exe()?;
+        let exe = exe.to_string_lossy().into_owned();
+        for (i, ip) in BACKENDS.iter().enumerate() {
+            let conf = self.work.join(format!("backend{i}.conf"));
+            std::fs::write(
+                &conf,
+                format!(
+                    "worker_processes 1;\ndaemon off;\npid {work}/backend{i}.pid;\nerror_log {work}/backend{i}.err;\n\
+                     events {{ worker_connections 8192; }}\n\
+                     http {{ access_log off; keepalive_requests 1000000;\n\
+                       server {{ listen {ip}:{HTTP_PORT} reuseport; location / {{ return 200 \"ok\\n\"; }} }} }}\n",
+                    work = self.work.display()
+                ),
+            )?;
+            let ns = if i == 0 { &self.topo.c1 } else { &self.topo.c2 }
+                .name()
+                .to_string();
+            let conf = conf.to_string_lossy().into_owned();
+            let err = self.work.join(format!("backend{i}.err"));
+            let err = err.to_string_lossy().into_owned();
+            self.spawn(
+                &format!("nginx-backend{i}"),
+                &ns,
+                "nginx",
+                &["-e", &err, "-c", &conf],
+            )?;
+            let listen = format!("{ip}:{UDP_PORT}");
+            self.spawn(
+                &format!("udp-echo{i}"),
+                &ns,
+                &exe,
+                &["udp-echo", "--listen", &listen],
+            )?;
+        }
+        let c2 = self.topo.c2.name().to_string();
+        let bind = BACKENDS[1].to_string();
+        self.spawn(
+            "iperf3-server",
+            &c2,
+            "iperf3",
+            &["-s", "-B", &bind, "-p", &BULK_PORT.to_string()],
+        )?;
+        // Ready when every backend answers from the client namespace.
+        let cli = &self.topo.cli;
+        let procs = &mut self.procs;
+        let exe2 = std::env::current_exe()?;
+        wait_for("the backends", Duration::from_secs(10), || {
+            for p in procs.iter_mut() {
+                p.check_alive()?;
+            }
+            for ip in BACKENDS {
+                let mut cmd = cli.command(&exe2.to_string_lossy());
+                cmd.args([
+                    "check",
+                    "--http",
+                    &format!("{ip}:{HTTP_PORT}"),
+                    "--udp",
+                    &format!("{ip}:{UDP_PORT}"),
+                ]);
+                if run_ok(&mut cmd).is_err() {
+                    return Ok(false);
+                }
+            }
+            let bulk = SocketAddr::from((BACKENDS[1], BULK_PORT));
+            cli.run(|| std::net::TcpStream::connect_timeout(&bulk, Duration::from_secs(1)).is_ok())
+        })
+    }
+
+    fn setup(&mut self, mode: Mode) -> anyhow::Result<ModeState> {
+        let web = SocketAddr::from((mode.vip(1), 80));
+        let udp = SocketAddr::from((mode.vip(1), UDP_PORT));
+        let bulk = SocketAddr::from((mode.vip(2), BULK_PORT));
+        let mut target = Target {
+            web: vec![web],
+            bulk,
+            udp: Some(vec![udp]),
+            in_cgroup: false,
+            cpu_cgroup: None,
+        };
+        match mode {
+            Mode::Direct => {
+                target.web = BACKENDS
+                    .iter()
+                    .map(|ip| SocketAddr::from((*ip, HTTP_PORT)))
+                    .collect();
+                target.udp = Some(
+                    BACKENDS
+                        .iter()
+                        .map(|ip| SocketAddr::from((*ip, UDP_PORT)))
+                        .collect(),
+                );
+                target.bulk = SocketAddr::from((BACKENDS[1], BULK_PORT));
+            }
+            Mode::Haproxy => {
+                if !have("haproxy") {
+                    return Ok(ModeState::Failed("haproxy is not installed".into()));
+                }
+                let conf = self.work.join("haproxy.cfg");
+                std::fs::write(&conf, haproxy_config(mode.vip(1)))?;
+                let conf = conf.to_string_lossy().into_owned();
+                target.cpu_cgroup = Some(self.spawn_in_cgroup(
+                    "haproxy",
+                    true,
+                    "haproxy",
+                    &["-db", "-f", &conf],
+                )?);
+                target.bulk = SocketAddr::from((mode.vip(1), BULK_PORT));
+                target.udp = None;
+            }
+            Mode::Nginx => {
+                let module = Path::new("/usr/lib/nginx/modules/ngx_stream_module.so");
+                if !have("nginx") || !module.exists() {
+                    return Ok(ModeState::Failed(
+                        "nginx or its stream module is not installed".into(),
+                    ));
+                }
+                let conf = self.work.join("nginx-proxy.conf");
+                std::fs::write(&conf, nginx_proxy_config(mode.vip(1), module, &self.work))?;
+                let conf = conf.to_string_lossy().into_owned();
+                let err = self
+                    .work
+                    .join("nginx-proxy.err")
+                    .to_string_lossy()
+                    .into_owned();
+                target.cpu_cgroup = Some(self.spawn_in_cgroup(
+                    "nginx-proxy",
+                    true,
+                    "nginx",
+                    &["-e", &err, "-c", &conf],
+                )?);
+                target.bulk = SocketAddr::from((mode.vip(1), BULK_PORT));
+            }
+            Mode::Iptables => {
+                if !have("iptables-restore") {
+                    return Ok(ModeState::Failed("iptables is not installed".into()));
+                }
+                self.program_iptables(0)?;
+            }
+            Mode::Nftables => self.program_nftables(0)?,
+            Mode::Ipvs => {
+                if !have("ipvsadm") {
+                    return Ok(ModeState::Unavailable("ipvsadm is not installed".into()));
+                }
+                // The kernel module creates the per-namespace IPVS state; without it ipvsadm
+                // says "Protocol not available".
+                let probe = self.topo.node.command("ipvsadm").arg("-Ln").output()?;
+                if !probe.status.success() {
+                    return Ok(ModeState::Unavailable(format!(
+                        "the kernel has no IPVS (`ipvsadm -Ln`: {})",
+                        String::from_utf8_lossy(&probe.stderr)
+                            .trim()
+                            .replace('\n', " ")
+                    )));
+                }
+                self.topo
+                    .node
+                    .ip(&["link", "add", "kube-ipvs0", "type", "dummy"])?;
+                for off in [1, 2] {
+                    self.topo
+                        .node
+                        .addr("kube-ipvs0", &format!("{}/32", mode.vip(off)))?;
+                }
+                self.program_ipvs(0)?;
+            }
+            Mode::McsUserspace => {
+                let dir = self.work.join("objects-userspace");
+                std::fs::create_dir_all(&dir)?;
+                write_objects(&dir, mode, 0)?;
+                let dir_arg = format!("file:{}", dir.display());
+                let agent = self.agent.to_string_lossy().into_owned();
+                target.cpu_cgroup = Some(self.spawn_in_cgroup(
+                    "mcs-userspace",
+                    true,
+                    &agent,
+                    &[
+                        "run",
+                        "--dataplane",
+                        "userspace",
+                        "--cluster-id",
+                        "bench",
+                        "--log-level",
+                        "warn",
+                        "--metrics-addr",
+                        "127.0.0.1:9464",
+                        "--file-poll-ms",
+                        "100",
+                        "--source",
+                        &dir_arg,
+                    ],
+                )?);
+                self.wait_frontends(Mode::McsUserspace, 3)?;
+            }
+            Mode::McsEbpf => {
+                if let Err(why) = mcs_sandbox::cgroup::prerequisite() {
+                    return Ok(ModeState::Unavailable(why));
+                }
+                let cg = TestCgroup::new("benchcli")?;
+                let dir = self.work.join("objects-ebpf");
+                std::fs::create_dir_all(&dir)?;
+                write_objects(&dir, mode, 0)?;
+                let port = free_port()?;
+                self.ebpf_metrics = Some(SocketAddr::from(([127, 0, 0, 1], port)));
+                let mut cmd = Command::new(deathsig(&self.agent.to_string_lossy()).remove(0));
+                cmd.args(&deathsig(&self.agent.to_string_lossy())[1..])
+                    .args([
+                        "run",
+                        "--dataplane",
+                        "ebpf",
+                        "--cluster-id",
+                        "bench",
+                        "--log-level",
+                        "warn",
+                    ])
+                    .arg("--cgroup-root")
+                    .arg(cg.path())
+                    .arg("--bpf-pin-dir")
+                    .arg(&self.pins)
+                    .args([
+                        "--metrics-addr",
+                        &format!("127.0.0.1:{port}"),
+                        "--file-poll-ms",
+                        "100",
+                    ])
+                    .arg("--source")
+                    .arg(format!("file:{}", dir.display()));
+                self.client_cg = Some(cg);
+                let proc = Proc::spawn("mcs-ebpf", cmd, &self.work.join("mcs-ebpf.log"))?;
+                self.procs.push(proc);
+                self.wait_frontends(Mode::McsEbpf, 3)?;
+                target.in_cgroup = true;
+            }
+        }
+        Ok(ModeState::Ready(target))
+    }
+
+    /// Waits until the agent of `mode` reports `n` frontends programmed.
+    fn wait_frontends(&mut self, mode: Mode, n: usize) -> anyhow::Result<()> {
+        let limit = Duration::from_secs(30 + n as u64 / 200);
+        let addr = match mode {
+            Mode::McsEbpf => self.ebpf_metrics.context("no eBPF agent")?,
+            _ => SocketAddr::from(([127, 0, 0, 1], 9464)),
+        };
+        let procs = &mut self.procs;
+        let node = &self.topo.node;
+        wait_for(
+            &format!("{} to program {n} frontends", mode.name()),
+            limit,
+            || {
+                for p in procs.iter_mut() {
+                    p.check_alive()?;
+                }
+                let body = if mode == Mode::McsEbpf {
+                    http_get(addr, "/metrics")?
+                } else {
+                    node.run(|| http_get(addr, "/metrics"))??
+                };
+                Ok(metric(&body, "mcs_frontends") == Some(n as f64))
+            },
+        )
+    }
+
+    /// Installs `services` services in total (the measured ones plus fillers) in every
+    /// scalable mode that is ready.
+    pub fn set_services(&mut self, services: usize) -> anyhow::Result<()> {
+        let fillers = services.saturating_sub(1).min(MAX_SERVICES);
+        let ready: Vec<Mode> = self
+            .modes
+            .iter()
+            .filter(|(m, s)| m.scales() && matches!(s, ModeState::Ready(_)))
+            .map(|(m, _)| *m)
+            .collect();
+        for mode in ready {
+            match mode {
+                Mode::Iptables => self.program_iptables(fillers)?,
+                Mode::Nftables => self.program_nftables(fillers)?,
+                Mode::Ipvs => self.program_ipvs(fillers)?,
+                Mode::McsEbpf | Mode::McsUserspace => {
+                    let dir = self.work.join(if mode == Mode::McsEbpf {
+                        "objects-ebpf"
+                    } else {
+                        "objects-userspace"
+                    });
+                    write_objects(&dir, mode, fillers)?;
+                    self.wait_frontends(mode, 3 + fillers)?;
+                }
+                _ => {}
+            }
+        }
+        self.services = fillers + 1;
+        Ok(())
+    }
+
+    /// kube-proxy's iptables layout: KUBE-SERVICES matches each service and jumps to its
+    /// KUBE-SVC chain, which picks an endpoint chain with `statistic`; the measured services
+    /// come last (the worst case of a linear list). Only this mode's range enters the list,
+    /// so the other modes' traffic does not pay for it.
+    fn program_iptables(&self, fillers: usize) -> anyhow::Result<()> {
+        let mode = Mode::Iptables;
+        let mut chains = String::new();
+        let mut rules = format!("-A PREROUTING -d {}/18 -j KUBE-SERVICES\n", mode.vip_base());
+        let mut add = |name: &str, vip: Ipv4Addr, proto: &str, port: u16, eps: &[SocketAddr]| {
+            let _ = writeln!(chains, ":KUBE-SVC-{name} - [0:0]");
+            let _ = writeln!(
+                rules,
+                "-A KUBE-SERVICES -d {vip}/32 -p {proto} -m {proto} --dport {port} -j KUBE-SVC-{name}"
+            );
+            for (i, ep) in eps.iter().enumerate() {
+                let _ = writeln!(chains, ":KUBE-SEP-{name}-{i} - [0:0]");
+                let left = eps.len() - i;
+                if left > 1 {
+                    let _ = writeln!(
+                        rules,
+                        "-A KUBE-SVC-{name} -m statistic --mode random --probability {:.5} -j KUBE-SEP-{name}-{i}",
+                        1.0 / left as f64
+                    );
+                } else {
+                    let _ = writeln!(rules, "-A KUBE-SVC-{name} -j KUBE-SEP-{name}-{i}");
+                }
+                let _ = writeln!(
+                    rules,
+                    "-A KUBE-SEP-{name}-{i} -p {proto} -m {proto} -j DNAT --to-destination {ep}"
+                );
+            }
+        };
+        for i in 0..fillers {
+            add(
+                &format!("F{i}"),
+                mode.vip(256 + i as u32),
+                "tcp",
+                80,
+                &filler_eps(),
+            );
+        }
+        let (web, udp, bulk) = service_eps();
+        add("WEB", mode.vip(1), "tcp", 80, &web);
+        add("UDP", mode.vip(1), "udp", UDP_PORT, &udp);
+        add("BULK", mode.vip(2), "tcp", BULK_PORT, &bulk);
+        let input = format!(
+            "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n{chains}{rules}COMMIT\n"
+        );
+        let path = self.work.join("iptables.rules");
+        std::fs::write(&path, input)?;
+        let mut cmd = self.topo.node.command("iptables-restore");
+        cmd.arg(&path);
+        run_ok(&mut cmd).map(drop)
+    }
+
+    /// kube-proxy's nftables layout: one verdict map from address . protocol . port to a
+    /// service chain, which picks an endpoint chain with `numgen random`.
+    fn program_nftables(&self, fillers: usize) -> anyhow::Result<()> {
+        let mode = Mode::Nftables;
+        let mut elements = vec![];
+        let mut chains = String::new();
+        let mut add = |name: &str, vip: Ipv4Addr, proto: &str, port: u16, eps: &[SocketAddr]| {
+            elements.push(format!("{vip} . {proto} . {port} : goto svc_{name}"));
+            let picks: Vec<String> = (0..eps.len())
+                .map(|i| format!("{i} : goto sep_{name}_{i}"))
+                .collect();
+            let _ = writeln!(
+                chains,
+                "  chain svc_{name} {{ numgen random mod {} vmap {{ {} }}; }}",
+                eps.len(),
+                picks.join(", ")
+            );
+            for (i, ep) in eps.iter().enumerate() {
+                let _ = writeln!(
+                    chains,
+                    "  chain sep_{name}_{i} {{ meta l4proto {proto} dnat to {ep}; }}"
+                );
+            }
+        };
+        for i in 0..fillers {
+            add(
+                &format!("f{i}"),
+                mode.vip(256 + i as u32),
+                "tcp",
+                80,
+                &filler_eps(),
+            );
+        }
+        let (web, udp, bulk) = service_eps();
+        add("web", mode.vip(1), "tcp", 80, &web);
+        add("udp", mode.vip(1), "udp", UDP_PORT, &udp);
+        add("bulk", mode.vip(2), "tcp", BULK_PORT, &bulk);
+        let script = format!(
+            "table ip mcs_bench_kp {{}}\ndelete table ip mcs_bench_kp\ntable ip mcs_bench_kp {{\n\
+             {chains}\
+               map service_ips {{ type ipv4_addr . inet_proto . inet_service : verdict; elements = {{ {} }}; }}\n\
+               chain prerouting {{ type nat hook prerouting priority dstnat; policy accept; ip daddr . meta l4proto . th dport vmap @service_ips; }}\n\
+             }}\n",
+            elements.join(",\n    ")
+        );
+        let path = self.work.join("nftables.nft");
+        std::fs::write(&path, script)?;
+        let mut cmd = self.topo.node.command("nft");
+        cmd.arg("-f").arg(&path);
+        run_ok(&mut cmd).map(drop)
+    }
+
+    /// kube-proxy's IPVS layout: a virtual server per service (NAT, rr).
+    fn program_ipvs(&self, fillers: usize) -> anyhow::Result<()> {
+        let mode = Mode::Ipvs;
+        let mut rules = String::from("-C\n");
+        let mut add = |flag: &str, vip: Ipv4Addr, port: u16, eps: &[SocketAddr]| {
+            let _ = writeln!(rules, "-A {flag} {vip}:{port} -s rr");
+            for ep in eps {
+                let _ = writeln!(rules, "-a {flag} {vip}:{port} -r {ep} -m");
+            }
+        };
+        for i in 0..fillers {
+            add("-t", mode.vip(256 + i as u32), 80, &filler_eps());
+        }
+        let (web, udp, bulk) = service_eps();
+        add("-t", mode.vip(1), 80, &web);
+        add("-u", mode.vip(1), UDP_PORT, &udp);
+        add("-t", mode.vip(2), BULK_PORT, &bulk);
+        let path = self.work.join("ipvs.rules");
+        std::fs::write(&path, rules)?;
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg(r#"ip netns exec "$0" ipvsadm-restore < "$1""#)
+            .arg(self.topo.node.name())
+            .arg(&path);
+        run_ok(&mut cmd).map(drop)
+    }
+
+    /// The ready modes in report order.
+    pub fn ready(&self) -> Vec<(Mode, Target)> {
+        self.modes
+            .iter()
+            .filter_map(|(m, s)| match s {
+                ModeState::Ready(t) => Some((*m, t.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// A client command for `mode`: inside the client namespace, and inside the socket-LB
+    /// cgroup for `mcs-ebpf`.
+    pub fn client(&self, target: &Target, program: &str) -> Command {
+        match (&self.client_cg, target.in_cgroup) {
+            (Some(cg), true) => cg.command(Some(&self.topo.cli), Path::new(program)),
+            _ => self.topo.cli.command(program),
+        }
+    }
+
+    /// Fails if a server of the bed has died.
+    pub fn check_alive(&mut self) -> anyhow::Result<()> {
+        for p in &mut self.procs {
+            p.check_alive()?;
+        }
+        Ok(())
+    }
+
+    /// The process ids of the servers (for the record).
+    pub fn pids(&self) -> Vec<u32> {
+        self.procs.iter().map(Proc::pid).collect()
+    }
+}
+
+fn filler_eps() -> [SocketAddr; 2] {
+    FILLER_BACKENDS.map(|ip| SocketAddr::from((ip, HTTP_PORT)))
+}
+
+fn service_eps() -> (Vec<SocketAddr>, Vec<SocketAddr>, Vec<SocketAddr>) {
+    (
+        BACKENDS
+            .iter()
+            .map(|ip| SocketAddr::from((*ip, HTTP_PORT)))
+            .collect(),
+        BACKENDS
+            .iter()
+            .map(|ip| SocketAddr::from((*ip, UDP_PORT)))
+            .collect(),
+        vec![SocketAddr::from((BACKENDS[1], BULK_PORT))],
+    )
+}
+
+fn haproxy_config(vip: Ipv4Addr) -> String {
+    let [a, b] = BACKENDS;
+    format!(
+        "global\n  nbthread 2\n  maxconn 4096\n\
+         defaults\n  mode tcp\n  timeout connect 2s\n  timeout client 60s\n  timeout server 60s\n  option splice-auto\n\
+         listen web\n  bind {vip}:80\n  balance roundrobin\n  server c1 {a}:{HTTP_PORT}\n  server c2 {b}:{HTTP_PORT}\n\
+         listen bulk\n  bind {vip}:{BULK_PORT}\n  server c2 {b}:{BULK_PORT}\n"
+    )
+}
+
+fn nginx_proxy_config(vip: Ipv4Addr, module: &Path, work: &Path) -> String {
+    let [a, b] = BACKENDS;
+    format!(
+        "load_module {module};\nworker_processes 2;\ndaemon off;\npid {work}/nginx-proxy.pid;\nerror_log {work}/nginx-proxy.err;\n\
+         events {{ worker_connections 8192; }}\n\
+         stream {{\n\
+           upstream web {{ server {a}:{HTTP_PORT}; server {b}:{HTTP_PORT}; }}\n\
+           upstream udp {{ server {a}:{UDP_PORT}; server {b}:{UDP_PORT}; }}\n\
+           upstream bulk {{ server {b}:{BULK_PORT}; }}\n\
+           server {{ listen {vip}:80 reuseport; proxy_pass web; }}\n\
+           server {{ listen {vip}:{UDP_PORT} udp reuseport; proxy_pass udp; proxy_responses 1; proxy_timeout 5s; }}\n\
+           server {{ listen {vip}:{BULK_PORT}; proxy_pass bulk; }}\n\
+         }}\n",
+        module = module.display(),
+        work = work.display()
+    )
+}
+
+/// The MCS objects of the measured services plus `fillers` others, for `file:DIR`; written
+/// to a temporary file and renamed, so the agent never reads half a file.
+fn write_objects(dir: &Path, mode: Mode, fillers: usize) -> anyhow::Result<()> {
+    let mut y = String::new();
+    let import = |y: &mut String, name: &str, vip: Ipv4Addr, ports: &str| {
+        let _ = write!(
+            y,
+            "---\napiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceImport\nmetadata: {{ name: {name}, namespace: bench }}\n\
+             spec: {{ type: ClusterSetIP, ips: [\"{vip}\"], ports: [{ports}] }}\n"
+        );
+    };
+    let slice = |y: &mut String,
+                 name: &str,
+                 svc: &str,
+                 cluster: &str,
+                 ip: Ipv4Addr,
+                 ports: &str| {
+        let _ = write!(
+            y,
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: bench\n  \
+             labels: {{ multicluster.kubernetes.io/service-name: {svc}, multicluster.kubernetes.io/source-cluster: {cluster} }}\n\
+             addressType: IPv4\nports: [{ports}]\nendpoints: [{{ addresses: [\"{ip}\"], conditions: {{ ready: true }} }}]\n"
+        );
+    };
+    let http = "{ name: http, protocol: TCP, port: 80 }";
+    let http_ep = format!("{{ name: http, protocol: TCP, port: {HTTP_PORT} }}");
+    for i in 0..fillers {
+        let name = format!("f{i}");
+        import(&mut y, &name, mode.vip(256 + i as u32), http);
+        for (c, ip) in ["c1", "c2"].iter().zip(FILLER_BACKENDS) {
+            slice(&mut y, &format!("{name}-{c}"), &name, c, ip, &http_ep);
+        }
+    }
+    let udp = format!("{{ name: udp, protocol: UDP, port: {UDP_PORT} }}");
+    import(&mut y, "web", mode.vip(1), &format!("{http}, {udp}"));
+    for (c, ip) in ["c1", "c2"].iter().zip(BACKENDS) {
+        slice(
+            &mut y,
+            &format!("web-{c}"),
+            "web",
+            c,
+            ip,
+            &format!("{http_ep}, {udp}"),
+        );
+    }
+    let bulk = format!("{{ name: iperf, protocol: TCP, port: {BULK_PORT} }}");
+    import(&mut y, "bulk", mode.vip(2), &bulk);
+    slice(&mut y, "bulk-c2", "bulk", "c2", BACKENDS[1], &bulk);
+    let tmp = dir.join(".objects.yaml.tmp");
+    std::fs::write(&tmp, y)?;
+    std::fs::rename(&tmp, dir.join("objects.yaml"))?;
+    Ok(())
+}
+
+/// Whether `program` is on PATH.
+pub fn have(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// A minimal HTTP/1.0 GET; returns the body.
+pub fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: bench\r\n\r\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    match text.split_once("\r\n\r\n") {
+        Some((head, body))
+            if head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200") =>
+        {
+            Ok(body.to_string())
+        }
+        _ => bail!(
+            "GET {path} from {addr}: {}",
+            text.lines().next().unwrap_or("")
+        ),
+    }
+}
+
+/// The value of an unlabelled metric in a Prometheus text exposition.
+pub fn metric(body: &str, name: &str) -> Option<f64> {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Unpins the maps of eBPF agents of earlier runs that were killed before cleaning up.
+fn sweep_stale_pins(agent: &Path) {
+    let Ok(dir) = std::fs::read_dir("/sys/fs/bpf") else {
+        return;
+    };
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix("mcst")
+            .map(|r| {
+                r.chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect::<String>()
+            })
+            .and_then(|d| d.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if name.contains("bench") && !mcs_sandbox::pid_alive(pid) {
+            let _ = Command::new(agent)
+                .args(["uninstall", "--bpf-pin-dir"])
+                .arg(entry.path())
+                .output();
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_address_is_a_test_address() {
+        for mode in Mode::ALL.into_iter().filter(|m| *m != Mode::Direct) {
+            for off in [1, 2, 256, 256 + MAX_SERVICES as u32 - 1] {
+                let ip = mode.vip(off);
+                assert!(
+                    mcs_sandbox::netns::is_test_address(ip.into()),
+                    "{mode:?} {ip}"
+                );
+            }
+        }
+        // Mode ranges do not overlap.
+        let mut bases: Vec<u32> = Mode::ALL
+            .iter()
+            .filter(|m| m.scales())
+            .map(|m| u32::from(m.vip_base()))
+            .collect();
+        bases.sort();
+        assert!(
+            bases
+                .windows(2)
+                .all(|w| w[1] - w[0] >= 256 + MAX_SERVICES as u32)
+        );
+    }
+
+    #[test]
+    fn metric_reads_unlabelled_values() {
+        let body = "# HELP x\nmcs_frontends 12\nmcs_frontends_total 3\n";
+        assert_eq!(metric(body, "mcs_frontends"), Some(12.0));
+        assert_eq!(metric(body, "mcs_backends"), None);
+    }
+
+    #[test]
+    fn objects_hold_the_measured_services_and_fillers() {
+        let dir = tempfile::tempdir().unwrap();
+        write_objects(dir.path(), Mode::McsUserspace, 5).unwrap();
+        let text = std::fs::read_to_string(dir.path().join("objects.yaml")).unwrap();
+        assert_eq!(text.matches("kind: ServiceImport").count(), 7);
+        assert_eq!(text.matches("kind: EndpointSlice").count(), 13);
+    }
+}
