@@ -22,7 +22,7 @@ t0=$(date +%s)
 # --- Debian packages ---------------------------------------------------------------------------
 APT_PKGS=(etcd-server etcd-client nftables iproute2 bpftool openssl jq procps psmisc
   # peers and load generators of the benchmark harness (mcs-bench; its smoke run is in CI)
-  haproxy nginx-light libnginx-mod-stream wrk iperf3 iptables ipvsadm)
+  haproxy nginx-light libnginx-mod-stream wrk iperf3 iptables ipvsadm conntrack)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -38,9 +38,14 @@ pub fn sweep_stale() {
     cgroup::sweep_stale();
 }
 
-/// Whether process `pid` is alive.
+/// Whether process `pid` is alive (a zombie, killed but not yet reaped, is not).
 pub fn pid_alive(pid: u32) -> bool {
-    std::path::Path::new(&format!("/proc/{pid}")).exists()
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // "pid (comm) S ...": the state follows the last ')' (comm may hold anything).
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X")
+    })
 }
 
 /// Parses `mcst<pid>...` names.
@@ -48,4 +53,24 @@ pub(crate) fn owner_pid(name: &str) -> Option<u32> {
     let rest = name.strip_prefix("mcst")?;
     let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
     digits.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn pid_alive_sees_this_process_and_not_a_reaped_or_zombie_child() {
+        assert!(super::pid_alive(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        // Exited but not reaped: a zombie (polled, with a deadline).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z"))
+        {
+            assert!(std::time::Instant::now() < deadline, "child never exited");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!super::pid_alive(pid));
+        child.wait().unwrap();
+        assert!(!super::pid_alive(pid));
+    }
 }

@@ -114,6 +114,20 @@ impl Mode {
         }
     }
 
+    /// The client's source address for this mode (`None`: the client's main address): each
+    /// mode's connections come from their own address, so a backend's TIME_WAIT sockets
+    /// and the node's conntrack entries of one mode never meet the next mode's connections
+    /// (the client's TCP timestamps differ per destination, and PAWS would reject them).
+    fn client_source(self) -> Option<(Ipv4Addr, &'static str)> {
+        let prefix = match self {
+            Mode::Direct | Mode::McsEbpf => return None,
+            Mode::McsUserspace | Mode::Iptables | Mode::Ipvs | Mode::Nftables => "/18",
+            Mode::Haproxy | Mode::Nginx => "/24",
+        };
+        let index = Mode::ALL.iter().position(|m| *m == self).unwrap_or(0) as u8;
+        Some((Ipv4Addr::new(198, 18, 10, 10 + index), prefix))
+    }
+
     fn vip(self, offset: u32) -> Ipv4Addr {
         Ipv4Addr::from(u32::from(self.vip_base()) + offset)
     }
@@ -194,6 +208,22 @@ impl Bed {
         ] {
             ns.addr("lo", cidr)?;
         }
+        for mode in Mode::ALL {
+            if let Some((src, prefix)) = mode.client_source() {
+                topo.cli.addr("eth0", &format!("{src}/32"))?;
+                let dst = format!("{}{prefix}", mode.vip_base());
+                mcs_sandbox::netns::check_cidr(&dst);
+                topo.cli.ip(&[
+                    "route",
+                    "add",
+                    &dst,
+                    "via",
+                    "198.18.10.1",
+                    "src",
+                    &src.to_string(),
+                ])?;
+            }
+        }
         let mut bed = Bed {
             procs: vec![],
             work: work.into(),
@@ -217,27 +247,20 @@ impl Bed {
         Ok(bed)
     }
 
-    fn spawn(&mut self, name: &str, ns: &str, program: &str, args: &[&str]) -> anyhow::Result<()> {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", ns])
-            .args(deathsig(program))
-            .args(args);
-        let proc = Proc::spawn(name, cmd, &self.work.join(format!("{name}.log")))?;
-        self.procs.push(proc);
-        Ok(())
-    }
-
-    /// Starts a server inside its own cgroup (its CPU time is then measurable).
+    /// Starts a server inside namespace `ns` (of the topology) and its own cgroup: its CPU
+    /// time is then measurable, and if the harness is killed, the next run's sweep kills
+    /// the whole cgroup (the parent-death signal only reaches the first process, not e.g.
+    /// nginx's workers).
     fn spawn_in_cgroup(
         &mut self,
         name: &str,
-        in_node: bool,
+        ns: fn(&TwoClusters) -> &mcs_sandbox::netns::Netns,
         program: &str,
         args: &[&str],
     ) -> anyhow::Result<PathBuf> {
         let cg = TestCgroup::new(name)?;
         let wrapped = deathsig(program);
-        let mut cmd = cg.command(in_node.then_some(&self.topo.node), Path::new(&wrapped[0]));
+        let mut cmd = cg.command(Some(ns(&self.topo)), Path::new(&wrapped[0]));
         cmd.args(&wrapped[1..]).args(args);
         let path = cg.path().to_path_buf();
         self.cgroups.push(cg);
@@ -261,31 +284,29 @@ impl Bed {
                     work = self.work.display()
                 ),
             )?;
-            let ns = if i == 0 { &self.topo.c1 } else { &self.topo.c2 }
-                .name()
-                .to_string();
+            let ns: fn(&TwoClusters) -> &mcs_sandbox::netns::Netns =
+                if i == 0 { |t| &t.c1 } else { |t| &t.c2 };
             let conf = conf.to_string_lossy().into_owned();
             let err = self.work.join(format!("backend{i}.err"));
             let err = err.to_string_lossy().into_owned();
-            self.spawn(
+            self.spawn_in_cgroup(
                 &format!("nginx-backend{i}"),
-                &ns,
+                ns,
                 "nginx",
                 &["-e", &err, "-c", &conf],
             )?;
             let listen = format!("{ip}:{UDP_PORT}");
-            self.spawn(
+            self.spawn_in_cgroup(
                 &format!("udp-echo{i}"),
-                &ns,
+                ns,
                 &exe,
                 &["udp-echo", "--listen", &listen],
             )?;
         }
-        let c2 = self.topo.c2.name().to_string();
         let bind = BACKENDS[1].to_string();
-        self.spawn(
+        self.spawn_in_cgroup(
             "iperf3-server",
-            &c2,
+            |t| &t.c2,
             "iperf3",
             &["-s", "-B", &bind, "-p", &BULK_PORT.to_string()],
         )?;
@@ -349,7 +370,7 @@ impl Bed {
                 let conf = conf.to_string_lossy().into_owned();
                 target.cpu_cgroup = Some(self.spawn_in_cgroup(
                     "haproxy",
-                    true,
+                    |t| &t.node,
                     "haproxy",
                     &["-db", "-f", &conf],
                 )?);
@@ -373,7 +394,7 @@ impl Bed {
                     .into_owned();
                 target.cpu_cgroup = Some(self.spawn_in_cgroup(
                     "nginx-proxy",
-                    true,
+                    |t| &t.node,
                     "nginx",
                     &["-e", &err, "-c", &conf],
                 )?);
@@ -419,7 +440,7 @@ impl Bed {
                 let agent = self.agent.to_string_lossy().into_owned();
                 target.cpu_cgroup = Some(self.spawn_in_cgroup(
                     "mcs-userspace",
-                    true,
+                    |t| &t.node,
                     &agent,
                     &[
                         "run",
@@ -691,6 +712,15 @@ impl Bed {
             (Some(cg), true) => cg.command(Some(&self.topo.cli), Path::new(program)),
             _ => self.topo.cli.command(program),
         }
+    }
+
+    /// Empties the node's connection-tracking table. Run before every measurement: a mode's
+    /// runs must not inherit the entries of the one before (their reply tuples collide with
+    /// the next DNAT mode's, and NAT then searches for a free port on every new connection).
+    pub fn reset_conntrack(&self) -> anyhow::Result<()> {
+        let mut cmd = self.topo.node.command("conntrack");
+        cmd.arg("-F");
+        run_ok(&mut cmd).map(drop)
     }
 
     /// Fails if a server of the bed has died.

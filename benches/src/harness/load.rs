@@ -128,6 +128,7 @@ pub fn run(
     let base = bed
         .work
         .join(format!("{tag}-{}-{}", mode.name(), workload.name()));
+    bed.reset_conntrack()?;
     let cpu0 = cpu_usec(target);
     let t0 = std::time::Instant::now();
     let mut run = match workload {

@@ -45,7 +45,7 @@ pub struct Options {
 }
 
 /// Debian packages of the peers and load generators, by the program they provide.
-const PEERS: [(&str, &str); 8] = [
+const PEERS: [(&str, &str); 9] = [
     ("haproxy", "haproxy"),
     ("nginx", "nginx-light"),
     ("wrk", "wrk"),
@@ -53,6 +53,7 @@ const PEERS: [(&str, &str); 8] = [
     ("iptables-restore", "iptables"),
     ("nft", "nftables"),
     ("ipvsadm", "ipvsadm"),
+    ("conntrack", "conntrack"),
     ("setpriv", "util-linux"),
 ];
 const STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.so";
@@ -124,6 +125,7 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
             opts.agent.display()
         );
     }
+    procs::catch_signals()?;
     if opts.install {
         install_peers()?;
     }
@@ -223,6 +225,7 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
                 let Some(slot) = runs.iter_mut().find(|r| r.0 == *w && r.1 == *mode) else {
                     continue;
                 };
+                procs::interrupted()?;
                 let tag = format!("rep{rep}");
                 match load::run(&bed, *mode, target, *w, &opts.load, &tag) {
                     Ok(r) => {
@@ -269,6 +272,7 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
                 scaled.iter().map(|(m, _)| (*m, vec![], vec![])).collect();
             for rep in 0..opts.repetitions {
                 for ((mode, target), cell) in scaled.iter().zip(&mut cells) {
+                    procs::interrupted()?;
                     let tag = format!("scale{n}-rep{rep}");
                     match load::run(&bed, *mode, target, Workload::Crr, &opts.load, &tag) {
                         Ok(r) => {

@@ -5,11 +5,40 @@ use std::{
     fs::File,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, bail};
 use nix::{sys::signal, unistd::Pid};
+
+/// Set by SIGINT, SIGTERM or SIGHUP: the running client is stopped and the harness cleans up
+/// and exits instead of dying with its namespaces, rules and pinned maps left behind.
+static STOP: std::sync::OnceLock<Arc<AtomicBool>> = std::sync::OnceLock::new();
+
+/// Catches SIGINT, SIGTERM and SIGHUP (see [`interrupted`]).
+pub fn catch_signals() -> anyhow::Result<()> {
+    let flag = STOP.get_or_init(Arc::default).clone();
+    for sig in [
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
+    ] {
+        signal_hook::flag::register(sig, flag.clone())?;
+    }
+    Ok(())
+}
+
+/// Fails if a stop signal arrived.
+pub fn interrupted() -> anyhow::Result<()> {
+    if STOP.get().is_some_and(|f| f.load(Ordering::Relaxed)) {
+        bail!("interrupted by a signal; cleaning up");
+    }
+    Ok(())
+}
 
 /// Wraps `program args` so the process gets SIGKILL when the harness thread that started
 /// it exits (a harness killed by SIGKILL leaves no server behind).
@@ -109,9 +138,10 @@ pub fn run_bounded(mut cmd: Command, base: &Path, limit: Duration) -> anyhow::Re
         if let Some(status) = child.try_wait()? {
             break status;
         }
-        if Instant::now() > deadline {
+        if Instant::now() > deadline || interrupted().is_err() {
             let _ = child.kill();
             let _ = child.wait();
+            interrupted()?;
             bail!("{cmd:?} did not finish within {limit:?}");
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -148,6 +178,7 @@ pub fn wait_for(
     let deadline = Instant::now() + limit;
     let mut last = String::new();
     loop {
+        interrupted()?;
         match check() {
             Ok(true) => return Ok(()),
             Ok(false) => {}
