@@ -115,7 +115,8 @@ pub struct ProxyArgs {
     /// Expire UDP sessions idle this long.
     #[arg(long, default_value_t = 30)]
     pub udp_idle_timeout_s: u64,
-    /// Relay with a buffered copy instead of splice(2).
+    /// Never switch a bulk transfer to zero-copy splice(2); always copy through a buffer
+    /// (small messages are always copied: for them a copy is cheaper than two splices).
     #[arg(long)]
     pub no_splice: bool,
 }

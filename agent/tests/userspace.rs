@@ -365,3 +365,114 @@ fn the_node_own_processes_are_intercepted_too() {
     );
     sb.stop_agent();
 }
+
+/// The relay copies small messages and switches a direction to splice once a read fills its
+/// buffer: many small round trips on one connection (each must arrive without waiting for
+/// more data), then 8 MiB up and 4 MiB down with half-close in between, byte for byte.
+#[test]
+fn small_round_trips_and_bulk_both_ways_arrive_intact() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&[]);
+    // 198.18.1.3 listens nowhere: a connection picked there is retried on 198.18.1.2.
+    let listener = sb
+        .c1
+        .run(|| std::net::TcpListener::bind("198.18.1.2:8080"))
+        .unwrap()
+        .unwrap();
+    let pattern = |i: usize| (i.wrapping_mul(31) ^ (i >> 11)) as u8;
+    let server = std::thread::spawn(move || {
+        for _ in 0..2 {
+            let (mut s, _) = listener.accept().unwrap();
+            s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+            let mut first = [0u8; 4];
+            s.read_exact(&mut first).unwrap();
+            if &first == b"ping" {
+                // Echo fixed-size messages until EOF.
+                s.write_all(b"pong").unwrap();
+                let mut msg = [0u8; 100];
+                while s.read_exact(&mut msg).is_ok() {
+                    s.write_all(&msg).unwrap();
+                }
+            } else {
+                // Bulk: count and check everything up to EOF, then send 4 MiB and the count.
+                let mut got = 4usize;
+                let mut bad = first
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, b)| **b != pattern(*i))
+                    .count();
+                let mut buf = vec![0u8; 1 << 16];
+                loop {
+                    let n = s.read(&mut buf).unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    bad += buf[..n]
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, b)| **b != pattern(got + i))
+                        .count();
+                    got += n;
+                }
+                let down: Vec<u8> = (0..4 << 20).map(pattern).collect();
+                s.write_all(&down).unwrap();
+                s.write_all(format!("{got} {bad}").as_bytes()).unwrap();
+            }
+        }
+    });
+    sb.start_agent(&[]);
+    let vip: std::net::SocketAddr = "198.18.100.10:80".parse().unwrap();
+    sb.cli
+        .run(move || {
+            let mut s = TcpStream::connect_timeout(&vip, IO_TIMEOUT).unwrap();
+            s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+            s.write_all(b"ping").unwrap();
+            let mut pong = [0u8; 4];
+            s.read_exact(&mut pong).unwrap();
+            assert_eq!(&pong, b"pong");
+            for k in 0..300u32 {
+                let msg = [(k % 251) as u8; 100];
+                s.write_all(&msg).unwrap();
+                let mut back = [0u8; 100];
+                s.read_exact(&mut back)
+                    .unwrap_or_else(|e| panic!("round trip {k}: {e}"));
+                assert_eq!(back, msg, "round trip {k}");
+            }
+        })
+        .unwrap();
+    let total = 8 << 20;
+    let (down, trailer) = sb
+        .cli
+        .run(move || {
+            let mut s = TcpStream::connect_timeout(&vip, IO_TIMEOUT).unwrap();
+            s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+            let up: Vec<u8> = (0..total).map(pattern).collect();
+            s.write_all(&up).unwrap();
+            s.shutdown(std::net::Shutdown::Write).unwrap();
+            let mut all = Vec::new();
+            s.read_to_end(&mut all).unwrap();
+            let trailer = String::from_utf8_lossy(&all[4 << 20..]).into_owned();
+            all.truncate(4 << 20);
+            (all, trailer)
+        })
+        .unwrap();
+    server.join().unwrap();
+    assert_eq!(
+        trailer,
+        format!("{total} 0"),
+        "upstream bytes (count, mismatches)"
+    );
+    assert_eq!(down.len(), 4 << 20);
+    assert!(
+        down.iter().enumerate().all(|(i, b)| *b == pattern(i)),
+        "downstream bytes differ"
+    );
+    let (_, metrics) = sb.http("/metrics").unwrap();
+    assert!(
+        metrics.contains("mcs_proxy_bytes_tx_total{frontend=\"198.18.100.10:80/TCP\",backend=\"198.18.1.2:8080\"}"),
+        "{metrics}"
+    );
+    sb.stop_agent();
+}

@@ -3,7 +3,9 @@
 //! - full sync: time from starting the kube source to the first full table applied;
 //! - event latency: time from an EndpointSlice write (one endpoint flips readiness) to the
 //!   dataplane having the diff, p50/p99 over `MCS_BENCH_SAMPLES` writes;
-//! - memory: RSS growth of this process while the controller holds the ClusterSet.
+//! - memory: RSS growth of this process while the controller holds the ClusterSet, and the
+//!   RSS of a real `mcs-agent run --dataplane log` process (built next to this bench:
+//!   `cargo build --release -p mcs-agent` first) once it is ready with the same ClusterSet.
 //!
 //! `MCS_BENCH_IMPORTS=10000 cargo bench -p mcs-bench --bench control_plane` (default 1000
 //! imports, each with 2 clusters × 5 endpoints). Needs root-free prerequisites only: etcd and
@@ -189,5 +191,79 @@ fn main() {
             q(0.99)
         );
         println!("  RSS growth while holding the ClusterSet: {rss:.1} MiB");
+        match agent_rss(&api.kubeconfig(mcs_test_support::apiserver::User::Admin)).await {
+            Ok(mib) => println!(
+                "  mcs-agent process (--dataplane log, kube source) RSS when ready: {mib:.1} MiB"
+            ),
+            Err(e) => println!("  mcs-agent process RSS: not measured: {e}"),
+        }
     });
+}
+
+/// Starts the real agent binary against the apiserver, waits for /readyz, returns its RSS.
+async fn agent_rss(kubeconfig: &std::path::Path) -> Result<f64, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let agent = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("mcs-agent"))
+        .filter(|p| p.is_file())
+        .ok_or("no mcs-agent binary next to the bench (cargo build --release -p mcs-agent)")?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
+    let mut child = tokio::process::Command::new(&agent)
+        .args([
+            "run",
+            "--dataplane",
+            "log",
+            "--source",
+            "kube",
+            "--cluster-id",
+            "c0",
+        ])
+        .args([
+            "--log-level",
+            "error",
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("starting {}: {e}", agent.display()))?;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let ready = tokio::task::spawn_blocking(move || {
+            use std::io::{Read, Write};
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+            s.write_all(b"GET /readyz HTTP/1.0\r\n\r\n").ok()?;
+            let mut text = String::new();
+            s.read_to_string(&mut text).ok()?;
+            Some(text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.0 200"))
+        })
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(false);
+        if ready {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err("agent not ready within 300 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pid = child.id().ok_or("agent exited")?;
+    let status =
+        std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| e.to_string())?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or("no VmRSS")?;
+    let _ = child.kill().await;
+    Ok(kib / 1024.0)
 }

@@ -180,6 +180,8 @@ pub struct Bed {
     pub modes: BTreeMap<Mode, ModeState>,
     /// Filler services installed per scalable mode.
     pub services: usize,
+    /// Process id of the agent of each mcs mode.
+    agents: BTreeMap<Mode, u32>,
 }
 
 impl Drop for Bed {
@@ -235,6 +237,7 @@ impl Bed {
             topo,
             modes: BTreeMap::new(),
             services: 1,
+            agents: BTreeMap::new(),
         };
         bed.start_backends()?;
         for &mode in modes {
@@ -458,6 +461,9 @@ impl Bed {
                         &dir_arg,
                     ],
                 )?);
+                if let Some(p) = self.procs.last() {
+                    self.agents.insert(Mode::McsUserspace, p.pid());
+                }
                 self.wait_frontends(Mode::McsUserspace, 3)?;
             }
             Mode::McsEbpf => {
@@ -495,6 +501,7 @@ impl Bed {
                     .arg(format!("file:{}", dir.display()));
                 self.client_cg = Some(cg);
                 let proc = Proc::spawn("mcs-ebpf", cmd, &self.work.join("mcs-ebpf.log"))?;
+                self.agents.insert(Mode::McsEbpf, proc.pid());
                 self.procs.push(proc);
                 self.wait_frontends(Mode::McsEbpf, 3)?;
                 target.in_cgroup = true;
@@ -692,6 +699,21 @@ impl Bed {
             .arg(self.topo.node.name())
             .arg(&path);
         run_ok(&mut cmd).map(drop)
+    }
+
+    /// Resident memory of the agent of `mode` (MiB), if it has one.
+    pub fn agent_rss_mib(&self, mode: Mode) -> Option<f64> {
+        let pid = self.agents.get(&mode)?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let kib: f64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kib / 1024.0)
     }
 
     /// The ready modes in report order.

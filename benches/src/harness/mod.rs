@@ -290,6 +290,7 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
             }
             for (mode, runs, failures) in cells {
                 report.scaling.push(ScaleCell {
+                    agent_rss_mib: bed.agent_rss_mib(mode),
                     mode,
                     services: bed.services,
                     value: stats::Spread::of(&runs),

@@ -84,6 +84,9 @@ pub struct ScaleCell {
     pub value: Option<Spread>,
     /// Median / median of `direct` at the same step.
     pub ratio_to_direct: Option<f64>,
+    /// Resident memory of the mode's agent with these services programmed (mcs modes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_rss_mib: Option<f64>,
 }
 
 /// Everything measured.
@@ -297,6 +300,25 @@ impl Report {
                     })
                     .collect();
                 let _ = writeln!(s, "| {} | {} |", mode.name(), cells.join(" | "));
+            }
+            let rss: Vec<String> = self
+                .scaling
+                .iter()
+                .filter_map(|c| {
+                    Some(format!(
+                        "{} at {} services {:.0} MiB",
+                        c.mode.name(),
+                        short(c.services as f64),
+                        c.agent_rss_mib?
+                    ))
+                })
+                .collect();
+            if !rss.is_empty() {
+                let _ = writeln!(
+                    s,
+                    "\nAgent resident memory (each filler service: 1 port, 2 endpoints): {}.",
+                    rss.join(", ")
+                );
             }
         }
         let failures = self.failures();

@@ -5,7 +5,8 @@
 //! - [`nft`]: the agent's nftables table (frontend sets, TPROXY) and policy routing.
 //! - [`routes`]: the route table (ArcSwap; readers never lock) built from diffs.
 //! - [`maglev`]: consistent hashing of flows onto backends.
-//! - [`tcp`]: accept, pick, connect with retries, splice relay, idle, drain, cap.
+//! - [`tcp`]: accept, pick, connect with retries, relay (copy, splice for bulk), idle,
+//!   drain, cap.
 //! - [`udp`]: per-flow sessions with VIP-sourced replies.
 //! - [`metrics`]: per frontend and backend counters.
 //!
@@ -53,7 +54,7 @@ pub struct UserspaceConfig {
     pub max_udp_sessions: usize,
     /// Largest Maglev table per frontend (a prime); each table is sized to its backends.
     pub maglev_table_size: usize,
-    /// Zero-copy relay with splice(2) (else a buffered copy).
+    /// Bulk transfers switch to zero-copy splice(2) (else everything is copied).
     pub splice: bool,
     /// TCP worker threads, each with its own single-threaded runtime and SO_REUSEPORT
     /// listener (shared nothing but the route table and counters). 0: one per CPU.

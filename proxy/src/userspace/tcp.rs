@@ -1,8 +1,10 @@
 //! TCP: accept intercepted connections (TPROXY keeps the original destination as the local
 //! address), pick a backend with Maglev, connect with a timeout and retry others on failure,
-//! then relay both ways with `splice(2)` through pipes (zero copy), or a buffered copy when
-//! pipes are unavailable or splice is off. Half-close is passed on; idle connections are
-//! closed; a connection whose backend was removed keeps going up to the drain bound.
+//! then relay both ways: small messages through a buffer (one recv and one send each; a short
+//! read means the socket is drained, so no extra recv to learn it), and a direction that fills
+//! the buffer — a bulk transfer — switches to `splice(2)` through a pipe (zero copy), unless
+//! splice is off. Half-close is passed on; idle connections are closed; a connection whose
+//! backend was removed keeps going up to the drain bound.
 
 use std::{
     io,
@@ -28,6 +30,8 @@ use super::{Shared, routes::normalize};
 
 /// Bytes moved per splice call.
 const SPLICE_CHUNK_BYTES: usize = 1 << 16;
+/// Size of the copy buffer of each direction; a read that fills it switches to splice.
+const COPY_BUF_BYTES: usize = 16 << 10;
 /// Pause after an accept error (e.g. out of file descriptors), doubling up to a second.
 const ACCEPT_BACKOFF_START_MS: u64 = 5;
 
@@ -193,27 +197,11 @@ async fn relay(
         }
     };
     let copy = async {
-        let pipes = if use_splice { take_pipes() } else { None };
-        match pipes {
-            Some((pa, pb)) => {
-                let r = tokio::try_join!(
-                    splice_dir(a, b, &pa.0, &pa.1, &counters.bytes_tx, &touch),
-                    splice_dir(b, a, &pb.0, &pb.1, &counters.bytes_rx, &touch),
-                )
-                .map(|_| ());
-                // Both directions ended at EOF with their pipe drained: reusable.
-                if r.is_ok() {
-                    give_back(pa);
-                    give_back(pb);
-                }
-                r
-            }
-            None => tokio::try_join!(
-                copy_dir(a, b, &counters.bytes_tx, &touch),
-                copy_dir(b, a, &counters.bytes_rx, &touch),
-            )
-            .map(|_| ()),
-        }
+        tokio::try_join!(
+            pump(a, b, use_splice, &counters.bytes_tx, &touch),
+            pump(b, a, use_splice, &counters.bytes_rx, &touch),
+        )
+        .map(|_| ())
     };
     tokio::select! {
         r = copy => r,
@@ -223,35 +211,128 @@ async fn relay(
 
 type Pipe = (OwnedFd, OwnedFd);
 
-/// Empty pipes kept per worker thread (each worker is a single-threaded runtime, so its
-/// connections never migrate): a new connection reuses two instead of creating them, which
-/// saves two pipe2(2) and four close(2) per connection.
-const PIPE_POOL_MAX: usize = 512;
+/// Empty pipes and copy buffers kept per worker thread (each worker is a single-threaded
+/// runtime, so its connections never migrate): a new connection reuses them instead of
+/// creating them (no pipe2(2)/close(2) or allocation per connection).
+const POOL_MAX: usize = 512;
 
 thread_local! {
     static PIPE_POOL: std::cell::RefCell<Vec<Pipe>> = const { std::cell::RefCell::new(Vec::new()) };
+    static BUF_POOL: std::cell::RefCell<Vec<Box<[u8]>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-fn new_pipe() -> Option<Pipe> {
-    let flags = nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_CLOEXEC;
-    nix::unistd::pipe2(flags).ok()
-}
-
-fn take_pipes() -> Option<(Pipe, Pipe)> {
-    let pooled = || PIPE_POOL.with(|p| p.borrow_mut().pop());
-    let a = pooled().or_else(new_pipe)?;
-    let b = pooled().or_else(new_pipe)?;
-    Some((a, b))
+fn take_pipe() -> Option<Pipe> {
+    PIPE_POOL.with(|p| p.borrow_mut().pop()).or_else(|| {
+        let flags = nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_CLOEXEC;
+        nix::unistd::pipe2(flags).ok()
+    })
 }
 
 /// Returns an empty pipe to this thread's pool (or closes it when the pool is full).
-fn give_back(p: Pipe) {
+fn give_back_pipe(p: Pipe) {
     PIPE_POOL.with(|pool| {
         let mut v = pool.borrow_mut();
-        if v.len() < PIPE_POOL_MAX {
+        if v.len() < POOL_MAX {
             v.push(p);
         }
     });
+}
+
+/// A copy buffer from this thread's pool, returned to it on drop.
+struct PooledBuf(Option<Box<[u8]>>);
+
+impl PooledBuf {
+    fn take() -> Self {
+        let buf = BUF_POOL
+            .with(|p| p.borrow_mut().pop())
+            .unwrap_or_else(|| vec![0u8; COPY_BUF_BYTES].into_boxed_slice());
+        Self(Some(buf))
+    }
+}
+
+impl std::ops::Deref for PooledBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.0.as_deref().unwrap_or_default()
+    }
+}
+
+impl std::ops::DerefMut for PooledBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.0.as_deref_mut().unwrap_or_default()
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        if let Some(buf) = self.0.take() {
+            BUF_POOL.with(|pool| {
+                let mut v = pool.borrow_mut();
+                if v.len() < POOL_MAX {
+                    v.push(buf);
+                }
+            });
+        }
+    }
+}
+
+/// One direction until EOF (passed on as a half-close) or an error. Copies through a buffer
+/// while messages are small; once a read fills the buffer, continues with splice if allowed
+/// and a pipe is available.
+async fn pump(
+    src: &TcpStream,
+    dst: &TcpStream,
+    use_splice: bool,
+    bytes: &prometheus_client::metrics::counter::Counter,
+    touch: &impl Fn(),
+) -> io::Result<()> {
+    let mut buf = PooledBuf::take();
+    loop {
+        src.readable().await?;
+        let n = match src.try_read(&mut buf) {
+            Ok(0) => {
+                let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
+                return Ok(());
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        if n < buf.len() {
+            // A short read drained the socket: forget its readiness now rather than learn
+            // it from one more recv returning EAGAIN. Safe: data that arrives later raises
+            // a new edge, and a pending EOF keeps the socket readable (closed states are
+            // never cleared).
+            let _ = src.try_io(Interest::READABLE, || {
+                Err::<(), _>(io::Error::from(io::ErrorKind::WouldBlock))
+            });
+        }
+        write_all(dst, &buf[..n]).await?;
+        bytes.inc_by(n as u64);
+        touch();
+        if n == buf.len()
+            && use_splice
+            && let Some(pipe) = take_pipe()
+        {
+            drop(buf);
+            splice_dir(src, dst, &pipe.0, &pipe.1, bytes, touch).await?;
+            // Ended at EOF with every spliced byte written: the pipe is empty.
+            give_back_pipe(pipe);
+            return Ok(());
+        }
+    }
+}
+
+async fn write_all(dst: &TcpStream, mut data: &[u8]) -> io::Result<()> {
+    while !data.is_empty() {
+        dst.writable().await?;
+        match dst.try_write(data) {
+            Ok(m) => data = &data[m..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// One direction through a pipe: socket → pipe → socket, never through userspace memory.
@@ -285,39 +366,6 @@ async fn splice_dir(
                 splice(pipe_r, None, dst, None, left, flags).map_err(io::Error::from)
             }) {
                 Ok(m) => left -= m,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e),
-            }
-        }
-        bytes.inc_by(n as u64);
-        touch();
-    }
-}
-
-/// One direction with a buffer (fallback).
-async fn copy_dir(
-    src: &TcpStream,
-    dst: &TcpStream,
-    bytes: &prometheus_client::metrics::counter::Counter,
-    touch: &impl Fn(),
-) -> io::Result<()> {
-    let mut buf = vec![0u8; SPLICE_CHUNK_BYTES];
-    loop {
-        src.readable().await?;
-        let n = match src.try_read(&mut buf) {
-            Ok(0) => {
-                let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
-                return Ok(());
-            }
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
-        };
-        let mut off = 0;
-        while off < n {
-            dst.writable().await?;
-            match dst.try_write(&buf[off..n]) {
-                Ok(m) => off += m,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Err(e),
             }
