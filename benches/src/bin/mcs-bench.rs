@@ -64,6 +64,11 @@ struct RunArgs {
     /// Do not install missing peers (haproxy, nginx, wrk, iperf3, iptables, ipvsadm) with apt-get.
     #[arg(long)]
     no_install: bool,
+    /// Give the measured service a backend in each cluster instead of one. Balanced modes
+    /// then also pay for uneven placement of connections on the two single-worker
+    /// backends, which `direct` (threads split evenly) does not.
+    #[arg(long)]
+    spread: bool,
     /// Smoke mode for CI: 1 s runs, 1 repetition, scaling to 100 services. Proves that every
     /// mode and workload works; the figures mean nothing.
     #[arg(long)]
@@ -188,6 +193,7 @@ fn bench(mut a: RunArgs) -> ExitCode {
         agent,
         out: a.out,
         install: !a.no_install,
+        spread: a.spread,
         command: std::env::args().collect::<Vec<_>>().join(" "),
     };
     match harness::run(&opts) {

@@ -6,8 +6,8 @@
 //!                          └─ c2: 198.18.2.2 (nginx :8080, UDP echo :9000, iperf3 :5201)
 //! ```
 //!
-//! Service `web` (80/TCP → 8080, 9000/UDP → 9000) has one backend in each cluster; `bulk`
-//! (5201/TCP) one backend in c2 (iperf3's data connections must reach the server of its
+//! Service `web` (80/TCP → 8080, 9000/UDP → 9000) has one backend, in c2, or with `--spread`
+//! one in each cluster; `bulk` (5201/TCP) one backend in c2 (iperf3's data connections must reach the server of its
 //! control connection). Each mode has its own ClusterSetIPs: see [`Mode::vip_base`].
 
 use std::{
@@ -182,6 +182,8 @@ pub struct Bed {
     pub services: usize,
     /// Process id of the agent of each mcs mode.
     agents: BTreeMap<Mode, u32>,
+    /// Backends of `web` (one, or one per cluster).
+    web: &'static [Ipv4Addr],
 }
 
 impl Drop for Bed {
@@ -199,8 +201,9 @@ impl Drop for Bed {
 
 impl Bed {
     /// Builds the topology and backends, then sets up each of `modes` (a mode that fails is
-    /// recorded, the others go on).
-    pub fn build(modes: &[Mode], agent: &Path, work: &Path) -> anyhow::Result<Self> {
+    /// recorded, the others go on). `spread`: `web` has a backend in each cluster (balanced
+    /// modes then pay for uneven placement, which `direct` splits exactly); else one, in c2.
+    pub fn build(modes: &[Mode], agent: &Path, work: &Path, spread: bool) -> anyhow::Result<Self> {
         sweep_stale_pins(agent);
         let topo = TwoClusters::build().context("building the namespaces")?;
         topo.node.enable_forwarding()?;
@@ -238,6 +241,7 @@ impl Bed {
             modes: BTreeMap::new(),
             services: 1,
             agents: BTreeMap::new(),
+            web: if spread { &BACKENDS } else { &BACKENDS[1..] },
         };
         bed.start_backends()?;
         for &mode in modes {
@@ -352,16 +356,9 @@ impl Bed {
         };
         match mode {
             Mode::Direct => {
-                target.web = BACKENDS
-                    .iter()
-                    .map(|ip| SocketAddr::from((*ip, HTTP_PORT)))
-                    .collect();
-                target.udp = Some(
-                    BACKENDS
-                        .iter()
-                        .map(|ip| SocketAddr::from((*ip, UDP_PORT)))
-                        .collect(),
-                );
+                let (web, udp, _) = service_eps(self.web);
+                target.web = web;
+                target.udp = Some(udp);
                 target.bulk = SocketAddr::from((BACKENDS[1], BULK_PORT));
             }
             Mode::Haproxy => {
@@ -369,7 +366,7 @@ impl Bed {
                     return Ok(ModeState::Failed("haproxy is not installed".into()));
                 }
                 let conf = self.work.join("haproxy.cfg");
-                std::fs::write(&conf, haproxy_config(mode.vip(1)))?;
+                std::fs::write(&conf, haproxy_config(mode.vip(1), self.web))?;
                 let conf = conf.to_string_lossy().into_owned();
                 target.cpu_cgroup = Some(self.spawn_in_cgroup(
                     "haproxy",
@@ -388,7 +385,10 @@ impl Bed {
                     ));
                 }
                 let conf = self.work.join("nginx-proxy.conf");
-                std::fs::write(&conf, nginx_proxy_config(mode.vip(1), module, &self.work))?;
+                std::fs::write(
+                    &conf,
+                    nginx_proxy_config(mode.vip(1), self.web, module, &self.work),
+                )?;
                 let conf = conf.to_string_lossy().into_owned();
                 let err = self
                     .work
@@ -438,7 +438,7 @@ impl Bed {
             Mode::McsUserspace => {
                 let dir = self.work.join("objects-userspace");
                 std::fs::create_dir_all(&dir)?;
-                write_objects(&dir, mode, 0)?;
+                write_objects(&dir, mode, 0, self.web)?;
                 let dir_arg = format!("file:{}", dir.display());
                 let agent = self.agent.to_string_lossy().into_owned();
                 target.cpu_cgroup = Some(self.spawn_in_cgroup(
@@ -473,7 +473,7 @@ impl Bed {
                 let cg = TestCgroup::new("benchcli")?;
                 let dir = self.work.join("objects-ebpf");
                 std::fs::create_dir_all(&dir)?;
-                write_objects(&dir, mode, 0)?;
+                write_objects(&dir, mode, 0, self.web)?;
                 let port = free_port()?;
                 self.ebpf_metrics = Some(SocketAddr::from(([127, 0, 0, 1], port)));
                 let mut cmd = Command::new(deathsig(&self.agent.to_string_lossy()).remove(0));
@@ -557,7 +557,7 @@ impl Bed {
                     } else {
                         "objects-userspace"
                     });
-                    write_objects(&dir, mode, fillers)?;
+                    write_objects(&dir, mode, fillers, self.web)?;
                     self.wait_frontends(mode, 3 + fillers)?;
                 }
                 _ => {}
@@ -608,7 +608,7 @@ impl Bed {
                 &filler_eps(),
             );
         }
-        let (web, udp, bulk) = service_eps();
+        let (web, udp, bulk) = service_eps(self.web);
         add("WEB", mode.vip(1), "tcp", 80, &web);
         add("UDP", mode.vip(1), "udp", UDP_PORT, &udp);
         add("BULK", mode.vip(2), "tcp", BULK_PORT, &bulk);
@@ -655,7 +655,7 @@ impl Bed {
                 &filler_eps(),
             );
         }
-        let (web, udp, bulk) = service_eps();
+        let (web, udp, bulk) = service_eps(self.web);
         add("web", mode.vip(1), "tcp", 80, &web);
         add("udp", mode.vip(1), "udp", UDP_PORT, &udp);
         add("bulk", mode.vip(2), "tcp", BULK_PORT, &bulk);
@@ -687,7 +687,7 @@ impl Bed {
         for i in 0..fillers {
             add("-t", mode.vip(256 + i as u32), 80, &filler_eps());
         }
-        let (web, udp, bulk) = service_eps();
+        let (web, udp, bulk) = service_eps(self.web);
         add("-t", mode.vip(1), 80, &web);
         add("-u", mode.vip(1), UDP_PORT, &udp);
         add("-t", mode.vip(2), BULK_PORT, &bulk);
@@ -763,38 +763,47 @@ fn filler_eps() -> [SocketAddr; 2] {
     FILLER_BACKENDS.map(|ip| SocketAddr::from((ip, HTTP_PORT)))
 }
 
-fn service_eps() -> (Vec<SocketAddr>, Vec<SocketAddr>, Vec<SocketAddr>) {
+fn service_eps(web: &[Ipv4Addr]) -> (Vec<SocketAddr>, Vec<SocketAddr>, Vec<SocketAddr>) {
     (
-        BACKENDS
-            .iter()
+        web.iter()
             .map(|ip| SocketAddr::from((*ip, HTTP_PORT)))
             .collect(),
-        BACKENDS
-            .iter()
+        web.iter()
             .map(|ip| SocketAddr::from((*ip, UDP_PORT)))
             .collect(),
         vec![SocketAddr::from((BACKENDS[1], BULK_PORT))],
     )
 }
 
-fn haproxy_config(vip: Ipv4Addr) -> String {
-    let [a, b] = BACKENDS;
+fn haproxy_config(vip: Ipv4Addr, web: &[Ipv4Addr]) -> String {
+    let b = BACKENDS[1];
+    let servers: String = web
+        .iter()
+        .enumerate()
+        .map(|(i, ip)| format!("  server s{i} {ip}:{HTTP_PORT}\n"))
+        .collect();
     format!(
         "global\n  nbthread 2\n  maxconn 4096\n\
          defaults\n  mode tcp\n  timeout connect 2s\n  timeout client 60s\n  timeout server 60s\n  option splice-auto\n\
-         listen web\n  bind {vip}:80\n  balance roundrobin\n  server c1 {a}:{HTTP_PORT}\n  server c2 {b}:{HTTP_PORT}\n\
+         listen web\n  bind {vip}:80\n  balance roundrobin\n{servers}\
          listen bulk\n  bind {vip}:{BULK_PORT}\n  server c2 {b}:{BULK_PORT}\n"
     )
 }
 
-fn nginx_proxy_config(vip: Ipv4Addr, module: &Path, work: &Path) -> String {
-    let [a, b] = BACKENDS;
+fn nginx_proxy_config(vip: Ipv4Addr, web: &[Ipv4Addr], module: &Path, work: &Path) -> String {
+    let b = BACKENDS[1];
+    let servers = |port: u16| -> String {
+        web.iter()
+            .map(|ip| format!("server {ip}:{port}; "))
+            .collect()
+    };
+    let (web_servers, udp_servers) = (servers(HTTP_PORT), servers(UDP_PORT));
     format!(
         "load_module {module};\nworker_processes 2;\ndaemon off;\npid {work}/nginx-proxy.pid;\nerror_log {work}/nginx-proxy.err;\n\
          events {{ worker_connections 8192; }}\n\
          stream {{\n\
-           upstream web {{ server {a}:{HTTP_PORT}; server {b}:{HTTP_PORT}; }}\n\
-           upstream udp {{ server {a}:{UDP_PORT}; server {b}:{UDP_PORT}; }}\n\
+           upstream web {{ {web_servers}}}\n\
+           upstream udp {{ {udp_servers}}}\n\
            upstream bulk {{ server {b}:{BULK_PORT}; }}\n\
            server {{ listen {vip}:80 reuseport; proxy_pass web; }}\n\
            server {{ listen {vip}:{UDP_PORT} udp reuseport; proxy_pass udp; proxy_responses 1; proxy_timeout 5s; }}\n\
@@ -807,7 +816,7 @@ fn nginx_proxy_config(vip: Ipv4Addr, module: &Path, work: &Path) -> String {
 
 /// The MCS objects of the measured services plus `fillers` others, for `file:DIR`; written
 /// to a temporary file and renamed, so the agent never reads half a file.
-fn write_objects(dir: &Path, mode: Mode, fillers: usize) -> anyhow::Result<()> {
+fn write_objects(dir: &Path, mode: Mode, fillers: usize, web: &[Ipv4Addr]) -> anyhow::Result<()> {
     let mut y = String::new();
     let import = |y: &mut String, name: &str, vip: Ipv4Addr, ports: &str| {
         let _ = write!(
@@ -841,6 +850,9 @@ fn write_objects(dir: &Path, mode: Mode, fillers: usize) -> anyhow::Result<()> {
     let udp = format!("{{ name: udp, protocol: UDP, port: {UDP_PORT} }}");
     import(&mut y, "web", mode.vip(1), &format!("{http}, {udp}"));
     for (c, ip) in ["c1", "c2"].iter().zip(BACKENDS) {
+        if !web.contains(&ip) {
+            continue;
+        }
         slice(
             &mut y,
             &format!("web-{c}"),
@@ -965,7 +977,7 @@ mod tests {
     #[test]
     fn objects_hold_the_measured_services_and_fillers() {
         let dir = tempfile::tempdir().unwrap();
-        write_objects(dir.path(), Mode::McsUserspace, 5).unwrap();
+        write_objects(dir.path(), Mode::McsUserspace, 5, &BACKENDS).unwrap();
         let text = std::fs::read_to_string(dir.path().join("objects.yaml")).unwrap();
         assert_eq!(text.matches("kind: ServiceImport").count(), 7);
         assert_eq!(text.matches("kind: EndpointSlice").count(), 13);

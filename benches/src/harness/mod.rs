@@ -40,6 +40,8 @@ pub struct Options {
     pub out: PathBuf,
     /// Install missing peers with apt-get.
     pub install: bool,
+    /// `web` has a backend in each cluster (else one).
+    pub spread: bool,
     /// The command line, for the record.
     pub command: String,
 }
@@ -144,9 +146,10 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
         versions: versions(),
         command: opts.command.clone(),
         agent: opts.agent.display().to_string(),
+        web_backends: if opts.spread { 2 } else { 1 },
     };
     eprintln!("mcs-bench: setting up {} modes", opts.modes.len());
-    let mut bed = Bed::build(&opts.modes, &opts.agent, &work)?;
+    let mut bed = Bed::build(&opts.modes, &opts.agent, &work, opts.spread)?;
     let modes = bed
         .modes
         .iter()

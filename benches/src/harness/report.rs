@@ -30,6 +30,8 @@ pub struct Meta {
     pub command: String,
     /// The mcs-agent binary used.
     pub agent: String,
+    /// Backends of the measured HTTP and UDP service.
+    pub web_backends: usize,
 }
 
 /// A mode's outcome.
@@ -194,7 +196,7 @@ impl Report {
         let _ = writeln!(
             s,
             "Measured {} on {} CPUs, kernel {}; {} s per run, {} interleaved repetitions; \
-             wrk -t{} -c{}, iperf3, UDP {} flows. Cells: median (ratio to `direct`) [min–max].\n",
+             wrk -t{} -c{}, iperf3, UDP {} flows; {}. Cells: median (ratio to `direct`) [min–max].\n",
             m.date,
             m.cpus,
             m.kernel,
@@ -202,7 +204,15 @@ impl Report {
             m.repetitions,
             m.load.threads,
             m.load.connections,
-            m.load.udp_flows
+            m.load.udp_flows,
+            if m.web_backends > 1 {
+                format!(
+                    "the service has {} backends, one per cluster (`direct` splits its connections evenly over them)",
+                    m.web_backends
+                )
+            } else {
+                "the service has one backend".to_string()
+            }
         );
         let cols: Vec<Workload> = Workload::ALL
             .into_iter()
@@ -483,6 +493,7 @@ mod tests {
                 versions: vec![("wrk".into(), "4.1".into())],
                 command: "mcs-bench".into(),
                 agent: "a".into(),
+                web_backends: 1,
             },
             modes: vec![
                 ModeReport {
