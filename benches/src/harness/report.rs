@@ -316,9 +316,10 @@ impl Report {
                 .iter()
                 .filter_map(|c| {
                     Some(format!(
-                        "{} at {} services {:.0} MiB",
+                        "{} at {} service{} {:.0} MiB",
                         c.mode.name(),
                         short(c.services as f64),
+                        if c.services == 1 { "" } else { "s" },
                         c.agent_rss_mib?
                     ))
                 })
