@@ -131,7 +131,10 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
     if opts.install {
         install_peers()?;
     }
-    let work = opts.out.join("run");
+    // Absolute: servers (nginx) resolve relative paths against their own prefix.
+    let out = std::path::absolute(&opts.out)
+        .with_context(|| format!("resolving {}", opts.out.display()))?;
+    let work = out.join("run");
     if work.exists() {
         std::fs::remove_dir_all(&work).with_context(|| format!("clearing {}", work.display()))?;
     }
@@ -183,16 +186,22 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
         );
     }
     let ready = bed.ready();
-    // A mode that does not forward a single request is a failure, found before measuring.
+    // A mode that does not forward a request within 10 s is a failure, found before
+    // measuring (polled: a first UDP datagram may be lost while a session is set up).
     let exe = std::env::current_exe()?;
     let mut broken = vec![];
     for (mode, target) in &ready {
-        let mut cmd = bed.client(target, &exe.to_string_lossy());
-        cmd.args(["check", "--http", &target.web[0].to_string()]);
-        if let Some(udp) = &target.udp {
-            cmd.args(["--udp", &udp[0].to_string()]);
-        }
-        if let Err(e) = procs::run_ok(&mut cmd) {
+        let check = || {
+            let mut cmd = bed.client(target, &exe.to_string_lossy());
+            cmd.args(["check", "--http", &target.web[0].to_string()]);
+            if let Some(udp) = &target.udp {
+                cmd.args(["--udp", &udp[0].to_string()]);
+            }
+            procs::run_ok(&mut cmd).map(|_| true)
+        };
+        let what = format!("{} to forward a check request", mode.name());
+        if let Err(e) = procs::wait_for(&what, std::time::Duration::from_secs(10), check) {
+            procs::interrupted()?;
             broken.push((*mode, format!("{e:#}")));
         }
     }
@@ -306,6 +315,6 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
     }
     drop(bed);
     report.compute_ratios();
-    report.write(&opts.out)?;
+    report.write(&out)?;
     Ok(report)
 }
