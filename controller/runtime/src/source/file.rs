@@ -6,6 +6,7 @@
 use std::{
     collections::{BTreeMap, HashMap},
     path::{Path, PathBuf},
+    sync::Arc,
     time::{Duration, SystemTime},
 };
 
@@ -38,8 +39,9 @@ type Key = (String, String, String);
 pub struct FileSource {
     dir: PathBuf,
     stamps: HashMap<PathBuf, (u64, SystemTime)>,
-    per_file: HashMap<PathBuf, BTreeMap<Key, Object>>,
-    current: BTreeMap<Key, Object>,
+    /// Objects by file, shared with `current` (one copy of each object, not two).
+    per_file: HashMap<PathBuf, BTreeMap<Key, Arc<Object>>>,
+    current: BTreeMap<Key, Arc<Object>>,
 }
 
 impl FileSource {
@@ -80,6 +82,7 @@ impl FileSource {
                     Ok(text) => parse_file(path, &text),
                     Err(e) => BTreeMap::from([unreadable(path, 0, format!("cannot read: {e}"))]),
                 };
+                let objects = objects.into_iter().map(|(k, v)| (k, Arc::new(v))).collect();
                 self.per_file.insert(path.clone(), objects);
                 self.stamps.insert(path.clone(), stamp);
                 changed = true;
@@ -105,7 +108,7 @@ impl FileSource {
         let mut events = Vec::new();
         for (key, old) in &self.current {
             if !next.contains_key(key) {
-                events.push(match old {
+                events.push(match &**old {
                     Object::Import(_) => SourceEvent::DeleteImport(key.1.clone(), key.2.clone()),
                     Object::Slice(_) => SourceEvent::DeleteSlice(key.1.clone(), key.2.clone()),
                     Object::ClusterId(_) => continue,
@@ -117,7 +120,7 @@ impl FileSource {
             if self.current.get(key) == Some(obj) {
                 continue;
             }
-            events.push(match obj {
+            events.push(match &**obj {
                 Object::Import(i) => SourceEvent::Import(i.clone()),
                 Object::Slice(s) => SourceEvent::Slice(s.clone()),
                 Object::ClusterId(id) => SourceEvent::ClusterId(id.clone()),
