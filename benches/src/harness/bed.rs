@@ -476,8 +476,9 @@ impl Bed {
                 write_objects(&dir, mode, 0, self.web)?;
                 let port = free_port()?;
                 self.ebpf_metrics = Some(SocketAddr::from(([127, 0, 0, 1], port)));
-                let mut cmd = Command::new(deathsig(&self.agent.to_string_lossy()).remove(0));
-                cmd.args(&deathsig(&self.agent.to_string_lossy())[1..])
+                let wrapped = deathsig(&self.agent.to_string_lossy());
+                let mut cmd = Command::new(&wrapped[0]);
+                cmd.args(&wrapped[1..])
                     .args([
                         "run",
                         "--dataplane",
@@ -751,11 +752,6 @@ impl Bed {
             p.check_alive()?;
         }
         Ok(())
-    }
-
-    /// The process ids of the servers (for the record).
-    pub fn pids(&self) -> Vec<u32> {
-        self.procs.iter().map(Proc::pid).collect()
     }
 }
 
