@@ -568,15 +568,67 @@ impl Bed {
         Ok(())
     }
 
+    /// The services a kernel mode programs: `fillers` others first, then the measured ones
+    /// last (the worst case of a linear list).
+    fn kernel_services(&self, mode: Mode, fillers: usize) -> Vec<KernelService> {
+        let (web, udp, bulk) = service_eps(self.web);
+        let svc = |name: String, vip, proto, port, eps| KernelService {
+            name,
+            vip,
+            proto,
+            port,
+            eps,
+        };
+        (0..fillers)
+            .map(|i| {
+                let vip = mode.vip(256 + i as u32);
+                svc(format!("f{i}"), vip, "tcp", 80, filler_eps().to_vec())
+            })
+            .chain([
+                svc("web".into(), mode.vip(1), "tcp", 80, web),
+                svc("udp".into(), mode.vip(1), "udp", UDP_PORT, udp),
+                svc("bulk".into(), mode.vip(2), "tcp", BULK_PORT, bulk),
+            ])
+            .collect()
+    }
+
+    /// Writes `text` to `file` in the work directory and runs `program` on it inside the node
+    /// namespace (`args` before the file; `stdin`: feed the file on standard input).
+    fn load_rules(
+        &self,
+        file: &str,
+        text: &str,
+        program: &str,
+        args: &[&str],
+        stdin: bool,
+    ) -> anyhow::Result<()> {
+        let path = self.work.join(file);
+        std::fs::write(&path, text)?;
+        let mut cmd = self.topo.node.command(program);
+        cmd.args(args);
+        if stdin {
+            cmd.stdin(std::fs::File::open(&path)?);
+        } else {
+            cmd.arg(&path);
+        }
+        run_ok(&mut cmd).map(drop)
+    }
+
     /// kube-proxy's iptables layout: KUBE-SERVICES matches each service and jumps to its
-    /// KUBE-SVC chain, which picks an endpoint chain with `statistic`; the measured services
-    /// come last (the worst case of a linear list). Only this mode's range enters the list,
-    /// so the other modes' traffic does not pay for it.
+    /// KUBE-SVC chain, which picks an endpoint chain with `statistic`. Only this mode's range
+    /// enters the list, so the other modes' traffic does not pay for it.
     fn program_iptables(&self, fillers: usize) -> anyhow::Result<()> {
         let mode = Mode::Iptables;
         let mut chains = String::new();
         let mut rules = format!("-A PREROUTING -d {}/18 -j KUBE-SERVICES\n", mode.vip_base());
-        let mut add = |name: &str, vip: Ipv4Addr, proto: &str, port: u16, eps: &[SocketAddr]| {
+        for KernelService {
+            name,
+            vip,
+            proto,
+            port,
+            eps,
+        } in self.kernel_services(mode, fillers)
+        {
             let _ = writeln!(chains, ":KUBE-SVC-{name} - [0:0]");
             let _ = writeln!(
                 rules,
@@ -599,37 +651,26 @@ impl Bed {
                     "-A KUBE-SEP-{name}-{i} -p {proto} -m {proto} -j DNAT --to-destination {ep}"
                 );
             }
-        };
-        for i in 0..fillers {
-            add(
-                &format!("F{i}"),
-                mode.vip(256 + i as u32),
-                "tcp",
-                80,
-                &filler_eps(),
-            );
         }
-        let (web, udp, bulk) = service_eps(self.web);
-        add("WEB", mode.vip(1), "tcp", 80, &web);
-        add("UDP", mode.vip(1), "udp", UDP_PORT, &udp);
-        add("BULK", mode.vip(2), "tcp", BULK_PORT, &bulk);
         let input = format!(
             "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n{chains}{rules}COMMIT\n"
         );
-        let path = self.work.join("iptables.rules");
-        std::fs::write(&path, input)?;
-        let mut cmd = self.topo.node.command("iptables-restore");
-        cmd.arg(&path);
-        run_ok(&mut cmd).map(drop)
+        self.load_rules("iptables.rules", &input, "iptables-restore", &[], false)
     }
 
     /// kube-proxy's nftables layout: one verdict map from address . protocol . port to a
     /// service chain, which picks an endpoint chain with `numgen random`.
     fn program_nftables(&self, fillers: usize) -> anyhow::Result<()> {
-        let mode = Mode::Nftables;
         let mut elements = vec![];
         let mut chains = String::new();
-        let mut add = |name: &str, vip: Ipv4Addr, proto: &str, port: u16, eps: &[SocketAddr]| {
+        for KernelService {
+            name,
+            vip,
+            proto,
+            port,
+            eps,
+        } in self.kernel_services(Mode::Nftables, fillers)
+        {
             elements.push(format!("{vip} . {proto} . {port} : goto svc_{name}"));
             let picks: Vec<String> = (0..eps.len())
                 .map(|i| format!("{i} : goto sep_{name}_{i}"))
@@ -646,20 +687,7 @@ impl Bed {
                     "  chain sep_{name}_{i} {{ meta l4proto {proto} dnat to {ep}; }}"
                 );
             }
-        };
-        for i in 0..fillers {
-            add(
-                &format!("f{i}"),
-                mode.vip(256 + i as u32),
-                "tcp",
-                80,
-                &filler_eps(),
-            );
         }
-        let (web, udp, bulk) = service_eps(self.web);
-        add("web", mode.vip(1), "tcp", 80, &web);
-        add("udp", mode.vip(1), "udp", UDP_PORT, &udp);
-        add("bulk", mode.vip(2), "tcp", BULK_PORT, &bulk);
         let script = format!(
             "table ip mcs_bench_kp {{}}\ndelete table ip mcs_bench_kp\ntable ip mcs_bench_kp {{\n\
              {chains}\
@@ -668,38 +696,27 @@ impl Bed {
              }}\n",
             elements.join(",\n    ")
         );
-        let path = self.work.join("nftables.nft");
-        std::fs::write(&path, script)?;
-        let mut cmd = self.topo.node.command("nft");
-        cmd.arg("-f").arg(&path);
-        run_ok(&mut cmd).map(drop)
+        self.load_rules("nftables.nft", &script, "nft", &["-f"], false)
     }
 
     /// kube-proxy's IPVS layout: a virtual server per service (NAT, rr).
     fn program_ipvs(&self, fillers: usize) -> anyhow::Result<()> {
-        let mode = Mode::Ipvs;
         let mut rules = String::from("-C\n");
-        let mut add = |flag: &str, vip: Ipv4Addr, port: u16, eps: &[SocketAddr]| {
+        for KernelService {
+            vip,
+            proto,
+            port,
+            eps,
+            ..
+        } in self.kernel_services(Mode::Ipvs, fillers)
+        {
+            let flag = if proto == "udp" { "-u" } else { "-t" };
             let _ = writeln!(rules, "-A {flag} {vip}:{port} -s rr");
             for ep in eps {
                 let _ = writeln!(rules, "-a {flag} {vip}:{port} -r {ep} -m");
             }
-        };
-        for i in 0..fillers {
-            add("-t", mode.vip(256 + i as u32), 80, &filler_eps());
         }
-        let (web, udp, bulk) = service_eps(self.web);
-        add("-t", mode.vip(1), 80, &web);
-        add("-u", mode.vip(1), UDP_PORT, &udp);
-        add("-t", mode.vip(2), BULK_PORT, &bulk);
-        let path = self.work.join("ipvs.rules");
-        std::fs::write(&path, rules)?;
-        let mut cmd = Command::new("sh");
-        cmd.arg("-c")
-            .arg(r#"ip netns exec "$0" ipvsadm-restore < "$1""#)
-            .arg(self.topo.node.name())
-            .arg(&path);
-        run_ok(&mut cmd).map(drop)
+        self.load_rules("ipvs.rules", &rules, "ipvsadm-restore", &[], true)
     }
 
     /// Resident memory of the agent of `mode` (MiB), if it has one.
@@ -753,6 +770,16 @@ impl Bed {
         }
         Ok(())
     }
+}
+
+/// A service as the kernel modes program it.
+#[derive(Debug)]
+struct KernelService {
+    name: String,
+    vip: Ipv4Addr,
+    proto: &'static str,
+    port: u16,
+    eps: Vec<SocketAddr>,
 }
 
 fn filler_eps() -> [SocketAddr; 2] {

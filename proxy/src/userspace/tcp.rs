@@ -288,15 +288,11 @@ async fn pump(
 ) -> io::Result<()> {
     let mut buf = PooledBuf::take();
     loop {
-        src.readable().await?;
-        let n = match src.try_read(&mut buf) {
-            Ok(0) => {
-                let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
-                return Ok(());
-            }
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
+        let read = read_or_eof(src, dst, || {
+            nix::unistd::read(src, &mut buf).map_err(io::Error::from)
+        });
+        let Some(n) = read.await? else {
+            return Ok(());
         };
         if n < buf.len() {
             // A short read drained the socket: forget its readiness now rather than learn
@@ -319,6 +315,27 @@ async fn pump(
             // Ended at EOF with every spliced byte written: the pipe is empty.
             give_back_pipe(pipe);
             return Ok(());
+        }
+    }
+}
+
+/// Waits until `src` is readable and runs `op` (a read from it); readiness that turns out
+/// stale is waited for again. At EOF passes the half-close on to `dst` and returns `None`.
+async fn read_or_eof(
+    src: &TcpStream,
+    dst: &TcpStream,
+    mut op: impl FnMut() -> io::Result<usize>,
+) -> io::Result<Option<usize>> {
+    loop {
+        src.readable().await?;
+        match src.try_io(Interest::READABLE, &mut op) {
+            Ok(0) => {
+                let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
+                return Ok(None);
+            }
+            Ok(n) => return Ok(Some(n)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
         }
     }
 }
@@ -346,18 +363,11 @@ async fn splice_dir(
 ) -> io::Result<()> {
     let flags = SpliceFFlags::SPLICE_F_MOVE | SpliceFFlags::SPLICE_F_NONBLOCK;
     loop {
-        src.readable().await?;
-        let n = match src.try_io(Interest::READABLE, || {
+        let read = read_or_eof(src, dst, || {
             splice(src, None, pipe_w, None, SPLICE_CHUNK_BYTES, flags).map_err(io::Error::from)
-        }) {
-            Ok(0) => {
-                // EOF: pass the half-close on.
-                let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
-                return Ok(());
-            }
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
+        });
+        let Some(n) = read.await? else {
+            return Ok(());
         };
         let mut left = n;
         while left > 0 {
