@@ -170,12 +170,7 @@ fn run(probe: &Probe) -> ProbeResult {
         }
         Probe::Udp { to, send } => {
             let attempt = || -> std::io::Result<(SocketAddr, String)> {
-                let bind: SocketAddr = if to.is_ipv4() {
-                    "0.0.0.0:0".parse().unwrap()
-                } else {
-                    "[::]:0".parse().unwrap()
-                };
-                let s = std::net::UdpSocket::bind(bind)?;
+                let s = std::net::UdpSocket::bind(wildcard(*to))?;
                 s.set_read_timeout(Some(PROBE_TIMEOUT))?;
                 s.send_to(send.as_bytes(), to)?;
                 let mut buf = [0u8; 2048];
@@ -192,12 +187,7 @@ fn run(probe: &Probe) -> ProbeResult {
         }
         Probe::UdpConnected { to, send } => {
             let attempt = || -> std::io::Result<(Option<SocketAddr>, String)> {
-                let bind: SocketAddr = if to.is_ipv4() {
-                    "0.0.0.0:0".parse().unwrap()
-                } else {
-                    "[::]:0".parse().unwrap()
-                };
-                let s = std::net::UdpSocket::bind(bind)?;
+                let s = std::net::UdpSocket::bind(wildcard(*to))?;
                 s.set_read_timeout(Some(PROBE_TIMEOUT))?;
                 s.connect(to)?;
                 let peer = s.peer_addr().ok();
@@ -242,4 +232,13 @@ fn run(probe: &Probe) -> ProbeResult {
         }
     }
     result
+}
+
+/// The unspecified address with port 0 of `to`'s family (to bind a client socket).
+fn wildcard(to: SocketAddr) -> SocketAddr {
+    if to.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    }
 }
