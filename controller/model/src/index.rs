@@ -1,17 +1,28 @@
 //! The index: Kubernetes objects in, forwarding table and minimal diffs out, incrementally.
 //!
 //! Every change marks the services it touches dirty; [`Index::flush`] recomputes only those
-//! (O(size of the change)), re-decides the frontends they claim or claimed, and returns the
+//! (O(size of the change)), re-decides the VIPs they claim or claimed, and returns the
 //! [`TableDiff`] against the table the dataplane already has. [`compute`] is the stateless
 //! form: the same result from scratch.
+//!
+//! Ownership: a VIP belongs to one import, with all its ports: the oldest claimant by
+//! [`validate::AgeKey`] (creationTimestamp, then uid, then name). Every other claimant loses
+//! the whole VIP (`vip_conflict`). Capacity: while the table's totals are within
+//! [`Limits`](crate::guard::Limits), every import is admitted; past them, imports are admitted
+//! oldest first while they fit and the rest are rejected (`over_capacity`) — a walk over all
+//! imports, done only while over a cap.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    net::IpAddr,
+};
 
 use crate::{
-    Backend, ForwardingTable, Frontend, Service, TableDiff,
+    Backend, ForwardingTable, Frontend, Protocol, Service, TableDiff,
+    guard::Guard,
     input::{ImportInput, ServiceRef, SliceInput},
     select,
-    validate::{self, Reason, Rejection, ValidImport, ValidSlice},
+    validate::{self, AgeKey, Reason, Rejection, ValidImport, ValidSlice},
 };
 
 /// Node-level settings of the index.
@@ -21,6 +32,10 @@ pub struct NodeConfig {
     pub cluster_id: String,
     /// This node's zone (for `trafficDistribution: PreferClose`).
     pub zone: Option<String>,
+    /// This node's name (for `internalTrafficPolicy: Local`).
+    pub node_name: Option<String>,
+    /// What may be programmed at all.
+    pub guard: Guard,
 }
 
 type SliceKey = (String, String);
@@ -33,8 +48,11 @@ type SliceEntry = (Option<ServiceRef>, Option<ValidSlice>, Vec<Rejection>);
 /// while matching its slices to its ports.
 #[derive(Clone, Debug, Default)]
 struct Derived {
-    age_key: Option<(String, ServiceRef)>,
+    age_key: Option<AgeKey>,
+    vips: BTreeSet<IpAddr>,
     frontends: BTreeMap<Frontend, Service>,
+    /// Backends summed over `frontends`.
+    backends: usize,
     rejections: Vec<Rejection>,
 }
 
@@ -47,8 +65,12 @@ pub struct Index {
     slices: HashMap<SliceKey, SliceEntry>,
     slices_by_service: HashMap<ServiceRef, BTreeSet<SliceKey>>,
     derived: HashMap<ServiceRef, Derived>,
-    claims: HashMap<Frontend, BTreeSet<(String, ServiceRef)>>,
-    conflicts: BTreeMap<Frontend, Vec<Rejection>>,
+    claims: HashMap<IpAddr, BTreeSet<AgeKey>>,
+    conflicts: BTreeMap<IpAddr, Vec<Rejection>>,
+    /// Frontends and backends over every derived import (admitted or not).
+    totals: (usize, usize),
+    /// Imports not admitted because the table is full.
+    over_capacity: BTreeMap<ServiceRef, Rejection>,
     table: ForwardingTable,
     dirty: BTreeSet<ServiceRef>,
 }
@@ -86,7 +108,7 @@ impl Index {
             return;
         }
         let mut rejections = Vec::new();
-        let valid = validate::import(&input, &mut rejections);
+        let valid = validate::import(&input, &self.node.guard, &mut rejections);
         self.imports.insert(key.clone(), (input, valid, rejections));
         self.dirty.insert(key);
     }
@@ -103,7 +125,7 @@ impl Index {
     pub fn upsert_slice(&mut self, input: SliceInput) {
         let key = (input.namespace.clone(), input.name.clone());
         let mut rejections = Vec::new();
-        let valid = validate::slice(&input, &mut rejections);
+        let valid = validate::slice(&input, &self.node.guard, &mut rejections);
         let service = validate::slice_service(&input);
         if let Some((Some(old_service), old_valid, old_rej)) = self.slices.get(&key)
             && Some(old_service) == service.as_ref()
@@ -175,70 +197,145 @@ impl Index {
     /// Recomputes what changed since the last flush and returns the minimal diff.
     pub fn flush(&mut self) -> TableDiff {
         let dirty = std::mem::take(&mut self.dirty);
-        let mut touched: BTreeSet<Frontend> = BTreeSet::new();
+        let mut touched: BTreeSet<IpAddr> = BTreeSet::new();
         for svc in dirty {
             let new = self.derive(&svc);
             let old = self.derived.remove(&svc).unwrap_or_default();
             if let Some(age) = &old.age_key {
-                for f in old.frontends.keys() {
-                    if let Some(set) = self.claims.get_mut(f) {
+                for vip in &old.vips {
+                    if let Some(set) = self.claims.get_mut(vip) {
                         set.remove(age);
                         if set.is_empty() {
-                            self.claims.remove(f);
+                            self.claims.remove(vip);
                         }
                     }
-                    touched.insert(*f);
+                    touched.insert(*vip);
                 }
+                self.totals.0 -= old.frontends.len();
+                self.totals.1 -= old.backends;
             }
             if let Some(age) = &new.age_key {
-                for f in new.frontends.keys() {
-                    self.claims.entry(*f).or_default().insert(age.clone());
-                    touched.insert(*f);
+                for vip in &new.vips {
+                    self.claims.entry(*vip).or_default().insert(age.clone());
+                    touched.insert(*vip);
                 }
+                self.totals.0 += new.frontends.len();
+                self.totals.1 += new.backends;
             }
             if new.age_key.is_some() || !new.rejections.is_empty() {
                 self.derived.insert(svc, new);
             }
         }
-        let mut diff = TableDiff::default();
-        for f in touched {
-            let winner = self.claims.get(&f).and_then(|set| {
-                let mut it = set.iter();
-                let first = it.next()?;
-                let losers: Vec<Rejection> = it
-                    .map(|(_, loser)| Rejection {
-                        object: format!("ServiceImport {loser}"),
-                        reason: Reason::VipConflict,
-                        message: format!(
-                            "frontend {f} is claimed by older ServiceImport {}",
-                            first.1
-                        ),
-                    })
-                    .collect();
-                Some((first.1.clone(), losers))
-            });
-            match winner {
-                Some((svc, losers)) => {
-                    if losers.is_empty() {
-                        self.conflicts.remove(&f);
-                    } else {
-                        self.conflicts.insert(f, losers);
-                    }
-                    let value = self.derived[&svc].frontends[&f].clone();
-                    if self.table.frontends.get(&f) != Some(&value) {
-                        self.table.frontends.insert(f, value.clone());
-                        diff.upsert.insert(f, value);
-                    }
-                }
-                None => {
-                    self.conflicts.remove(&f);
-                    if self.table.frontends.remove(&f).is_some() {
-                        diff.remove.push(f);
-                    }
+        let over = self.admission();
+        if over != self.over_capacity {
+            let changed: BTreeSet<&ServiceRef> = over
+                .keys()
+                .chain(self.over_capacity.keys())
+                .filter(|s| over.contains_key(*s) != self.over_capacity.contains_key(*s))
+                .collect();
+            for svc in changed {
+                if let Some(d) = self.derived.get(svc) {
+                    touched.extend(d.vips.iter().copied());
                 }
             }
+            self.over_capacity = over;
+        }
+        let mut diff = TableDiff::default();
+        for vip in touched {
+            self.decide_vip(vip, &mut diff);
         }
         diff
+    }
+
+    /// Which imports the caps leave out: none while the totals fit, else the ones that do not
+    /// fit when admitted oldest first.
+    fn admission(&self) -> BTreeMap<ServiceRef, Rejection> {
+        let limits = &self.node.guard.limits;
+        let mut out = BTreeMap::new();
+        if self.totals.0 <= limits.frontends && self.totals.1 <= limits.backends {
+            return out;
+        }
+        let mut order: Vec<(&AgeKey, &ServiceRef, &Derived)> = self
+            .derived
+            .iter()
+            .filter_map(|(s, d)| d.age_key.as_ref().map(|a| (a, s, d)))
+            .collect();
+        order.sort_by(|a, b| a.0.cmp(b.0));
+        let (mut frontends, mut backends) = (0usize, 0usize);
+        for (_, svc, d) in order {
+            let (f, b) = (frontends + d.frontends.len(), backends + d.backends);
+            if f <= limits.frontends && b <= limits.backends {
+                (frontends, backends) = (f, b);
+                continue;
+            }
+            out.insert(
+                svc.clone(),
+                Rejection {
+                    object: format!("ServiceImport {svc}"),
+                    reason: Reason::OverCapacity,
+                    message: format!(
+                        "its {} frontends / {} backends do not fit: the table holds at most {} frontends and {} backends, and older imports come first",
+                        d.frontends.len(),
+                        d.backends,
+                        limits.frontends,
+                        limits.backends
+                    ),
+                },
+            );
+        }
+        out
+    }
+
+    /// Programs `vip` as its owner (oldest claimant) says: all the owner's frontends on it,
+    /// nothing of any other import.
+    fn decide_vip(&mut self, vip: IpAddr, diff: &mut TableDiff) {
+        let owner = self.claims.get(&vip).and_then(|set| {
+            let mut it = set.iter();
+            let first = it.next()?;
+            let losers: Vec<Rejection> = it
+                .map(|(_, _, loser)| Rejection {
+                    object: format!("ServiceImport {loser}"),
+                    reason: Reason::VipConflict,
+                    message: format!("VIP {vip} belongs to the older ServiceImport {}", first.2),
+                })
+                .collect();
+            Some((first.2.clone(), losers))
+        });
+        let mut desired: BTreeMap<Frontend, &Service> = BTreeMap::new();
+        match owner {
+            Some((svc, losers)) => {
+                if losers.is_empty() {
+                    self.conflicts.remove(&vip);
+                } else {
+                    self.conflicts.insert(vip, losers);
+                }
+                if !self.over_capacity.contains_key(&svc)
+                    && let Some(d) = self.derived.get(&svc)
+                {
+                    desired.extend(d.frontends.range(vip_range(vip)).map(|(f, s)| (*f, s)));
+                }
+            }
+            None => {
+                self.conflicts.remove(&vip);
+            }
+        }
+        let gone: Vec<Frontend> = self
+            .table
+            .frontends
+            .range(vip_range(vip))
+            .map(|(f, _)| *f)
+            .filter(|f| !desired.contains_key(f))
+            .collect();
+        for f in gone {
+            self.table.frontends.remove(&f);
+            diff.remove.push(f);
+        }
+        for (f, value) in desired {
+            if self.table.frontends.get(&f) != Some(value) {
+                self.table.frontends.insert(f, value.clone());
+                diff.upsert.insert(f, value.clone());
+            }
+        }
     }
 
     /// The service's frontends and candidates from its import and slices.
@@ -248,6 +345,8 @@ impl Index {
             return out;
         };
         out.age_key = Some(import.age_key.clone());
+        out.vips = import.vips.iter().copied().collect();
+        let limits = self.node.guard.limits;
         let slices: Vec<&ValidSlice> = self
             .slices_by_service
             .get(svc)
@@ -264,7 +363,9 @@ impl Index {
                 protocol: fe.protocol,
             };
             // Best copy of each (address, port): ready, serving, local, then cluster name.
-            let mut best: BTreeMap<(std::net::IpAddr, u16), Backend> = BTreeMap::new();
+            let mut best: BTreeMap<(IpAddr, u16), Backend> = BTreeMap::new();
+            // (address, port) of endpoints on this node, for internalTrafficPolicy: Local.
+            let mut on_node: BTreeSet<(IpAddr, u16)> = BTreeSet::new();
             for s in slices.iter().filter(|s| s.v4 == fe.vip.is_ipv4()) {
                 let Some(&(_, _, target)) = s
                     .ports
@@ -275,6 +376,13 @@ impl Index {
                     continue;
                 };
                 for ep in &s.endpoints {
+                    if import.node_local
+                        && s.cluster == self.node.cluster_id
+                        && ep.node.is_some()
+                        && ep.node == self.node.node_name
+                    {
+                        on_node.insert((ep.address, target));
+                    }
                     let b = Backend {
                         address: ep.address,
                         port: target,
@@ -298,10 +406,38 @@ impl Index {
                 }
             }
             let mut backends: Vec<Backend> = best.into_values().collect();
-            select::mark_selected(&mut backends, &self.node, import.prefer_close);
+            select::mark_selected(
+                &mut backends,
+                &self.node,
+                import.prefer_close,
+                import.node_local.then_some(&on_node),
+            );
+            if backends.len() > limits.backends_per_frontend {
+                // Keep the selected ones first, then the best by rank; the same set always.
+                let local = &self.node.cluster_id;
+                backends.sort_by(|a, b| {
+                    (!a.selected, rank(a, local), a.address, a.port).cmp(&(
+                        !b.selected,
+                        rank(b, local),
+                        b.address,
+                        b.port,
+                    ))
+                });
+                out.rejections.push(Rejection {
+                    object: format!("ServiceImport {svc}"),
+                    reason: Reason::TooManyBackends,
+                    message: format!(
+                        "frontend {frontend} has {} backends; the {} kept are the selected ones first",
+                        backends.len(),
+                        limits.backends_per_frontend
+                    ),
+                });
+                backends.truncate(limits.backends_per_frontend);
+            }
             backends.sort_by(|a, b| {
                 (&a.cluster, a.address, a.port).cmp(&(&b.cluster, b.address, b.port))
             });
+            out.backends += backends.len();
             out.frontends.insert(
                 frontend,
                 Service {
@@ -362,6 +498,7 @@ impl Index {
                     .flat_map(|d| d.rejections.iter().cloned()),
             )
             .chain(self.conflicts.values().flatten().cloned())
+            .chain(self.over_capacity.values().cloned())
             .collect();
         all.sort();
         all.dedup();
@@ -371,6 +508,19 @@ impl Index {
     /// Number of ServiceImports and EndpointSlices held.
     pub fn object_counts(&self) -> (usize, usize) {
         (self.imports.len(), self.slices.len())
+    }
+}
+
+/// Every frontend of one VIP, in table order.
+fn vip_range(vip: IpAddr) -> std::ops::RangeInclusive<Frontend> {
+    Frontend {
+        vip,
+        port: 0,
+        protocol: Protocol::Tcp,
+    }..=Frontend {
+        vip,
+        port: u16::MAX,
+        protocol: Protocol::Sctp,
     }
 }
 

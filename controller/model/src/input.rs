@@ -39,6 +39,8 @@ pub struct ImportInput {
     pub name: String,
     /// `metadata.creationTimestamp` (RFC 3339); the older import wins a VIP conflict.
     pub created: Option<String>,
+    /// `metadata.uid`: breaks ties between imports created in the same second.
+    pub uid: Option<String>,
     /// `spec.type`: `ClusterSetIP` or `Headless` (anything else is rejected).
     pub type_: String,
     /// `spec.ips`.
@@ -53,6 +55,8 @@ pub struct ImportInput {
     pub affinity_timeout_seconds: Option<i64>,
     /// `spec.trafficDistribution`.
     pub traffic_distribution: Option<String>,
+    /// `spec.internalTrafficPolicy` (`Cluster` or `Local`).
+    pub internal_traffic_policy: Option<String>,
 }
 
 impl ImportInput {

@@ -14,6 +14,8 @@
 //!
 //! # Layout
 //!
+//! - [`guard`]: what a node allows at all (ClusterSetIP ranges, protected addresses, trusted
+//!   slice managers, caps).
 //! - [`input`]: the fields of ServiceImports and EndpointSlices the table depends on.
 //! - [`validate`]: rejects or trims invalid input, each time with a [`validate::Rejection`].
 //! - [`index`]: the incremental index (objects → table, minimal diffs); [`index::compute`].
@@ -22,12 +24,14 @@
 //! - [`Dataplane`]: what the control plane hands diffs to.
 #![forbid(unsafe_code)]
 
+pub mod guard;
 pub mod index;
 pub mod input;
 pub mod render;
 pub mod select;
 pub mod validate;
 
+pub use guard::{Guard, IpCidr, Limits};
 pub use index::{Index, NodeConfig, compute};
 pub use validate::{Reason, Rejection};
 
@@ -213,5 +217,7 @@ impl ForwardingTable {
 
 #[cfg(test)]
 mod index_tests;
+#[cfg(test)]
+mod safety_tests;
 #[cfg(test)]
 mod tests;

@@ -6,10 +6,19 @@
 //! 3. Zone: with `trafficDistribution: PreferClose`, endpoints in the node's zone when there is
 //!    one among those left; else all of them.
 
+use std::{collections::BTreeSet, net::IpAddr};
+
 use crate::{Backend, index::NodeConfig};
 
-/// Sets `selected` on every backend by the policy above.
-pub fn mark_selected(backends: &mut [Backend], node: &NodeConfig, prefer_close: bool) {
+/// Sets `selected` on every backend by the policy above. With `node_local`
+/// (`internalTrafficPolicy: Local`), only the usable backends in that set (address, port) of
+/// endpoints on this node are selected, and none elsewhere, as kube-proxy does.
+pub fn mark_selected(
+    backends: &mut [Backend],
+    node: &NodeConfig,
+    prefer_close: bool,
+    node_local: Option<&BTreeSet<(IpAddr, u16)>>,
+) {
     let any_ready = backends.iter().any(|b| b.ready);
     let usable = |b: &Backend| {
         if any_ready {
@@ -27,6 +36,12 @@ pub fn mark_selected(backends: &mut [Backend], node: &NodeConfig, prefer_close: 
         && backends
             .iter()
             .any(|b| in_scope(b) && b.zone.as_deref() == zone);
+    if let Some(on_node) = node_local {
+        for b in backends.iter_mut() {
+            b.selected = usable(b) && on_node.contains(&(b.address, b.port));
+        }
+        return;
+    }
     for b in backends.iter_mut() {
         b.selected = in_scope(b) && (!zone_pref || b.zone.as_deref() == zone);
     }

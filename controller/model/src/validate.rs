@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use crate::{
     Affinity, Protocol,
+    guard::{Guard, noncanonical},
     input::{EndpointInput, ImportInput, ServiceRef, SliceInput},
 };
 
@@ -23,6 +24,12 @@ pub const LABEL_SOURCE_CLUSTER: &str = "multicluster.kubernetes.io/source-cluste
 pub const LABEL_MANAGED_BY: &str = "endpointslice.kubernetes.io/managed-by";
 /// `managed-by` value of the default Kubernetes EndpointSlice controller.
 pub const DEFAULT_SLICE_CONTROLLER: &str = "endpointslice-controller.k8s.io";
+/// `managed-by` value of Kubernetes' EndpointSlice mirroring controller (slices copied from
+/// `Endpoints`, which anyone who may write `Endpoints` controls).
+pub const MIRRORING_SLICE_CONTROLLER: &str = "endpointslicemirroring-controller.k8s.io";
+/// Managers whose slices are never MCS slices.
+pub const KUBERNETES_SLICE_CONTROLLERS: [&str; 2] =
+    [DEFAULT_SLICE_CONTROLLER, MIRRORING_SLICE_CONTROLLER];
 /// Default ClientIP affinity timeout (seconds).
 pub const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
 /// Largest ClientIP affinity timeout (seconds), as for Services.
@@ -67,6 +74,34 @@ pub enum Reason {
     NoMatchingPort,
     /// An object the source cannot use (unknown kind, unparsable document).
     Unparsable,
+    /// A VIP outside every `--clusterset-ip-cidr`.
+    VipNotAllowed,
+    /// A VIP or endpoint that is an address the agent depends on (node, API server).
+    ProtectedAddress,
+    /// An IPv4 address written as IPv6 (mapped, compatible, NAT64).
+    NoncanonicalAddress,
+    /// An endpoint inside a ClusterSetIP range (traffic would loop through the dataplane).
+    EndpointIsClusterSetIp,
+    /// A slice whose manager is not in `--trusted-managed-by`.
+    UntrustedManager,
+    /// More ports than allowed on one object.
+    TooManyPorts,
+    /// More endpoints than allowed on one slice.
+    TooManyEndpoints,
+    /// More backends than one frontend may have: the rest are trimmed.
+    TooManyBackends,
+    /// The table is full (frontends or backends in total): younger imports wait.
+    OverCapacity,
+    /// An object without a name.
+    MissingName,
+    /// The same object twice in a source; the first one is used.
+    DuplicateObject,
+    /// An apiVersion the agent does not know.
+    UnsupportedVersion,
+    /// An `internalTrafficPolicy` that is neither Cluster nor Local.
+    InvalidPolicy,
+    /// A file or document over the size or nesting limit.
+    TooLarge,
 }
 
 impl Reason {
@@ -91,6 +126,20 @@ impl Reason {
             Reason::HostileEndpoint => "hostile_endpoint",
             Reason::NoMatchingPort => "no_matching_port",
             Reason::Unparsable => "unparsable",
+            Reason::VipNotAllowed => "vip_not_allowed",
+            Reason::ProtectedAddress => "protected_address",
+            Reason::NoncanonicalAddress => "noncanonical_address",
+            Reason::EndpointIsClusterSetIp => "endpoint_is_clusterset_ip",
+            Reason::UntrustedManager => "untrusted_manager",
+            Reason::TooManyPorts => "too_many_ports",
+            Reason::TooManyEndpoints => "too_many_endpoints",
+            Reason::TooManyBackends => "too_many_backends",
+            Reason::OverCapacity => "over_capacity",
+            Reason::MissingName => "missing_name",
+            Reason::DuplicateObject => "duplicate_object",
+            Reason::UnsupportedVersion => "unsupported_version",
+            Reason::InvalidPolicy => "invalid_policy",
+            Reason::TooLarge => "too_large",
         }
     }
 }
@@ -113,7 +162,8 @@ pub struct Rejection {
 }
 
 impl Rejection {
-    fn new(object: &str, reason: Reason, message: impl Into<String>) -> Self {
+    /// A rejection of `object` (`Kind ns/name`).
+    pub fn new(object: &str, reason: Reason, message: impl Into<String>) -> Self {
         Self {
             object: object.to_string(),
             reason,
@@ -200,6 +250,53 @@ pub fn hostile(ip: IpAddr) -> Option<&'static str> {
     }
 }
 
+/// Why `ip` may not be programmed as a VIP (`vip`) or as an endpoint, if it may not: a second
+/// spelling of an IPv4 address, a hostile address, an address the agent depends on, a VIP
+/// outside the ClusterSetIP ranges, or an endpoint inside them (a loop).
+pub fn refused(ip: IpAddr, guard: &Guard, vip: bool) -> Option<(Reason, String)> {
+    if let Some(why) = noncanonical(ip) {
+        return Some((
+            Reason::NoncanonicalAddress,
+            format!("{ip} is {why}; write the IPv4 address as IPv4"),
+        ));
+    }
+    if let Some(why) = hostile(ip) {
+        let reason = if vip {
+            Reason::HostileVip
+        } else {
+            Reason::HostileEndpoint
+        };
+        return Some((reason, format!("{ip} is {why}")));
+    }
+    if guard.protected.contains(&ip) {
+        return Some((
+            Reason::ProtectedAddress,
+            format!("{ip} is an address this node depends on (node or API server)"),
+        ));
+    }
+    if vip && !guard.vip_allowed(ip) {
+        let ranges: Vec<String> = guard
+            .clusterset_cidrs
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        return Some((
+            Reason::VipNotAllowed,
+            format!(
+                "{ip} is outside the ClusterSetIP ranges ({})",
+                ranges.join(", ")
+            ),
+        ));
+    }
+    if !vip && let Some(range) = guard.clusterset_range(ip) {
+        return Some((
+            Reason::EndpointIsClusterSetIp,
+            format!("{ip} is inside the ClusterSetIP range {range}: it would loop"),
+        ));
+    }
+    None
+}
+
 /// A frontend template of an import: one VIP × one port.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ImportFrontend {
@@ -213,28 +310,46 @@ pub struct ImportFrontend {
     pub port_name: Option<String>,
 }
 
+/// Conflict order of imports: `creationTimestamp` (older first; none sorts last), then the
+/// uid (assigned by the API server, so nobody can choose a winning tie), then `ns/name`.
+pub type AgeKey = (String, String, ServiceRef);
+
 /// A validated ServiceImport.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ValidImport {
     /// `namespace/name`.
     pub service: ServiceRef,
-    /// Conflict order: older first, then by name.
-    pub age_key: (String, ServiceRef),
+    /// Conflict order.
+    pub age_key: AgeKey,
+    /// The usable VIPs; the import owns each (all ports) unless an older import does.
+    pub vips: Vec<IpAddr>,
     /// Frontends (empty for Headless).
     pub frontends: Vec<ImportFrontend>,
     /// ClientIP affinity.
     pub affinity: Option<Affinity>,
     /// `trafficDistribution: PreferClose`.
     pub prefer_close: bool,
+    /// `internalTrafficPolicy: Local`: only endpoints on this node get connections.
+    pub node_local: bool,
 }
 
-/// Validates an import. `None` when nothing of it is usable; rejections either way.
-pub fn import(input: &ImportInput, out: &mut Vec<Rejection>) -> Option<ValidImport> {
+/// Validates an import against the node's `guard`. `None` when nothing of it is usable;
+/// rejections either way.
+pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> Option<ValidImport> {
     let object = format!("ServiceImport {}/{}", input.namespace, input.name);
+    if input.name.is_empty() {
+        out.push(Rejection::new(
+            &object,
+            Reason::MissingName,
+            "metadata.name is empty",
+        ));
+        return None;
+    }
     let service = input.service_ref();
     // A missing timestamp (file source) sorts after every real one.
     let age_key = (
         input.created.clone().unwrap_or_else(|| "~".into()),
+        input.uid.clone().unwrap_or_default(),
         service.clone(),
     );
     let headless = match input.type_.as_str() {
@@ -249,12 +364,28 @@ pub fn import(input: &ImportInput, out: &mut Vec<Rejection>) -> Option<ValidImpo
             return None;
         }
     };
+    let node_local = match input.internal_traffic_policy.as_deref() {
+        None | Some("" | "Cluster") => false,
+        Some("Local") => true,
+        Some(other) => {
+            out.push(Rejection::new(
+                &object,
+                Reason::InvalidPolicy,
+                format!(
+                    "internalTrafficPolicy {other:?} is neither Cluster nor Local; using Cluster"
+                ),
+            ));
+            false
+        }
+    };
     let mut valid = ValidImport {
         service,
         age_key,
+        vips: Vec::new(),
         frontends: Vec::new(),
         affinity: None,
         prefer_close: input.traffic_distribution.as_deref() == Some("PreferClose"),
+        node_local,
     };
     if headless {
         return Some(valid);
@@ -264,6 +395,18 @@ pub fn import(input: &ImportInput, out: &mut Vec<Rejection>) -> Option<ValidImpo
             &object,
             Reason::TooManyIps,
             format!("{} ips; at most two (one per family)", input.ips.len()),
+        ));
+        return None;
+    }
+    let max_ports = guard.limits.ports_per_import;
+    if input.ports.len() > max_ports {
+        out.push(Rejection::new(
+            &object,
+            Reason::TooManyPorts,
+            format!(
+                "{} ports; at most {max_ports} per import",
+                input.ports.len()
+            ),
         ));
         return None;
     }
@@ -277,6 +420,10 @@ pub fn import(input: &ImportInput, out: &mut Vec<Rejection>) -> Option<ValidImpo
             ));
             continue;
         };
+        if let Some((reason, message)) = refused(ip, guard, true) {
+            out.push(Rejection::new(&object, reason, format!("ip {message}")));
+            continue;
+        }
         let want = input.ip_families.get(i).map(String::as_str);
         let is_v4 = ip.is_ipv4();
         let family_ok = match want {
@@ -292,14 +439,6 @@ pub fn import(input: &ImportInput, out: &mut Vec<Rejection>) -> Option<ValidImpo
                     "ip {ip} is not of family {} or repeats a family",
                     want.unwrap_or("?")
                 ),
-            ));
-            continue;
-        }
-        if let Some(why) = hostile(ip) {
-            out.push(Rejection::new(
-                &object,
-                Reason::HostileVip,
-                format!("ip {ip} is {why}"),
             ));
             continue;
         }
@@ -324,6 +463,7 @@ pub fn import(input: &ImportInput, out: &mut Vec<Rejection>) -> Option<ValidImpo
         }
         ports.push((port, protocol, p.name.clone().filter(|n| !n.is_empty())));
     }
+    valid.vips.clone_from(&vips);
     for vip in &vips {
         for (port, protocol, name) in &ports {
             valid.frontends.push(ImportFrontend {
@@ -371,6 +511,8 @@ pub struct ValidEndpoint {
     pub terminating: bool,
     /// Zone.
     pub zone: Option<String>,
+    /// `nodeName` (for `internalTrafficPolicy: Local`).
+    pub node: Option<String>,
 }
 
 /// A validated MCS EndpointSlice.
@@ -397,9 +539,17 @@ pub fn slice_service(input: &SliceInput) -> Option<ServiceRef> {
         .map(|s| ServiceRef::new(&input.namespace, s))
 }
 
-/// Validates an EndpointSlice.
-pub fn slice(input: &SliceInput, out: &mut Vec<Rejection>) -> Option<ValidSlice> {
+/// Validates an EndpointSlice against the node's `guard`.
+pub fn slice(input: &SliceInput, guard: &Guard, out: &mut Vec<Rejection>) -> Option<ValidSlice> {
     let object = format!("EndpointSlice {}/{}", input.namespace, input.name);
+    if input.name.is_empty() {
+        out.push(Rejection::new(
+            &object,
+            Reason::MissingName,
+            "metadata.name is empty",
+        ));
+        return None;
+    }
     let Some(service) = slice_service(input) else {
         out.push(Rejection::new(
             &object,
@@ -408,12 +558,30 @@ pub fn slice(input: &SliceInput, out: &mut Vec<Rejection>) -> Option<ValidSlice>
         ));
         return None;
     };
-    if input.labels.get(LABEL_MANAGED_BY).map(String::as_str) == Some(DEFAULT_SLICE_CONTROLLER) {
+    let manager = input.labels.get(LABEL_MANAGED_BY).map(String::as_str);
+    if let Some(m) = manager.filter(|m| KUBERNETES_SLICE_CONTROLLERS.contains(m)) {
         out.push(Rejection::new(
             &object,
             Reason::DefaultController,
+            format!("managed by {m}: a slice of an ordinary Service or of Endpoints, not MCS"),
+        ));
+        return None;
+    }
+    if !guard.trusted_managed_by.is_empty()
+        && !manager.is_some_and(|m| guard.trusted_managed_by.contains(m))
+    {
+        let trusted: Vec<&str> = guard
+            .trusted_managed_by
+            .iter()
+            .map(String::as_str)
+            .collect();
+        out.push(Rejection::new(
+            &object,
+            Reason::UntrustedManager,
             format!(
-                "managed by {DEFAULT_SLICE_CONTROLLER}: a slice of an ordinary Service, not MCS"
+                "{LABEL_MANAGED_BY} is {:?}, not one of --trusted-managed-by ({})",
+                manager.unwrap_or(""),
+                trusted.join(", ")
             ),
         ));
         return None;
@@ -442,6 +610,31 @@ pub fn slice(input: &SliceInput, out: &mut Vec<Rejection>) -> Option<ValidSlice>
             return None;
         }
     };
+    let limits = &guard.limits;
+    if input.ports.len() > limits.ports_per_slice {
+        out.push(Rejection::new(
+            &object,
+            Reason::TooManyPorts,
+            format!(
+                "{} ports; at most {} per slice",
+                input.ports.len(),
+                limits.ports_per_slice
+            ),
+        ));
+        return None;
+    }
+    if input.endpoints.len() > limits.endpoints_per_slice {
+        out.push(Rejection::new(
+            &object,
+            Reason::TooManyEndpoints,
+            format!(
+                "{} endpoints; at most {} per slice",
+                input.endpoints.len(),
+                limits.endpoints_per_slice
+            ),
+        ));
+        return None;
+    }
     let mut ports = Vec::new();
     for p in &input.ports {
         let label = format!("{:?}", p.name.as_deref().unwrap_or(""));
@@ -454,7 +647,7 @@ pub fn slice(input: &SliceInput, out: &mut Vec<Rejection>) -> Option<ValidSlice>
     }
     let mut endpoints = Vec::new();
     for ep in &input.endpoints {
-        if let Some(e) = endpoint(&object, ep, v4, out) {
+        if let Some(e) = endpoint(&object, ep, v4, guard, out) {
             endpoints.push(e);
         }
     }
@@ -471,6 +664,7 @@ fn endpoint(
     object: &str,
     ep: &EndpointInput,
     v4: bool,
+    guard: &Guard,
     out: &mut Vec<Rejection>,
 ) -> Option<ValidEndpoint> {
     let Some(raw) = ep.addresses.first() else {
@@ -489,19 +683,15 @@ fn endpoint(
         ));
         return None;
     };
+    if let Some((reason, message)) = refused(address, guard, false) {
+        out.push(Rejection::new(object, reason, format!("address {message}")));
+        return None;
+    }
     if address.is_ipv4() != v4 {
         out.push(Rejection::new(
             object,
             Reason::InvalidEndpoint,
             format!("address {address} is not of the slice's addressType"),
-        ));
-        return None;
-    }
-    if let Some(why) = hostile(address) {
-        out.push(Rejection::new(
-            object,
-            Reason::HostileEndpoint,
-            format!("address {address} is {why}"),
         ));
         return None;
     }
@@ -512,5 +702,6 @@ fn endpoint(
         serving: ep.serving.unwrap_or(ready),
         terminating: ep.terminating.unwrap_or(false),
         zone: ep.zone.clone().filter(|z| !z.is_empty()),
+        node: ep.node_name.clone().filter(|n| !n.is_empty()),
     })
 }

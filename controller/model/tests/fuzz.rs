@@ -4,13 +4,35 @@
 
 use std::collections::BTreeMap;
 
+use mcs_model::{Guard, Limits};
 use mcs_model::{
     Index, NodeConfig,
     input::{EndpointInput, ImportInput, ImportPortInput, SliceInput, SlicePortInput},
     render,
-    validate::{LABEL_MANAGED_BY, LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER, hostile},
+    validate::{LABEL_MANAGED_BY, LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER, hostile, refused},
 };
 use proptest::prelude::*;
+
+/// A node that allows 198.18.0.0/24 and 2001:2::/64 as ClusterSetIPs, protects 198.18.1.1,
+/// and has small caps so that fuzzed objects reach them.
+fn guard() -> Guard {
+    Guard {
+        clusterset_cidrs: vec![
+            "198.18.0.0/24".parse().unwrap(),
+            "2001:2::/64".parse().unwrap(),
+        ],
+        protected: ["198.18.1.1".parse().unwrap()].into(),
+        trusted_managed_by: Default::default(),
+        limits: Limits {
+            ports_per_import: 3,
+            ports_per_slice: 2,
+            endpoints_per_slice: 3,
+            backends_per_frontend: 2,
+            frontends: 4,
+            backends: 5,
+        },
+    }
+}
 
 fn text() -> impl Strategy<Value = String> {
     prop_oneof![
@@ -20,6 +42,10 @@ fn text() -> impl Strategy<Value = String> {
         Just("198.18.0.1".to_string()),
         Just("2001:2::1".to_string()),
         Just("::ffff:127.0.0.1".to_string()),
+        Just("::ffff:198.18.0.1".to_string()),
+        Just("198.19.0.1".to_string()),
+        Just("198.18.100.1".to_string()),
+        Just("Local".to_string()),
         Just("169.254.169.254".to_string()),
         Just("TCP".to_string()),
         Just("UDP".to_string()),
@@ -59,14 +85,24 @@ fn import() -> impl Strategy<Value = ImportInput> {
             proptest::option::of(text()),
             proptest::option::of(int()),
             proptest::option::of(text()),
+            proptest::option::of(text()),
+            proptest::option::of(text()),
         ),
     )
         .prop_map(
-            |((namespace, name, created, type_), ips, ip_families, ports, (aff, timeout, td))| {
+            |(
+                (namespace, name, created, type_),
+                ips,
+                ip_families,
+                ports,
+                (aff, timeout, td, uid, itp),
+            )| {
                 ImportInput {
                     namespace,
                     name,
                     created,
+                    uid,
+                    internal_traffic_policy: itp,
                     type_,
                     ips,
                     ip_families,
@@ -134,8 +170,8 @@ fn slice() -> impl Strategy<Value = SliceInput> {
                             ready,
                             serving,
                             terminating,
+                            node_name: zone.clone(),
                             zone,
-                            node_name: None,
                         },
                     )
                     .collect(),
@@ -151,8 +187,10 @@ proptest! {
         imports in proptest::collection::vec(import(), 0..6),
         slices in proptest::collection::vec(slice(), 0..6),
         cluster in text(),
+        guarded in any::<bool>(),
     ) {
-        let mut idx = Index::new(NodeConfig { cluster_id: cluster, zone: Some("z1".into()) });
+        let guard = if guarded { guard() } else { Guard::default() };
+        let mut idx = Index::new(NodeConfig { cluster_id: cluster, zone: Some("z1".into()), node_name: Some("z1".into()), guard: guard.clone() });
         for i in imports.clone() { idx.upsert_import(i); }
         for s in slices.clone() { idx.upsert_slice(s); }
         idx.flush();
@@ -162,7 +200,11 @@ proptest! {
         for svc in idx.table().frontends.values() {
             for b in &svc.backends {
                 prop_assert!(hostile(b.address).is_none(), "hostile backend programmed: {}", b.address);
+                prop_assert!(refused(b.address, &guard, false).is_none(), "refused backend programmed: {}", b.address);
             }
+        }
+        for f in idx.table().frontends.keys() {
+            prop_assert!(refused(f.vip, &guard, true).is_none(), "refused VIP programmed: {}", f.vip);
         }
         let r = idx.rejections();
         let _ = render::json(idx.table(), &r);

@@ -1,0 +1,350 @@
+//! The node's guard at work: objects written by someone careless or hostile are rejected or
+//! trimmed with a reason, and everything else keeps working (issue 11).
+
+use crate::{
+    Guard, IpCidr, Limits, NodeConfig,
+    index::{Index, compute},
+    index_tests::{ep, fe, mk_import, mk_slice, node, selected},
+    validate::{LABEL_MANAGED_BY, Reason, Rejection},
+};
+
+fn guarded(cidrs: &[&str], protected: &[&str]) -> NodeConfig {
+    let mut n = node("c1");
+    n.guard = Guard {
+        clusterset_cidrs: cidrs.iter().map(|c| c.parse::<IpCidr>().unwrap()).collect(),
+        protected: protected.iter().map(|a| a.parse().unwrap()).collect(),
+        ..Default::default()
+    };
+    n
+}
+
+fn reasons_of<'a>(rej: &'a [Rejection], object: &str) -> Vec<(Reason, &'a str)> {
+    rej.iter()
+        .filter(|r| r.object == object)
+        .map(|r| (r.reason, r.message.as_str()))
+        .collect()
+}
+
+#[test]
+fn vips_outside_the_clusterset_ranges_or_protected_are_refused() {
+    let n = guarded(&["198.18.0.0/24", "2001:2::/64"], &["198.18.0.1"]);
+    let imports = [
+        mk_import("ok", &["198.18.0.10", "2001:2::10"], &[("", "TCP", 80)]),
+        mk_import("apiserver", &["198.19.0.1"], &[("", "TCP", 443)]),
+        mk_import("node", &["198.18.0.1"], &[("", "TCP", 22)]),
+        mk_import("v6out", &["2001:2:1::10"], &[("", "TCP", 80)]),
+        mk_import("mapped", &["::ffff:198.18.0.11"], &[("", "TCP", 80)]),
+        mk_import("nat64", &["64:ff9b::c612:b"], &[("", "TCP", 80)]),
+    ];
+    let (t, rej) = compute(n, imports, []);
+    let vips: Vec<String> = t.frontends.keys().map(|f| f.vip.to_string()).collect();
+    assert_eq!(vips, ["198.18.0.10", "2001:2::10"]);
+    assert_eq!(
+        reasons_of(&rej, "ServiceImport ns/apiserver")[0].0,
+        Reason::VipNotAllowed
+    );
+    assert!(
+        reasons_of(&rej, "ServiceImport ns/apiserver")[0]
+            .1
+            .contains("198.18.0.0/24")
+    );
+    assert_eq!(
+        reasons_of(&rej, "ServiceImport ns/node")[0].0,
+        Reason::ProtectedAddress
+    );
+    assert_eq!(
+        reasons_of(&rej, "ServiceImport ns/v6out")[0].0,
+        Reason::VipNotAllowed
+    );
+    assert_eq!(
+        reasons_of(&rej, "ServiceImport ns/mapped")[0].0,
+        Reason::NoncanonicalAddress
+    );
+    assert_eq!(
+        reasons_of(&rej, "ServiceImport ns/nat64")[0].0,
+        Reason::NoncanonicalAddress
+    );
+}
+
+#[test]
+fn endpoints_that_would_loop_or_hit_the_node_are_refused() {
+    let n = guarded(&["198.18.0.0/24"], &["198.18.1.1"]);
+    let imp = mk_import("web", &["198.18.0.10"], &[("http", "TCP", 80)]);
+    let s = mk_slice(
+        "web-c1",
+        "web",
+        "c1",
+        &[("http", 8080)],
+        vec![
+            ep("198.18.1.2", true),
+            ep("198.18.0.10", true), // the VIP itself
+            ep("198.18.0.99", true), // another ClusterSetIP
+            ep("198.18.1.1", true),  // the node
+            ep("::ffff:198.18.1.3", true),
+        ],
+    );
+    let (t, rej) = compute(n, [imp], [s]);
+    assert_eq!(selected(&t, &fe("198.18.0.10", 80)), ["198.18.1.2:8080@c1"]);
+    let r: Vec<Reason> = reasons_of(&rej, "EndpointSlice ns/web-c1")
+        .into_iter()
+        .map(|r| r.0)
+        .collect();
+    assert_eq!(
+        r.iter()
+            .filter(|r| **r == Reason::EndpointIsClusterSetIp)
+            .count(),
+        2
+    );
+    assert!(r.contains(&Reason::ProtectedAddress));
+    assert!(r.contains(&Reason::NoncanonicalAddress));
+}
+
+#[test]
+fn a_vip_has_one_owner_with_all_its_ports() {
+    let mut old = mk_import("a", &["198.18.0.10"], &[("http", "TCP", 80)]);
+    old.namespace = "team-a".into();
+    old.created = Some("2026-01-01T00:00:00Z".into());
+    // Another namespace asks for another port of the same VIP: it gets nothing.
+    let mut thief = mk_import("b", &["198.18.0.10"], &[("ssh", "TCP", 22)]);
+    thief.namespace = "attacker".into();
+    thief.created = Some("2026-02-01T00:00:00Z".into());
+    let mut idx = Index::new(node("c1"));
+    idx.upsert_import(thief.clone());
+    idx.upsert_import(old.clone());
+    idx.flush();
+    let keys: Vec<_> = idx.table().frontends.keys().copied().collect();
+    assert_eq!(keys, [fe("198.18.0.10", 80)]);
+    let rej = idx.rejections();
+    assert_eq!(
+        reasons_of(&rej, "ServiceImport attacker/b")[0].0,
+        Reason::VipConflict
+    );
+    // When the owner goes, the other import takes the VIP with its own ports only.
+    idx.delete_import("team-a", "a");
+    let d = idx.flush();
+    assert_eq!(d.remove, [fe("198.18.0.10", 80)]);
+    assert_eq!(
+        d.upsert.keys().copied().collect::<Vec<_>>(),
+        [fe("198.18.0.10", 22)]
+    );
+}
+
+#[test]
+fn equal_timestamps_are_broken_by_uid_not_by_name() {
+    // "aaa" sorts first by name, but the API server gave "zzz" the smaller uid.
+    let mut x = mk_import("aaa", &["198.18.0.10"], &[("", "TCP", 80)]);
+    x.uid = Some("f0000000-0000-0000-0000-000000000000".into());
+    let mut y = mk_import("zzz", &["198.18.0.10"], &[("", "TCP", 80)]);
+    y.uid = Some("10000000-0000-0000-0000-000000000000".into());
+    let (t, _) = compute(node("c1"), [x, y], []);
+    assert_eq!(t.frontends[&fe("198.18.0.10", 80)].service, "ns/zzz");
+}
+
+#[test]
+fn slices_of_kubernetes_controllers_and_untrusted_managers_are_refused() {
+    let imp = mk_import("web", &["198.18.0.10"], &[("http", "TCP", 80)]);
+    let mut mirrored = mk_slice(
+        "m",
+        "web",
+        "c1",
+        &[("http", 8080)],
+        vec![ep("198.18.1.6", true)],
+    );
+    mirrored.labels.insert(
+        LABEL_MANAGED_BY.into(),
+        "endpointslicemirroring-controller.k8s.io".into(),
+    );
+    let ours = mk_slice(
+        "o",
+        "web",
+        "c1",
+        &[("http", 8080)],
+        vec![ep("198.18.1.2", true)],
+    );
+    let mut other = mk_slice(
+        "x",
+        "web",
+        "c1",
+        &[("http", 8080)],
+        vec![ep("198.18.1.7", true)],
+    );
+    other
+        .labels
+        .insert(LABEL_MANAGED_BY.into(), "someone-else".into());
+    let mut unlabelled = mk_slice(
+        "u",
+        "web",
+        "c1",
+        &[("http", 8080)],
+        vec![ep("198.18.1.8", true)],
+    );
+    unlabelled.labels.remove(LABEL_MANAGED_BY);
+
+    // Without an allowlist: only Kubernetes' own controllers are refused.
+    let all = [
+        mirrored.clone(),
+        ours.clone(),
+        other.clone(),
+        unlabelled.clone(),
+    ];
+    let (t, rej) = compute(node("c1"), [imp.clone()], all.clone());
+    assert_eq!(t.frontends[&fe("198.18.0.10", 80)].backends.len(), 3);
+    assert_eq!(
+        reasons_of(&rej, "EndpointSlice ns/m")[0].0,
+        Reason::DefaultController
+    );
+    // With one: only the trusted manager's slice counts.
+    let mut n = node("c1");
+    n.guard.trusted_managed_by = ["mcs-controller.example".to_string()].into();
+    let (t, rej) = compute(n, [imp], all);
+    assert_eq!(selected(&t, &fe("198.18.0.10", 80)), ["198.18.1.2:8080@c1"]);
+    for o in ["EndpointSlice ns/x", "EndpointSlice ns/u"] {
+        assert_eq!(reasons_of(&rej, o)[0].0, Reason::UntrustedManager, "{o}");
+    }
+}
+
+#[test]
+fn caps_reject_with_reasons_and_keep_the_rest() {
+    let mut n = node("c1");
+    n.guard.limits = Limits {
+        ports_per_import: 3,
+        endpoints_per_slice: 4,
+        backends_per_frontend: 2,
+        ..Limits::default()
+    };
+    let ports: Vec<(&str, &str, i64)> = (1..=4).map(|p| ("", "TCP", p)).collect();
+    let huge = mk_import("huge", &["198.18.0.20"], &ports);
+    let imp = mk_import("web", &["198.18.0.10"], &[("http", "TCP", 80)]);
+    let fat = mk_slice(
+        "fat",
+        "web",
+        "c2",
+        &[("http", 8080)],
+        (10..15)
+            .map(|i| ep(&format!("198.18.2.{i}"), true))
+            .collect(),
+    );
+    let local = mk_slice(
+        "local",
+        "web",
+        "c1",
+        &[("http", 8080)],
+        vec![
+            ep("198.18.1.9", false),
+            ep("198.18.1.3", true),
+            ep("198.18.1.2", true),
+        ],
+    );
+    let remote = mk_slice(
+        "remote",
+        "web",
+        "c2",
+        &[("http", 8080)],
+        vec![ep("198.18.2.2", true)],
+    );
+    let (t, rej) = compute(n, [huge, imp], [fat, local, remote]);
+    assert!(!t.frontends.contains_key(&fe("198.18.0.20", 1)));
+    assert_eq!(
+        reasons_of(&rej, "ServiceImport ns/huge")[0].0,
+        Reason::TooManyPorts
+    );
+    assert_eq!(
+        reasons_of(&rej, "EndpointSlice ns/fat")[0].0,
+        Reason::TooManyEndpoints
+    );
+    // Four candidates, two kept: the two selected (ready, local) ones.
+    let svc = &t.frontends[&fe("198.18.0.10", 80)];
+    assert_eq!(svc.backends.len(), 2);
+    assert_eq!(
+        selected(&t, &fe("198.18.0.10", 80)),
+        ["198.18.1.2:8080@c1", "198.18.1.3:8080@c1"]
+    );
+    assert_eq!(
+        reasons_of(&rej, "ServiceImport ns/web")[0].0,
+        Reason::TooManyBackends
+    );
+}
+
+#[test]
+fn a_full_table_admits_older_imports_first_and_takes_younger_ones_when_room_frees() {
+    let mut n = node("c1");
+    n.guard.limits.frontends = 3;
+    let mk = |name: &str, vip: &str, ports: i64, day: u8| {
+        let p: Vec<(&str, &str, i64)> = (1..=ports).map(|p| ("", "TCP", p)).collect();
+        let mut i = mk_import(name, &[vip], &p);
+        i.created = Some(format!("2026-01-{day:02}T00:00:00Z"));
+        i
+    };
+    let mut idx = Index::new(n);
+    // The youngest arrives first; older ones still win their place.
+    idx.upsert_import(mk("young", "198.18.0.30", 2, 3));
+    idx.flush();
+    assert_eq!(idx.table().frontends.len(), 2);
+    idx.upsert_import(mk("old", "198.18.0.10", 2, 1));
+    idx.upsert_import(mk("mid", "198.18.0.20", 1, 2));
+    let d = idx.flush();
+    let vips: Vec<String> = idx
+        .table()
+        .frontends
+        .keys()
+        .map(|f| f.vip.to_string())
+        .collect();
+    assert_eq!(vips, ["198.18.0.10", "198.18.0.10", "198.18.0.20"]);
+    assert_eq!(d.remove.len(), 2, "young's frontends are removed");
+    assert_eq!(
+        reasons_of(&idx.rejections(), "ServiceImport ns/young")[0].0,
+        Reason::OverCapacity
+    );
+    idx.delete_import("ns", "old");
+    idx.flush();
+    let vips: Vec<String> = idx
+        .table()
+        .frontends
+        .keys()
+        .map(|f| f.vip.to_string())
+        .collect();
+    assert_eq!(vips, ["198.18.0.20", "198.18.0.30", "198.18.0.30"]);
+    assert!(idx.rejections().is_empty());
+}
+
+#[test]
+fn internal_traffic_policy_local_selects_only_endpoints_on_this_node() {
+    let mut imp = mk_import("web", &["198.18.0.10"], &[("http", "TCP", 80)]);
+    imp.internal_traffic_policy = Some("Local".into());
+    let mut here = ep("198.18.1.2", true);
+    here.node_name = Some("node-z1".into());
+    let mut there = ep("198.18.1.3", true);
+    there.node_name = Some("node-z2".into());
+    let s = mk_slice("s", "web", "c1", &[("http", 8080)], vec![here, there]);
+    let (t, _) = compute(node("c1"), [imp.clone()], [s]);
+    assert_eq!(selected(&t, &fe("198.18.0.10", 80)), ["198.18.1.2:8080@c1"]);
+    // None on this node: nothing is selected (no fallback), as with kube-proxy.
+    let mut elsewhere = ep("198.18.1.3", true);
+    elsewhere.node_name = Some("node-z2".into());
+    let s = mk_slice("s", "web", "c1", &[("http", 8080)], vec![elsewhere]);
+    let (t, _) = compute(node("c1"), [imp.clone()], [s]);
+    assert!(selected(&t, &fe("198.18.0.10", 80)).is_empty());
+    imp.internal_traffic_policy = Some("Sometimes".into());
+    let (_, rej) = compute(node("c1"), [imp], []);
+    assert_eq!(rej[0].reason, Reason::InvalidPolicy);
+}
+
+#[test]
+fn nameless_objects_are_rejected_not_dropped() {
+    let imp = mk_import("", &["198.18.0.10"], &[("http", "TCP", 80)]);
+    let s = mk_slice(
+        "",
+        "web",
+        "c1",
+        &[("http", 8080)],
+        vec![ep("198.18.1.2", true)],
+    );
+    let (t, rej) = compute(node("c1"), [imp], [s]);
+    assert!(t.frontends.is_empty());
+    assert_eq!(
+        rej.iter()
+            .filter(|r| r.reason == Reason::MissingName)
+            .count(),
+        2
+    );
+}
