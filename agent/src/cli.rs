@@ -1,9 +1,13 @@
 //! Command-line interface, parsed once at the edge into typed options.
 
-use std::{net::SocketAddr, path::PathBuf};
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use mcs_controller::source::SourceSpec;
+use mcs_model::Limits;
 
 /// The mcs-dataplane node agent: makes Kubernetes Multi-Cluster Services ClusterSetIPs
 /// reachable from every pod of the node, with an eBPF socket load balancer or a userspace
@@ -52,6 +56,55 @@ pub struct SourceArgs {
     /// Kubeconfig for `--source kube` (default: KUBECONFIG, ~/.kube/config, in-cluster).
     #[arg(long)]
     pub kubeconfig: Option<PathBuf>,
+    #[command(flatten)]
+    pub guard: GuardArgs,
+}
+
+/// What the agent may program at all, whatever the objects say. `table` and `run` apply the
+/// same rules, so `table` shows exactly what `run` would program.
+#[derive(Debug, Args)]
+pub struct GuardArgs {
+    /// A range ClusterSetIPs are allocated from (repeatable; IPv4 and IPv6), e.g.
+    /// `--clusterset-ip-cidr 198.18.100.0/24`. Required. A VIP outside every range is
+    /// rejected, and so is an endpoint inside one (it would loop). Env: comma-separated.
+    #[arg(
+        long = "clusterset-ip-cidr",
+        value_name = "CIDR",
+        env = "MCS_CLUSTERSET_IP_CIDR",
+        value_delimiter = ','
+    )]
+    pub clusterset_ip_cidrs: Vec<String>,
+    /// Only EndpointSlices whose `endpointslice.kubernetes.io/managed-by` is one of these are
+    /// used (repeatable; env: comma-separated). Unset: any manager but Kubernetes' own
+    /// EndpointSlice and mirroring controllers. See docs/install.md for each MCS controller.
+    #[arg(long = "trusted-managed-by", value_name = "VALUE", env = "MCS_TRUSTED_MANAGED_BY", value_delimiter = ',', value_parser = non_empty)]
+    pub trusted_managed_by: Vec<String>,
+    /// An address never to program as a VIP or endpoint, besides the ones found (the node's
+    /// interface addresses and the API server's), e.g. the node's `status.hostIP`
+    /// (repeatable; env: comma-separated).
+    #[arg(
+        long = "protect-address",
+        value_name = "IP",
+        env = "MCS_PROTECT_ADDRESS",
+        value_delimiter = ','
+    )]
+    pub protect_addresses: Vec<IpAddr>,
+    /// Most ports of one ServiceImport; an import with more is rejected.
+    #[arg(long, default_value_t = Limits::default().ports_per_import)]
+    pub max_ports_per_import: usize,
+    /// Most backends of one frontend; more are trimmed (selected ones kept first). At most
+    /// 1024, what the eBPF maps hold per frontend.
+    #[arg(long, default_value_t = Limits::default().backends_per_frontend, value_parser = parse_backends_per_frontend)]
+    pub max_backends_per_frontend: usize,
+    /// Most frontends (VIP × port) in the table; imports are admitted oldest first.
+    #[arg(long, default_value_t = Limits::default().frontends)]
+    pub max_frontends: usize,
+    /// Most backends in the table, summed over frontends; admitted with their imports.
+    #[arg(long, default_value_t = Limits::default().backends)]
+    pub max_backends: usize,
+    /// Largest file `--source file:DIR` reads, in bytes.
+    #[arg(long, default_value_t = mcs_controller::source::file::FileLimits::default().max_file_bytes)]
+    pub max_file_bytes: u64,
 }
 
 /// Options of `mcs-agent run`.
@@ -202,6 +255,14 @@ fn non_empty(s: &str) -> Result<String, String> {
         Err("must not be empty".into())
     } else {
         Ok(s.trim().to_string())
+    }
+}
+
+fn parse_backends_per_frontend(s: &str) -> Result<usize, String> {
+    let max = Limits::EBPF_BACKENDS_PER_FRONTEND;
+    match s.parse::<usize>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(format!("{s:?} is not in 1..={max}")),
     }
 }
 

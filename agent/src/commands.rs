@@ -8,7 +8,10 @@ use mcs_controller::{
     events::EventSink,
     http::{self, Health},
     metrics::Metrics,
-    source::{self, SourceSpec, file::FileSource},
+    source::{
+        self, SourceSpec,
+        file::{FileLimits, FileSource},
+    },
 };
 use mcs_model::{Dataplane, Index, NodeConfig, render};
 use mcs_proxy::ebpf::{SocketLb, read_pinned};
@@ -42,11 +45,16 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 }
 
 /// The table of a directory source as text (for the demo).
-pub fn table_text(dir: &std::path::Path, cluster_id: &str) -> anyhow::Result<String> {
+pub fn table_text(
+    dir: &std::path::Path,
+    cluster_id: &str,
+    guard: mcs_model::Guard,
+) -> anyhow::Result<String> {
     let mut src = FileSource::new(dir);
     let mut index = Index::new(NodeConfig {
         cluster_id: cluster_id.into(),
-        zone: None,
+        guard,
+        ..Default::default()
     });
     let mut unreadable = std::collections::BTreeMap::new();
     for ev in src.scan()? {
@@ -63,14 +71,22 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-fn node_config(args: &SourceArgs) -> NodeConfig {
-    NodeConfig {
+/// The node's settings for the index, with the guard built from the flags and the node.
+fn node_config(
+    args: &SourceArgs,
+    node_name: Option<&str>,
+    apiserver: &[std::net::IpAddr],
+) -> anyhow::Result<NodeConfig> {
+    Ok(NodeConfig {
         cluster_id: args.cluster_id.clone().unwrap_or_default(),
         zone: args.zone.clone(),
-    }
+        node_name: node_name.map(str::to_string),
+        guard: crate::guard::build(&args.guard, apiserver)?,
+    })
 }
 
-async fn kube_client(args: &SourceArgs) -> anyhow::Result<kube::Client> {
+/// A client for `--source kube`, and the addresses of its API server (protected).
+async fn kube_client(args: &SourceArgs) -> anyhow::Result<(kube::Client, Vec<std::net::IpAddr>)> {
     let config = match &args.kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
@@ -81,15 +97,18 @@ async fn kube_client(args: &SourceArgs) -> anyhow::Result<kube::Client> {
             .await
             .context("no kubeconfig or in-cluster config")?,
     };
-    Ok(kube::Client::try_from(config)?)
+    let apiserver = crate::guard::apiserver_addresses(&config.cluster_url).await;
+    Ok((kube::Client::try_from(config)?, apiserver))
 }
 
-/// Starts the source of `args` as a task sending into `tx`.
-async fn spawn_source(
-    args: &SourceArgs,
-    tx: mpsc::Sender<SourceEvent>,
-    poll: Duration,
-) -> anyhow::Result<Option<kube::Client>> {
+/// The source of `args`: its client (kube) and the node config, ready to start.
+struct Prepared {
+    client: Option<kube::Client>,
+    node: NodeConfig,
+}
+
+/// Checks the source and builds the node config (before anything is started or touched).
+async fn prepare(args: &SourceArgs, node_name: Option<&str>) -> anyhow::Result<Prepared> {
     match &args.source {
         SourceSpec::File(dir) => {
             if !dir.is_dir() {
@@ -98,26 +117,50 @@ async fn spawn_source(
                     dir.display()
                 );
             }
-            tokio::spawn(FileSource::new(dir).run(tx, poll));
-            Ok(None)
+            Ok(Prepared {
+                client: None,
+                node: node_config(args, node_name, &[])?,
+            })
         }
         SourceSpec::Kube => {
-            let client = kube_client(args).await?;
-            let watch_id = args.cluster_id.is_none();
-            tokio::spawn(mcs_controller::source::kube::run(
-                client.clone(),
-                tx,
-                watch_id,
-            ));
-            Ok(Some(client))
+            let (client, apiserver) = kube_client(args).await?;
+            Ok(Prepared {
+                client: Some(client),
+                node: node_config(args, node_name, &apiserver)?,
+            })
+        }
+    }
+}
+
+/// Starts the source of `args` as a task sending into `tx` (`client`: from [`prepare`]).
+fn spawn_source(
+    args: &SourceArgs,
+    client: Option<kube::Client>,
+    tx: mpsc::Sender<SourceEvent>,
+    poll: Duration,
+) {
+    match &args.source {
+        SourceSpec::File(dir) => {
+            let limits = FileLimits {
+                max_file_bytes: args.guard.max_file_bytes,
+                ..FileLimits::default()
+            };
+            tokio::spawn(FileSource::with_limits(dir, limits).run(tx, poll));
+        }
+        SourceSpec::Kube => {
+            if let Some(client) = client {
+                let watch_id = args.cluster_id.is_none();
+                tokio::spawn(mcs_controller::source::kube::run(client, tx, watch_id));
+            }
         }
     }
 }
 
 async fn table(args: TableArgs) -> anyhow::Result<ExitCode> {
+    let prepared = prepare(&args.source, None).await?;
     let (tx, mut rx) = mpsc::channel(SOURCE_CHANNEL);
-    spawn_source(&args.source, tx, Duration::from_secs(3600)).await?;
-    let mut index = Index::new(node_config(&args.source));
+    spawn_source(&args.source, prepared.client, tx, Duration::from_secs(3600));
+    let mut index = Index::new(prepared.node);
     let mut unreadable = std::collections::BTreeMap::new();
     let fixed = args.source.cluster_id.is_some();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout_s);
@@ -207,6 +250,8 @@ fn start_ebpf(args: &RunArgs) -> anyhow::Result<SocketLb> {
 }
 
 async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
+    // Flags and source first: a bad value fails before anything is attached or listening.
+    let prepared = prepare(&args.source, Some(&args.node_name)).await?;
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(Metrics::new(&mut registry));
     let start_userspace =
@@ -243,20 +288,21 @@ async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
     tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
 
     let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
-    let client = spawn_source(&args.source, tx, Duration::from_millis(args.file_poll_ms)).await?;
-    let events = client.map(|c| EventSink::new(c, &args.node_name));
+    let events = prepared
+        .client
+        .clone()
+        .map(|c| EventSink::new(c, &args.node_name));
+    spawn_source(
+        &args.source,
+        prepared.client,
+        tx,
+        Duration::from_millis(args.file_poll_ms),
+    );
     let config = ControllerConfig {
         cluster_id_fixed: args.source.cluster_id.is_some(),
         ..Default::default()
     };
-    let controller = Controller::new(
-        node_config(&args.source),
-        dataplane,
-        config,
-        metrics,
-        health,
-        events,
-    );
+    let controller = Controller::new(prepared.node, dataplane, config, metrics, health, events);
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         shutdown_signal().await;

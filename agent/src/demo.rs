@@ -46,6 +46,8 @@ const EXAMPLE: [(&str, &str); 4] = [
         include_str!("../../examples/two-clusters/slices-c2.yaml"),
     ),
 ];
+/// The example ClusterSet's ClusterSetIP ranges (what its MCS controller allocates from).
+const CLUSTERSET_CIDRS: [&str; 2] = ["198.18.100.0/24", "2001:2::100:0/112"];
 const WEB_VIP: &str = "198.18.100.10:80";
 const WEB_VIP6: &str = "[2001:2::100:10]:80";
 const DNS_VIP: &str = "198.18.100.12:53";
@@ -509,6 +511,11 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
         "100",
     ])
     .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+    .args(
+        CLUSTERSET_CIDRS
+            .iter()
+            .flat_map(|c| ["--clusterset-ip-cidr", c]),
+    )
     .arg("--source")
     .arg(format!("file:{}", sb.dir.display()))
     .args(&ebpf_args)
@@ -547,7 +554,14 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
             e.cgroup.path().display()
         );
     }
-    let table = crate::commands::table_text(&sb.dir, "c1")?;
+    let guard = mcs_model::Guard {
+        clusterset_cidrs: CLUSTERSET_CIDRS
+            .iter()
+            .map(|c| c.parse().map_err(anyhow::Error::msg))
+            .collect::<anyhow::Result<_>>()?,
+        ..Default::default()
+    };
+    let table = crate::commands::table_text(&sb.dir, "c1", guard)?;
     for line in table.lines() {
         println!("      {line}");
     }

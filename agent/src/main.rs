@@ -5,6 +5,7 @@
 mod cli;
 mod commands;
 mod demo;
+mod guard;
 
 use std::process::ExitCode;
 

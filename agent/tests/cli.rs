@@ -10,7 +10,9 @@ use std::{
 };
 
 fn agent() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_mcs-agent"));
+    cmd.env("MCS_CLUSTERSET_IP_CIDR", mcs_test_support::CLUSTERSET_CIDRS);
+    cmd
 }
 
 fn examples() -> PathBuf {
@@ -254,4 +256,191 @@ fn help_lists_the_subcommands() {
     for cmd in ["run", "table", "status", "uninstall", "demo"] {
         assert!(text.contains(cmd), "{text}");
     }
+}
+
+/// The flags that go with examples/hostile (see the file's header).
+const HOSTILE_FLAGS: [&str; 10] = [
+    "--cluster-id",
+    "c1",
+    "--clusterset-ip-cidr",
+    "198.18.100.0/24",
+    "--clusterset-ip-cidr",
+    "2001:2::100:0/112",
+    "--protect-address",
+    "198.18.10.1",
+    "--source",
+    "file:examples/hostile",
+];
+
+/// What examples/hostile must be answered with: each (object, reason).
+const HOSTILE_REJECTIONS: [(&str, &str); 15] = [
+    ("EndpointSlice good/web-c1", "protected_address"),
+    ("EndpointSlice good/web-c1", "noncanonical_address"),
+    ("EndpointSlice good/web-c1", "endpoint_is_clusterset_ip"),
+    ("EndpointSlice good/web-mirrored", "default_controller"),
+    ("ServiceImport evil/apiserver", "vip_not_allowed"),
+    ("ServiceImport evil/mapped", "noncanonical_address"),
+    ("ServiceImport evil/node", "protected_address"),
+    ("ServiceImport evil/policy", "invalid_policy"),
+    ("ServiceImport evil/ports", "too_many_ports"),
+    ("ServiceImport evil/thief", "vip_conflict"),
+    ("examples/hostile/objects.yaml document 10", "unparsable"),
+    (
+        "examples/hostile/objects.yaml document 11",
+        "unsupported_version",
+    ),
+    ("examples/hostile/objects.yaml document 12", "missing_name"),
+    (
+        "examples/hostile/objects.yaml document 13",
+        "duplicate_object",
+    ),
+    ("file examples/hostile/nested.yaml", "too_large"),
+];
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+#[test]
+fn table_without_a_clusterset_range_says_what_to_pass() {
+    let out = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
+        .env_remove("MCS_CLUSTERSET_IP_CIDR")
+        .args(["table", "--source"])
+        .arg(format!("file:{}", examples().display()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--clusterset-ip-cidr"), "{err}");
+    // An empty value (an unset ConfigMap key) is the same as none.
+    let out = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
+        .env("MCS_CLUSTERSET_IP_CIDR", "")
+        .args(["run", "--dataplane", "log", "--source"])
+        .arg(format!("file:{}", examples().display()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no ClusterSetIP range given"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A range that covers the world is refused.
+    let out = agent()
+        .args(["table", "--clusterset-ip-cidr", "0.0.0.0/0", "--source"])
+        .arg(format!("file:{}", examples().display()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}
+
+#[test]
+fn hostile_objects_are_rejected_with_reasons_by_table() {
+    let out = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
+        .current_dir(repo_root())
+        .args(["table", "--format", "json"])
+        .args(HOSTILE_FLAGS)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let frontends: Vec<String> = v["frontends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            format!(
+                "{}:{} {}",
+                f["vip"].as_str().unwrap(),
+                f["port"],
+                f["service"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(
+        frontends,
+        ["198.18.100.10:80 good/web", "198.18.100.21:80 evil/policy"]
+    );
+    let web = &v["frontends"][0]["backends"];
+    assert_eq!(web.as_array().unwrap().len(), 1, "{web}");
+    assert_eq!(web[0]["address"], "198.18.1.2");
+    let rejected: Vec<(String, String)> = v["rejected"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["object"].as_str().unwrap().to_string(),
+                // "label: message"
+                r["reason"]
+                    .as_str()
+                    .unwrap()
+                    .split(':')
+                    .next()
+                    .unwrap()
+                    .to_string(),
+            )
+        })
+        .collect();
+    for (object, reason) in HOSTILE_REJECTIONS {
+        assert!(
+            rejected.iter().any(|(o, r)| o == object && r == reason),
+            "{object}: {reason} missing from {rejected:?}"
+        );
+    }
+    assert_eq!(rejected.len(), HOSTILE_REJECTIONS.len(), "{rejected:?}");
+}
+
+#[test]
+fn a_live_agent_rejects_hostile_objects_and_serves_the_rest() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
+        .current_dir(repo_root())
+        .args(["run", "--dataplane", "log", "--metrics-addr"])
+        .arg(format!("127.0.0.1:{port}"))
+        .args(HOSTILE_FLAGS)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some((200, _)) = http_get(port, "/readyz") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "agent never became ready");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (_, body) = http_get(port, "/metrics").unwrap();
+    assert!(body.contains("mcs_frontends 2"), "{body}");
+    for (_, reason) in HOSTILE_REJECTIONS {
+        assert!(
+            body.lines().any(|l| l.starts_with("mcs_rejected{")
+                && l.contains(&format!("reason=\"{reason}\""))
+                && !l.ends_with(" 0")),
+            "no mcs_rejected for {reason}: {body}"
+        );
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(child.wait().unwrap().success());
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    assert!(log.contains("vip_not_allowed"), "{log}");
 }

@@ -83,6 +83,9 @@ fn prerequisites() -> bool {
     ]))
 }
 
+/// The ClusterSetIP ranges the chart is rendered with.
+const TEST_CIDRS: &str = "198.18.100.0/24,2001:2::100:0/112";
+
 fn helm_template(extra: &[&str]) -> String {
     run(
         Command::new("helm")
@@ -90,6 +93,8 @@ fn helm_template(extra: &[&str]) -> String {
                 "template",
                 "mcs",
                 &deploy().join("helm/mcs-dataplane").display().to_string(),
+                "--set",
+                "clustersetIPCIDRs={198.18.100.0/24,2001:2::100:0/112}",
             ])
             .args(extra),
         None,
@@ -107,8 +112,27 @@ fn kustomize_base_and_helm_chart_render_the_same_objects() {
             .arg(deploy().join("kustomize/base")),
         None,
     );
+    // The ClusterSetIP range is required: the base leaves it empty (the agent refuses to
+    // start so) and the chart refuses to render without it.
+    let out = Command::new("helm")
+        .args(["template", "mcs"])
+        .arg(deploy().join("helm/mcs-dataplane"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("set clustersetIPCIDRs"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let helmed = helm_template(&[]);
-    let (a, b) = (objects(&kustomized), objects(&helmed));
+    let (mut a, b) = (objects(&kustomized), objects(&helmed));
+    for o in &mut a {
+        if o["kind"] == "ConfigMap" {
+            assert_eq!(o["data"]["MCS_CLUSTERSET_IP_CIDR"], "");
+            o["data"]["MCS_CLUSTERSET_IP_CIDR"] = TEST_CIDRS.into();
+        }
+    }
     let kinds: Vec<&str> = a.iter().map(|o| o["kind"].as_str().unwrap()).collect();
     assert_eq!(
         kinds,

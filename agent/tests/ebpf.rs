@@ -112,6 +112,7 @@ impl Setup {
     )]
     fn start_agent(&self) -> Child {
         let mut child = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
+            .env("MCS_CLUSTERSET_IP_CIDR", mcs_test_support::CLUSTERSET_CIDRS)
             .args([
                 "run",
                 "--dataplane",

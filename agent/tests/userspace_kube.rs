@@ -108,6 +108,7 @@ fn endpoint_changes_through_the_apiserver_reach_the_forwarder() {
             NodeConfig {
                 cluster_id: "c1".into(),
                 zone: None,
+                ..Default::default()
             },
             dataplane,
             ControllerConfig {

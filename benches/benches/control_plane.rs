@@ -126,7 +126,7 @@ fn main() {
         let health = Health::default();
         let dp = Timed::default();
         let controller = Controller::new(
-            NodeConfig { cluster_id: "c0".into(), zone: None },
+            NodeConfig { cluster_id: "c0".into(), ..Default::default() },
             dp.clone(),
             ControllerConfig { cluster_id_fixed: true, ..Default::default() },
             metrics,
@@ -222,6 +222,9 @@ async fn agent_rss(kubeconfig: &std::path::Path) -> Result<f64, String> {
             "kube",
             "--cluster-id",
             "c0",
+            // The bench's VIPs (see `vip`); its endpoints are outside.
+            "--clusterset-ip-cidr",
+            "198.18.128.0/17",
         ])
         .args([
             "--log-level",

@@ -17,6 +17,7 @@ fn node() -> NodeConfig {
     NodeConfig {
         cluster_id: "c0".into(),
         zone: None,
+        ..Default::default()
     }
 }
 

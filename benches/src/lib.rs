@@ -91,6 +91,7 @@ pub mod fixtures {
             mcs_model::NodeConfig {
                 cluster_id: "c0".into(),
                 zone: None,
+                ..Default::default()
             },
             imports,
             slices,

@@ -25,3 +25,8 @@ mod supervise;
 pub(crate) use mcs_sandbox::pid_alive;
 pub use mcs_sandbox::{cgroup, netns, resource_prefix, sweep_stale, topology, unique_name};
 pub use prereq::{in_ci, require};
+
+/// The ClusterSetIP ranges of the tests' objects (`--clusterset-ip-cidr`, as
+/// `MCS_CLUSTERSET_IP_CIDR`): VIPs live in 198.18.0.0/24, 198.18.100.0/24, 2001:2::/112 and
+/// 2001:2::100:0/112; backends and hosts outside them.
+pub const CLUSTERSET_CIDRS: &str = "198.18.0.0/24,198.18.100.0/24,2001:2::/112,2001:2::100:0/112";

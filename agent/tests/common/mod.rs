@@ -112,6 +112,7 @@ impl Sandbox {
     /// Starts the agent in the node namespace and waits until it is ready.
     pub fn start_agent(&mut self, extra: &[&str]) {
         let mut cmd = self.node.command(env!("CARGO_BIN_EXE_mcs-agent"));
+        cmd.env("MCS_CLUSTERSET_IP_CIDR", mcs_test_support::CLUSTERSET_CIDRS);
         cmd.args([
             "run",
             "--dataplane",

@@ -457,6 +457,8 @@ impl Bed {
                         "127.0.0.1:9464",
                         "--file-poll-ms",
                         "100",
+                        "--clusterset-ip-cidr",
+                        "198.19.128.0/18",
                         "--source",
                         &dir_arg,
                     ],
@@ -487,6 +489,8 @@ impl Bed {
                         "bench",
                         "--log-level",
                         "warn",
+                        "--clusterset-ip-cidr",
+                        "198.19.192.0/18",
                     ])
                     .arg("--cgroup-root")
                     .arg(cg.path())

@@ -161,6 +161,28 @@ macro_rules! mcs_version {
                 pub traffic_distribution: Option<String>,
             }
 
+            impl ServiceImport {
+                /// The same object in the storage version's type (the schemas are identical),
+                /// so the agent reads whichever version a cluster serves.
+                pub fn to_v1beta1(&self) -> super::v1beta1::ServiceImport {
+                    let s = &self.spec;
+                    super::v1beta1::ServiceImport {
+                        metadata: self.metadata.clone(),
+                        spec: super::v1beta1::ServiceImportSpec {
+                            ports: s.ports.clone(),
+                            ips: s.ips.clone(),
+                            type_: s.type_,
+                            session_affinity: s.session_affinity.clone(),
+                            session_affinity_config: s.session_affinity_config.clone(),
+                            ip_families: s.ip_families.clone(),
+                            internal_traffic_policy: s.internal_traffic_policy.clone(),
+                            traffic_distribution: s.traffic_distribution.clone(),
+                        },
+                        status: self.status.clone(),
+                    }
+                }
+            }
+
             /// Spec of a ServiceExport.
             #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema, CustomResource)]
             #[kube(

@@ -21,6 +21,7 @@ pub fn import(si: &ServiceImport) -> ImportInput {
             .creation_timestamp
             .as_ref()
             .map(|t| t.0.to_string()),
+        uid: si.metadata.uid.clone(),
         type_: match spec.type_ {
             mcs_api::ServiceImportType::ClusterSetIP => "ClusterSetIP".into(),
             mcs_api::ServiceImportType::Headless => "Headless".into(),
@@ -44,6 +45,7 @@ pub fn import(si: &ServiceImport) -> ImportInput {
             .and_then(|c| c.timeout_seconds)
             .map(i64::from),
         traffic_distribution: spec.traffic_distribution.clone(),
+        internal_traffic_policy: spec.internal_traffic_policy.clone(),
     }
 }
 

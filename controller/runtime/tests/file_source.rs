@@ -65,6 +65,7 @@ async fn file_edits_reach_the_dataplane_and_failover_to_the_remote_cluster() {
     let node = NodeConfig {
         cluster_id: "c1".into(),
         zone: None,
+        ..Default::default()
     };
     let run = start(node, true, rx);
     let addr = mcs_controller::http::spawn(

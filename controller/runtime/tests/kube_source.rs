@@ -62,6 +62,7 @@ fn run_kube_source(client: Client, cluster_id: Option<&str>) -> common::Running 
     let node = NodeConfig {
         cluster_id: cluster_id.unwrap_or_default().into(),
         zone: None,
+        ..Default::default()
     };
     tokio::spawn(mcs_controller::source::kube::run(
         client,

@@ -1,6 +1,11 @@
 //! The kube source: watchers (list + watch, with kube-rs's backoff) on ServiceImports,
 //! EndpointSlices carrying the MCS service-name label, and the cluster-id ClusterProperty.
 //!
+//! The ServiceImport version is discovered, not assumed: the group's preferred version when
+//! the agent reads it, else the other one it reads (`v1beta1`, `v1alpha1`), so a cluster whose
+//! MCS controller installed only `v1alpha1` CRDs (Submariner Lighthouse, the AWS Cloud Map
+//! controller) is served as well. Until the group is served at all, discovery is retried.
+//!
 //! After a re-list (apiserver restart, `410 Gone`), objects that vanished meanwhile are sent
 //! as deletions and everything else as upserts; the index ignores upserts that change nothing,
 //! so unchanged state is never reprogrammed.
@@ -20,26 +25,102 @@ use kube::{
     Api, Client, Resource, ResourceExt as _,
     runtime::{WatchStreamExt as _, watcher},
 };
-use mcs_api::{ClusterProperty, LABEL_SERVICE_NAME, ServiceImport};
+use mcs_api::{ClusterProperty, LABEL_SERVICE_NAME, v1alpha1, v1beta1};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
 use super::SourceEvent;
 use crate::convert;
 
+/// The API group of ServiceImport.
+pub const MCS_GROUP: &str = "multicluster.x-k8s.io";
+/// ServiceImport versions the agent reads, in its order of preference.
+pub const IMPORT_VERSIONS: [&str; 2] = ["v1beta1", "v1alpha1"];
+
+/// The ServiceImport version to watch among those the cluster serves: the group's preferred
+/// version when the agent reads it, else the first of [`IMPORT_VERSIONS`] that is served.
+pub fn choose_import_version<'a>(
+    preferred: Option<&str>,
+    served: impl IntoIterator<Item = &'a str>,
+) -> Option<&'static str> {
+    let served: Vec<&str> = served.into_iter().collect();
+    if let Some(p) = preferred
+        && let Some(v) = IMPORT_VERSIONS.iter().find(|v| **v == p)
+    {
+        return Some(v);
+    }
+    IMPORT_VERSIONS.into_iter().find(|v| served.contains(v))
+}
+
+/// Asks the API server which ServiceImport version to watch.
+pub async fn discover_import_version(client: &Client) -> Result<&'static str, String> {
+    let group = kube::discovery::group(client, MCS_GROUP)
+        .await
+        .map_err(|e| {
+            format!("API group {MCS_GROUP} is not served ({e}); are the MCS CRDs installed?")
+        })?;
+    let served: Vec<&str> = group
+        .versions()
+        .filter(|v| {
+            group
+                .versioned_resources(v)
+                .iter()
+                .any(|(r, _)| r.kind == "ServiceImport")
+        })
+        .collect();
+    choose_import_version(group.preferred_version(), served.iter().copied()).ok_or_else(|| {
+        format!(
+            "{MCS_GROUP} serves ServiceImport in {served:?}, none of which the agent reads ({IMPORT_VERSIONS:?})"
+        )
+    })
+}
+
 /// Runs the watchers until the receiver is dropped. Sends `Synced` once every watcher has
 /// listed. With `watch_cluster_id`, the `cluster.clusterset.k8s.io` ClusterProperty is watched
 /// too (skip it when `--cluster-id` is given).
 pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, watch_cluster_id: bool) {
+    let mut retry = std::time::Duration::from_secs(1);
+    let version = loop {
+        match discover_import_version(&client).await {
+            Ok(v) => break v,
+            Err(e) => {
+                tracing::warn!(error = %e, retry_s = retry.as_secs(), "cannot watch ServiceImports yet");
+                tokio::select! {
+                    () = tokio::time::sleep(retry) => {}
+                    () = tx.closed() => return,
+                }
+                retry = (retry * 2).min(std::time::Duration::from_secs(30));
+            }
+        }
+    };
+    tracing::info!(version, "watching ServiceImports in {MCS_GROUP}/{version}");
     let remaining = Arc::new(AtomicUsize::new(if watch_cluster_id { 3 } else { 2 }));
-    let imports = watch(
-        Api::<ServiceImport>::all(client.clone()),
-        watcher::Config::default(),
-        tx.clone(),
-        remaining.clone(),
-        |si| Some(SourceEvent::Import(convert::import(si))),
-        |ns, name| Some(SourceEvent::DeleteImport(ns, name)),
-    );
+    let delete_import = |ns, name| Some(SourceEvent::DeleteImport(ns, name));
+    let (import_client, import_tx, import_remaining) =
+        (client.clone(), tx.clone(), remaining.clone());
+    let imports = async move {
+        if version == "v1alpha1" {
+            watch(
+                Api::<v1alpha1::ServiceImport>::all(import_client),
+                watcher::Config::default(),
+                import_tx,
+                import_remaining,
+                |si| Some(SourceEvent::Import(convert::import(&si.to_v1beta1()))),
+                delete_import,
+            )
+            .await;
+        } else {
+            watch(
+                Api::<v1beta1::ServiceImport>::all(import_client),
+                watcher::Config::default(),
+                import_tx,
+                import_remaining,
+                |si| Some(SourceEvent::Import(convert::import(si))),
+                delete_import,
+            )
+            .await;
+        }
+    };
     let slices = watch(
         Api::<EndpointSlice>::all(client.clone()),
         watcher::Config::default().labels(LABEL_SERVICE_NAME),
@@ -218,6 +299,25 @@ mod tests {
 
     fn k(name: &str) -> (String, String) {
         ("ns".into(), name.into())
+    }
+
+    #[test]
+    fn import_version_is_the_preferred_one_the_agent_reads() {
+        assert_eq!(
+            choose_import_version(Some("v1beta1"), ["v1alpha1", "v1beta1"]),
+            Some("v1beta1")
+        );
+        // Lighthouse / Cloud Map: v1alpha1 only.
+        assert_eq!(
+            choose_import_version(Some("v1alpha1"), ["v1alpha1"]),
+            Some("v1alpha1")
+        );
+        // A newer preferred version the agent does not know: the best one it reads.
+        assert_eq!(
+            choose_import_version(Some("v1"), ["v1", "v1alpha1", "v1beta1"]),
+            Some("v1beta1")
+        );
+        assert_eq!(choose_import_version(Some("v2"), ["v2"]), None);
     }
 
     /// A re-list (after `410 Gone` or a restart) deletes exactly what vanished meanwhile and

@@ -1,0 +1,106 @@
+//! The node's guard, built once from the flags and what the node is: the ClusterSetIP ranges,
+//! the addresses never to program (the node's interface addresses, the API server's, and
+//! `--protect-address`), the trusted slice managers and the caps. `table` and `run` build it
+//! the same way, so `table` shows what `run` would program.
+
+use std::{collections::BTreeSet, net::IpAddr};
+
+use anyhow::bail;
+use mcs_model::{Guard, IpCidr, Limits};
+
+use crate::cli::GuardArgs;
+
+/// What to say when no range is given.
+const NO_CIDR: &str = "no ClusterSetIP range given: pass --clusterset-ip-cidr CIDR (repeatable, \
+IPv4 and IPv6; or MCS_CLUSTERSET_IP_CIDR, comma-separated) with the range(s) your MCS \
+controller allocates ClusterSetIPs from, e.g. --clusterset-ip-cidr 198.18.100.0/24. The agent \
+programs no VIP outside them, so that no object can redirect other traffic of the node";
+
+/// The guard of `args`, protecting also `apiserver` (the API server's addresses, if known).
+pub fn build(args: &GuardArgs, apiserver: &[IpAddr]) -> anyhow::Result<Guard> {
+    // Empty entries (an unset ConfigMap key) count as absent.
+    let cidrs: Vec<IpCidr> = args
+        .clusterset_ip_cidrs
+        .iter()
+        .map(|c| c.trim())
+        .filter(|c| !c.is_empty())
+        .map(|c| {
+            c.parse::<IpCidr>()
+                .map_err(|e| anyhow::anyhow!("--clusterset-ip-cidr: {e}"))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    if cidrs.is_empty() {
+        bail!(NO_CIDR);
+    }
+    for c in &cidrs {
+        let min = if c.addr().is_ipv4() { 8 } else { 32 };
+        if c.prefix_len() < min {
+            bail!(
+                "--clusterset-ip-cidr {c} is wider than /{min}: a ClusterSetIP range that covers \
+                 other networks lets any ServiceImport redirect their traffic"
+            );
+        }
+    }
+    let mut protected: BTreeSet<IpAddr> = node_addresses();
+    protected.extend(apiserver.iter().copied());
+    protected.extend(args.protect_addresses.iter().copied());
+    tracing::info!(
+        ranges = ?cidrs.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        protected = ?protected,
+        "ClusterSetIP ranges and protected addresses"
+    );
+    Ok(Guard {
+        clusterset_cidrs: cidrs,
+        protected,
+        trusted_managed_by: args.trusted_managed_by.iter().cloned().collect(),
+        limits: Limits {
+            ports_per_import: args.max_ports_per_import,
+            backends_per_frontend: args.max_backends_per_frontend,
+            frontends: args.max_frontends,
+            backends: args.max_backends,
+            ..Limits::default()
+        },
+    })
+}
+
+/// The addresses of this network namespace's interfaces (loopback and link-local are
+/// refused anyway).
+fn node_addresses() -> BTreeSet<IpAddr> {
+    let mut out = BTreeSet::new();
+    match nix::ifaddrs::getifaddrs() {
+        Ok(addrs) => {
+            for a in addrs {
+                let Some(sa) = a.address else { continue };
+                if let Some(v4) = sa.as_sockaddr_in() {
+                    out.insert(IpAddr::V4(v4.ip()));
+                } else if let Some(v6) = sa.as_sockaddr_in6() {
+                    out.insert(IpAddr::V6(v6.ip()));
+                }
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list the node's addresses; only --protect-address and the API server are protected")
+        }
+    }
+    out.retain(|ip| mcs_model::validate::hostile(*ip).is_none());
+    out
+}
+
+/// The addresses of the API server `url` names (an IP, or a name resolved now).
+pub async fn apiserver_addresses(url: &http::Uri) -> Vec<IpAddr> {
+    let Some(host) = url.host() else {
+        return Vec::new();
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return vec![ip];
+    }
+    let port = url.port_u16().unwrap_or(443);
+    match tokio::net::lookup_host((host, port)).await {
+        Ok(addrs) => addrs.map(|a| a.ip()).collect(),
+        Err(e) => {
+            tracing::warn!(host, error = %e, "cannot resolve the API server's name; its addresses are not protected");
+            Vec::new()
+        }
+    }
+}
