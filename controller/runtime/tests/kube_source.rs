@@ -519,3 +519,93 @@ async fn a_410_gone_relist_drops_what_vanished_while_the_watch_was_down() {
     .await;
     let _ = run.stop.send(true);
 }
+
+/// A cluster whose MCS controller installed only `v1alpha1` ServiceImports (the CRD shape of
+/// Submariner Lighthouse and the AWS Cloud Map controller): the source discovers the version,
+/// watches it, and becomes ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_v1alpha1_only_cluster_is_served() {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    if !mcs_test_support::require(apiserver::prerequisites()) {
+        return;
+    }
+    let api = tokio::task::block_in_place(ApiServer::start).expect("start apiserver");
+    let client = api.client().await;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let name = "serviceimports.multicluster.x-k8s.io";
+    crds.delete(name, &DeleteParams::default()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while crds.get_opt(name).await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "CRD {name} not deleted"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // One version, v1alpha1, served and stored; the schema open, as Lighthouse's CRD is.
+    let crd: CustomResourceDefinition = serde_json::from_value(serde_json::json!({
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": { "name": name },
+        "spec": {
+            "group": "multicluster.x-k8s.io",
+            "scope": "Namespaced",
+            "names": { "plural": "serviceimports", "singular": "serviceimport", "kind": "ServiceImport", "shortNames": ["svcim"] },
+            "versions": [{
+                "name": "v1alpha1", "served": true, "storage": true,
+                "schema": { "openAPIV3Schema": { "type": "object", "x-kubernetes-preserve-unknown-fields": true } },
+                "subresources": { "status": {} }
+            }]
+        }
+    }))
+    .unwrap();
+    crds.create(&PostParams::default(), &crd).await.unwrap();
+    loop {
+        let c = crds.get(name).await.unwrap();
+        let established = c
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True");
+        if established {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "CRD {name} not established"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ns = api.fresh_namespace("alpha").await;
+    let imports: Api<mcs_api::v1alpha1::ServiceImport> = Api::namespaced(client.clone(), &ns);
+    let si: mcs_api::v1alpha1::ServiceImport = serde_json::from_value(serde_json::json!({
+        "apiVersion": "multicluster.x-k8s.io/v1alpha1",
+        "kind": "ServiceImport",
+        "metadata": { "name": "web", "namespace": ns },
+        "spec": { "type": "ClusterSetIP", "ips": ["198.18.58.10"], "ports": [{ "name": "http", "protocol": "TCP", "port": 80 }] }
+    }))
+    .unwrap();
+    imports.create(&PostParams::default(), &si).await.unwrap();
+    Api::<EndpointSlice>::namespaced(client.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &slice(&ns, "web", "c1", &[("198.18.59.2", true)]),
+        )
+        .await
+        .unwrap();
+
+    assert_eq!(
+        mcs_controller::source::kube::discover_import_version(&client).await,
+        Ok("v1alpha1")
+    );
+    let run = run_kube_source(client, Some("c1"));
+    let f = fe("198.18.58.10", 80, Protocol::Tcp);
+    run.dataplane
+        .wait_for("the v1alpha1 import programmed", WAIT, |s| {
+            common::selected_in(s, &f) == ["198.18.59.2:8080@c1"]
+        })
+        .await;
+    assert!(run.health.is_ready());
+    drop(api);
+}

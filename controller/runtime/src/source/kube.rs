@@ -37,14 +37,16 @@ pub const MCS_GROUP: &str = "multicluster.x-k8s.io";
 /// ServiceImport versions the agent reads, in its order of preference.
 pub const IMPORT_VERSIONS: [&str; 2] = ["v1beta1", "v1alpha1"];
 
-/// The ServiceImport version to watch among those the cluster serves: the group's preferred
-/// version when the agent reads it, else the first of [`IMPORT_VERSIONS`] that is served.
+/// The ServiceImport version to watch among those the cluster serves (`served`: versions that
+/// have the ServiceImport kind): the group's preferred version when it is one of them and the
+/// agent reads it, else the first of [`IMPORT_VERSIONS`] that is served.
 pub fn choose_import_version<'a>(
     preferred: Option<&str>,
     served: impl IntoIterator<Item = &'a str>,
 ) -> Option<&'static str> {
     let served: Vec<&str> = served.into_iter().collect();
     if let Some(p) = preferred
+        && served.contains(&p)
         && let Some(v) = IMPORT_VERSIONS.iter().find(|v| **v == p)
     {
         return Some(v);
@@ -318,6 +320,11 @@ mod tests {
             Some("v1beta1")
         );
         assert_eq!(choose_import_version(Some("v2"), ["v2"]), None);
+        // The group prefers v1beta1 for another kind (ServiceExport) that has it.
+        assert_eq!(
+            choose_import_version(Some("v1beta1"), ["v1alpha1"]),
+            Some("v1alpha1")
+        );
     }
 
     /// A re-list (after `410 Gone` or a restart) deletes exactly what vanished meanwhile and
