@@ -372,3 +372,46 @@ fn maglev_selection_is_consistent_per_client_across_reprogramming() {
     lb.remove_service(vip, L4::Tcp);
     assert_eq!(lb.frontends_in_map(), 0);
 }
+
+/// A dual-stack (AF_INET6) socket that connects to an IPv4 ClusterSetIP written as
+/// `::ffff:a.b.c.d` (as Java and Node do) is translated through the IPv4 maps, and
+/// getpeername/recvfrom show the mapped VIP it asked for.
+#[test]
+fn a_dual_stack_socket_to_a_v4_mapped_vip_uses_the_ipv4_frontend() {
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let ns = Netns::new("bpf").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let be = tcp_backend(&ns, "127.0.0.1:0");
+    let ube = udp_backend(&ns, "127.0.0.1:0");
+    let mut lb = SocketLb::open(&pins.0).expect("load eBPF programs");
+    lb.attach(cg.path()).expect("attach");
+    lb.set_service("198.18.0.10:80".parse().unwrap(), L4::Tcp, &[be])
+        .unwrap();
+    lb.set_service("198.18.0.10:53".parse().unwrap(), L4::Udp, &[ube])
+        .unwrap();
+
+    let r = probe(&cg, &ns, &tcp("[::ffff:198.18.0.10]:80"));
+    assert_eq!(r.error, None, "{r:?}");
+    assert_eq!(r.reply, format!("backend {} got hi", be.port()));
+    assert_eq!(r.peer, Some("[::ffff:198.18.0.10]:80".parse().unwrap()));
+
+    let r = probe(
+        &cg,
+        &ns,
+        &Probe::Udp {
+            to: "[::ffff:198.18.0.10]:53".parse().unwrap(),
+            send: "m".into(),
+        },
+    );
+    assert_eq!(r.error, None, "{r:?}");
+    assert_eq!(r.reply, format!("backend {} got m", ube.port()));
+    assert_eq!(r.peer, Some("[::ffff:198.18.0.10]:53".parse().unwrap()));
+
+    // A mapped address that is no IPv4 frontend is untouched (the backend itself).
+    let mapped_be: SocketAddr = format!("[::ffff:127.0.0.1]:{}", be.port()).parse().unwrap();
+    let r = probe(&cg, &ns, &tcp(&mapped_be.to_string()));
+    assert_eq!((r.error.as_deref(), r.peer), (None, Some(mapped_be)));
+}

@@ -606,6 +606,11 @@ async fn a_v1alpha1_only_cluster_is_served() {
             common::selected_in(s, &f) == ["198.18.59.2:8080@c1"]
         })
         .await;
-    assert!(run.health.is_ready());
+    // Ready is set right after the dataplane saw the table: poll for it.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !run.health.is_ready() {
+        assert!(tokio::time::Instant::now() < deadline, "never ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     drop(api);
 }

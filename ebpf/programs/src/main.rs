@@ -112,11 +112,9 @@ fn pick(count: u16) -> u16 {
     (unsafe { bpf_get_prandom_u32() } % u32::from(count)) as u16 + 1
 }
 
-fn translate4(ctx: &SockAddrContext) -> Result<(), Skip> {
-    // SAFETY: `sock_addr` is the kernel's context for this call; the verifier checks accesses.
-    let sa = unsafe { &mut *ctx.sock_addr };
-    let p = l4(sa)?;
-    let (vip, port) = (sa.user_ip4, sa.user_port as u16);
+/// The IPv4 backend (address, port; network byte order) of frontend `vip:port`/`p` for this
+/// connection: the client's affinity entry while it holds, else a Maglev or random choice.
+fn select4(ctx: &SockAddrContext, p: u8, vip: u32, port: u16) -> Result<(u32, u16), Skip> {
     // SAFETY: values are copied out before any other map call.
     let svc =
         unsafe { MCS_SVC4_V1.get(&Svc4Key::new(vip, port, p, 0)) }.ok_or(Skip::NotFrontend)?;
@@ -176,6 +174,15 @@ fn translate4(ctx: &SockAddrContext) -> Result<(), Skip> {
         };
         let _ = MCS_AFFINITY_V1.insert(&akey, &v, 0);
     }
+    Ok((addr, bport))
+}
+
+fn translate4(ctx: &SockAddrContext) -> Result<(), Skip> {
+    // SAFETY: `sock_addr` is the kernel's context for this call; the verifier checks accesses.
+    let sa = unsafe { &mut *ctx.sock_addr };
+    let p = l4(sa)?;
+    let (vip, port) = (sa.user_ip4, sa.user_port as u16);
+    let (addr, bport) = select4(ctx, p, vip, port)?;
     let key = RevNat4Key {
         cookie: cookie(ctx),
         addr,
@@ -224,10 +231,36 @@ fn set_ip6(sa: &mut bpf_sock_addr, a: [u32; 4]) {
     sa.user_ip6[3] = a[3];
 }
 
+/// The third word of an IPv4-mapped IPv6 address (`::ffff:a.b.c.d`), as the context holds it
+/// (bytes 0, 0, 0xff, 0xff in network order).
+const V4_MAPPED_WORD2: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+
 fn translate6(ctx: &SockAddrContext) -> Result<(), Skip> {
     let sa = unsafe { &mut *ctx.sock_addr };
     let p = l4(sa)?;
     let (vip, port) = (ip6(sa), sa.user_port as u16);
+    if vip[0] == 0 && vip[1] == 0 && vip[2] == V4_MAPPED_WORD2 {
+        // A dual-stack socket to an IPv4 ClusterSetIP written as ::ffff:a.b.c.d: translated
+        // through the IPv4 maps (one owner, one affinity with IPv4 sockets) to the mapped
+        // backend; getpeername/recvmsg6 turn it back through the IPv6 reverse map.
+        let (addr, bport) = select4(ctx, p, vip[3], port)?;
+        let backend = [0, 0, V4_MAPPED_WORD2, addr];
+        let key = RevNat6Key {
+            cookie: cookie(ctx),
+            addr: backend,
+            port: bport,
+            _pad0: [0; 6],
+        };
+        let value = RevNat6Value {
+            vip,
+            port,
+            _pad0: [0; 2],
+        };
+        let _ = MCS_REVNAT6_V1.insert(&key, &value, 0);
+        set_ip6(sa, backend);
+        sa.user_port = u32::from(bport);
+        return Ok(());
+    }
     let svc =
         unsafe { MCS_SVC6_V1.get(&Svc6Key::new(vip, port, p, 0)) }.ok_or(Skip::NotFrontend)?;
     let (count, flags, timeout_s, svc_id) =
