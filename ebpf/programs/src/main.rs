@@ -337,17 +337,35 @@ fn translate6(ctx: &SockAddrContext) -> Result<(), Skip> {
 
 fn reverse6(ctx: &SockAddrContext) -> Result<(), Skip> {
     let sa = unsafe { &mut *ctx.sock_addr };
+    let addr = ip6(sa);
     let key = RevNat6Key {
         cookie: cookie(ctx),
-        addr: ip6(sa),
+        addr,
         port: sa.user_port as u16,
         _pad0: [0; 6],
     };
-    let v = unsafe { MCS_REVNAT6_V1.get(&key) }.ok_or(Skip::NotFrontend)?;
-    let (vip, port) = (v.vip, v.port);
-    set_ip6(sa, vip);
-    sa.user_port = u32::from(port);
-    Ok(())
+    if let Some(v) = unsafe { MCS_REVNAT6_V1.get(&key) } {
+        let (vip, port) = (v.vip, v.port);
+        set_ip6(sa, vip);
+        sa.user_port = u32::from(port);
+        return Ok(());
+    }
+    if addr[0] == 0 && addr[1] == 0 && addr[2] == V4_MAPPED_WORD2 {
+        // A dual-stack socket's unconnected UDP to a mapped VIP is sent through udp_sendmsg,
+        // so sendmsg4 translated it and noted it in the IPv4 reverse map.
+        let key4 = RevNat4Key {
+            cookie: key.cookie,
+            addr: addr[3],
+            port: key.port,
+            _pad0: [0; 2],
+        };
+        let v = unsafe { MCS_REVNAT4_V1.get(&key4) }.ok_or(Skip::NotFrontend)?;
+        let (vip, port) = (v.vip, v.port);
+        set_ip6(sa, [0, 0, V4_MAPPED_WORD2, vip]);
+        sa.user_port = u32::from(port);
+        return Ok(());
+    }
+    Err(Skip::NotFrontend)
 }
 
 macro_rules! hook {
