@@ -347,6 +347,14 @@ impl Dataplane for AgentDataplane {
             AgentDataplane::Ebpf(d) => d.apply(diff),
         }
     }
+
+    fn unprogrammed(&self) -> Vec<mcs_model::Rejection> {
+        match self {
+            AgentDataplane::Log(d) => d.unprogrammed(),
+            AgentDataplane::Userspace(d) => d.unprogrammed(),
+            AgentDataplane::Ebpf(d) => d.unprogrammed(),
+        }
+    }
 }
 
 async fn shutdown_signal() {

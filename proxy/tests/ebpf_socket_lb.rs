@@ -415,3 +415,181 @@ fn a_dual_stack_socket_to_a_v4_mapped_vip_uses_the_ipv4_frontend() {
     let r = probe(&cg, &ns, &tcp(&mapped_be.to_string()));
     assert_eq!((r.error.as_deref(), r.peer), (None, Some(mapped_be)));
 }
+
+fn frontend(vip: &str) -> mcs_model::Frontend {
+    let a: SocketAddr = vip.parse().unwrap();
+    mcs_model::Frontend {
+        vip: a.ip(),
+        port: a.port(),
+        protocol: mcs_model::Protocol::Tcp,
+    }
+}
+
+fn service(name: &str, backends: &[SocketAddr]) -> mcs_model::Service {
+    mcs_model::Service {
+        service: format!("ns/{name}"),
+        affinity: None,
+        backends: backends
+            .iter()
+            .map(|b| mcs_model::Backend {
+                address: b.ip(),
+                port: b.port(),
+                cluster: "c1".into(),
+                zone: None,
+                ready: true,
+                serving: true,
+                terminating: false,
+                selected: true,
+            })
+            .collect(),
+    }
+}
+
+/// A frontend that cannot be programmed (too many backends; the backends map full) is
+/// rejected alone: the diff applies, the others are programmed and translate, nothing of the
+/// failed one is left in the maps, no backend id leaks across retries, and it is programmed
+/// once room frees.
+#[test]
+fn a_frontend_that_does_not_fit_is_rejected_alone_and_nothing_leaks() {
+    use mcs_model::{Dataplane as _, TableDiff};
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let ns = Netns::new("bpf").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let good = tcp_backend(&ns, "127.0.0.1:0");
+    let mut lb = SocketLb::open(&pins.0).unwrap();
+    lb.attach(cg.path()).unwrap();
+    lb.limit_backend_ids(3);
+    let many: Vec<SocketAddr> = (0..1100)
+        .map(|i| SocketAddr::from(([127, 0, 1, (i % 250) as u8 + 1], 1000 + i as u16)))
+        .collect();
+    let three: Vec<SocketAddr> = (0..3)
+        .map(|i| SocketAddr::from(([127, 0, 2, 1], 2000 + i)))
+        .collect();
+    let one = [good];
+    let mut diff = TableDiff::default();
+    diff.upsert
+        .insert(frontend("198.18.0.10:80"), service("good", &one));
+    diff.upsert
+        .insert(frontend("198.18.0.11:80"), service("huge", &many));
+    diff.upsert
+        .insert(frontend("198.18.0.12:80"), service("nofit", &three));
+    for _ in 0..3 {
+        // Applied three times (as a retrying controller would): the same outcome, no leak.
+        lb.apply(&diff)
+            .expect("the diff applies; bad frontends are rejected alone");
+        assert_eq!(lb.backend_ids(), 1, "backend ids leaked");
+        assert_eq!(lb.frontends_in_map(), 1);
+        let mut failed: Vec<String> = lb
+            .unprogrammed()
+            .iter()
+            .map(|r| format!("{} {}", r.object, r.reason))
+            .collect();
+        failed.sort();
+        assert_eq!(
+            failed,
+            [
+                "ServiceImport ns/huge unprogrammable",
+                "ServiceImport ns/nofit unprogrammable"
+            ]
+        );
+    }
+    let read = read_pinned(&pins.0).unwrap();
+    assert_eq!(read.frontends.len(), 1, "{read:?}");
+    let r = probe(&cg, &ns, &tcp("198.18.0.10:80"));
+    assert_eq!(r.reply, format!("backend {} got hi", good.port()), "{r:?}");
+    // Room frees (the good frontend goes): the one that did not fit is programmed.
+    let mut diff = TableDiff::default();
+    diff.remove.push(frontend("198.18.0.10:80"));
+    lb.apply(&diff).unwrap();
+    let failed: Vec<String> = lb.unprogrammed().iter().map(|r| r.object.clone()).collect();
+    assert_eq!(failed, ["ServiceImport ns/huge"]);
+    assert_eq!(lb.backend_ids(), 3);
+    assert_eq!(
+        read_pinned(&pins.0).unwrap().frontends["198.18.0.12:80/TCP"].len(),
+        3
+    );
+}
+
+/// Backend ids are stable while a backend stays selected: ClientIP affinity survives a
+/// scale-up from one backend to eight.
+#[test]
+fn affinity_survives_a_scale_up() {
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let ns = Netns::new("bpf").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let backends: Vec<SocketAddr> = (0..8).map(|_| tcp_backend(&ns, "127.0.0.1:0")).collect();
+    let mut lb = SocketLb::open(&pins.0).unwrap();
+    lb.attach(cg.path()).unwrap();
+    let vip: SocketAddr = "198.18.0.13:80".parse().unwrap();
+    lb.set_service_with(vip, L4::Tcp, &backends[..1], Some(600))
+        .unwrap();
+    let first = probe(&cg, &ns, &tcp("198.18.0.13:80")).reply;
+    assert_eq!(first, format!("backend {} got hi", backends[0].port()));
+    for n in 2..=8 {
+        lb.set_service_with(vip, L4::Tcp, &backends[..n], Some(600))
+            .unwrap();
+        let r = probe(&cg, &ns, &tcp("198.18.0.13:80"));
+        assert_eq!(r.reply, first, "affinity lost when scaling to {n} backends");
+    }
+    assert_eq!(lb.backend_ids(), 8);
+}
+
+/// While two services are reprogrammed over and over, every connection to one of them lands
+/// on one of its own backends, never on the other's.
+#[test]
+fn racing_connects_never_land_on_another_services_backend() {
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let ns = Netns::new("bpf").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let a: Vec<SocketAddr> = (0..3).map(|_| tcp_backend(&ns, "127.0.0.1:0")).collect();
+    let b: Vec<SocketAddr> = (0..3).map(|_| tcp_backend(&ns, "127.0.0.1:0")).collect();
+    let mut lb = SocketLb::open(&pins.0).unwrap();
+    lb.attach(cg.path()).unwrap();
+    let (va, vb): (SocketAddr, SocketAddr) = (
+        "198.18.0.14:80".parse().unwrap(),
+        "198.18.0.15:80".parse().unwrap(),
+    );
+    lb.set_service(va, L4::Tcp, &a).unwrap();
+    lb.set_service(vb, L4::Tcp, &b).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let updater = {
+        let (a, b, stop) = (a.clone(), b.clone(), stop.clone());
+        thread::spawn(move || {
+            let mut n = 0usize;
+            // Bounded: stops when told, or after 200,000 rounds.
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && n < 200_000 {
+                let k = n % 3 + 1;
+                lb.set_service(va, L4::Tcp, &a[..k]).unwrap();
+                lb.set_service(vb, L4::Tcp, &b[(3 - k)..]).unwrap();
+                n += 1;
+            }
+            (lb, n)
+        })
+    };
+    let own: BTreeSet<String> = a
+        .iter()
+        .map(|s| format!("backend {} got hi", s.port()))
+        .collect();
+    let mut served = 0;
+    for _ in 0..60 {
+        let r = probe(&cg, &ns, &tcp("198.18.0.14:80"));
+        assert_eq!(r.error, None, "a connect failed during updates: {r:?}");
+        assert!(own.contains(&r.reply), "landed elsewhere: {r:?}");
+        served += 1;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (lb, rounds) = updater.join().unwrap();
+    assert!(rounds > 0 && served == 60);
+    // At the end A has k backends and B k others: one id each, none left over.
+    let k = (rounds - 1) % 3 + 1;
+    assert_eq!(lb.backend_ids(), 2 * k, "after {rounds} rounds");
+}

@@ -188,6 +188,12 @@ pub trait Dataplane {
     /// Applies a diff. On error the dataplane keeps what it had; the caller retries with the
     /// full table.
     fn apply(&mut self, diff: &TableDiff) -> Result<(), DataplaneError>;
+    /// Frontends of the applied table this dataplane could not program, each rejected alone
+    /// (reason `unprogrammable`) while the rest is programmed. `Ok` from [`Dataplane::apply`]
+    /// means everything else is programmed.
+    fn unprogrammed(&self) -> Vec<validate::Rejection> {
+        Vec::new()
+    }
 }
 
 /// A dataplane could not apply a diff.

@@ -102,6 +102,8 @@ pub enum Reason {
     InvalidPolicy,
     /// A file or document over the size or nesting limit.
     TooLarge,
+    /// The dataplane could not program a frontend (a full map, say); the rest is programmed.
+    Unprogrammable,
 }
 
 impl Reason {
@@ -140,6 +142,7 @@ impl Reason {
             Reason::UnsupportedVersion => "unsupported_version",
             Reason::InvalidPolicy => "invalid_policy",
             Reason::TooLarge => "too_large",
+            Reason::Unprogrammable => "unprogrammable",
         }
     }
 }

@@ -206,6 +206,7 @@ impl<D: Dataplane> Controller<D> {
             .rejections()
             .into_iter()
             .chain(self.unreadable.values().cloned())
+            .chain(self.dataplane.unprogrammed())
             .collect();
         let new: Vec<Rejection> = now.difference(&self.rejected).cloned().collect();
         for r in &new {

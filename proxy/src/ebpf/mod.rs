@@ -10,19 +10,24 @@
 //! in the adopted maps but not in it are removed then. Only [`SocketLb::uninstall`] detaches
 //! and unpins.
 //!
-//! # Update order
+//! # Layout
 //!
-//! Backends first, then backend slots `1..=n`, then the frontend at slot 0 with the new count,
-//! then stale slots and backends are freed (and their ids reused later). A concurrent
-//! `connect()` never reads a count that points at a missing slot or a freed backend.
+//! - this module: loading, pinning and adoption, attaching, uninstall, reading the maps back;
+//! - [`writer`]: programming frontends in the safe order, and the `Dataplane` impl with
+//!   per-frontend isolation;
+//! - [`ids`]: backend-id allocation (reference-counted, stable, not reused before the id
+//!   space wraps).
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeMap,
     fs::File,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
 };
+
+mod ids;
+mod writer;
 
 use aya::{
     EbpfLoader,
@@ -33,8 +38,7 @@ use mcs_ebpf_common::{
     ALL_MAPS, BE_MAP_MAX_ENTRIES, BE4_MAP, BE6_MAP, Backend4, Backend6, MAX_BACKENDS_PER_SVC,
     SVC4_MAP, SVC6_MAP, Svc4Key, Svc6Key, SvcValue,
 };
-use mcs_ebpf_common::{MAGLEV_MAP, MAGLEV_TABLE_SIZE, MaglevKey};
-use mcs_model::{Dataplane, DataplaneError, Frontend, Protocol, TableDiff};
+use mcs_ebpf_common::{MAGLEV_MAP, MaglevKey};
 
 /// The object built by `build.rs`, 8-byte aligned as the ELF parser wants.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/mcs-ebpf"));
@@ -152,9 +156,10 @@ pub struct SocketLb {
     be6: HashMap<MapData, u32, Backend6>,
     /// Backend ids per frontend, as programmed.
     programmed: BTreeMap<FrontKey, Vec<u32>>,
-    used_ids: BTreeSet<u32>,
-    free_ids: Vec<u32>,
-    next_id: u32,
+    /// Backend ids, reference-counted by the slots that name them.
+    ids: ids::BackendIds,
+    /// Frontends of the table that could not be programmed, and why.
+    failed: writer::Failed,
     first_apply: bool,
     links: Vec<PinnedLink>,
     adopted_links: usize,
@@ -215,9 +220,8 @@ impl SocketLb {
             svc6,
             be6,
             programmed: BTreeMap::new(),
-            used_ids: BTreeSet::new(),
-            free_ids: Vec::new(),
-            next_id: 1,
+            ids: ids::BackendIds::new(BE_MAP_MAX_ENTRIES as usize),
+            failed: BTreeMap::new(),
             first_apply: true,
             links: Vec::new(),
             adopted_links: 0,
@@ -256,18 +260,39 @@ impl SocketLb {
             }
         }
         self.next_svc_id = self.svc_ids.values().max().map_or(1, |m| m + 1);
-        let ids: BTreeSet<u32> = self
+        let backends: Vec<(u32, SocketAddr, u8)> = self
             .be4
-            .keys()
+            .iter()
             .filter_map(Result::ok)
-            .chain(self.be6.keys().filter_map(Result::ok))
+            .map(|(id, b)| (id, sock4(b.addr, b.port), b.proto))
+            .chain(
+                self.be6
+                    .iter()
+                    .filter_map(Result::ok)
+                    .map(|(id, b)| (id, sock6(b.addr, b.port), b.proto)),
+            )
             .collect();
-        self.next_id = ids.iter().max().map_or(1, |m| m + 1);
-        self.used_ids = ids;
+        for (id, addr, proto) in backends {
+            match L4::from_number(proto) {
+                Some(l4) => self.ids.adopt(id, (addr, l4)),
+                None => self.delete_backend_entry(id, addr.is_ipv4()),
+            }
+        }
         self.programmed = fronts
             .into_iter()
             .map(|(k, slots)| (k, slots.into_values().collect()))
             .collect();
+        for ids in self.programmed.values() {
+            for id in ids {
+                self.ids.add_ref(*id);
+            }
+        }
+        // Entries no slot names (a crash between writes): nothing can reach them.
+        for id in self.ids.unreferenced() {
+            self.ids.forget(id);
+            self.delete_backend_entry(id, true);
+            self.delete_backend_entry(id, false);
+        }
         if !self.programmed.is_empty() {
             tracing::info!(
                 frontends = self.programmed.len(),
@@ -354,238 +379,6 @@ impl SocketLb {
     /// Links adopted from a previous run.
     pub fn adopted_links(&self) -> usize {
         self.adopted_links
-    }
-
-    /// Programs (or replaces) the frontend `vip` with `backends`, in the safe order.
-    pub fn set_service(
-        &mut self,
-        vip: SocketAddr,
-        l4: L4,
-        backends: &[SocketAddr],
-    ) -> Result<(), Error> {
-        self.set_service_with(vip, l4, backends, None)
-    }
-
-    /// As [`SocketLb::set_service`], with ClientIP affinity for `affinity_timeout_s` seconds
-    /// when given. The socket LB sees a client before it has a source address, so a client is
-    /// its network namespace (its pod), as in Cilium's socket LB.
-    pub fn set_service_with(
-        &mut self,
-        vip: SocketAddr,
-        l4: L4,
-        backends: &[SocketAddr],
-        affinity_timeout_s: Option<u32>,
-    ) -> Result<(), Error> {
-        let backends: Vec<SocketAddr> = backends
-            .iter()
-            .filter(|b| b.is_ipv4() == vip.is_ipv4())
-            .copied()
-            .collect();
-        let count = u16::try_from(backends.len())
-            .ok()
-            .filter(|&n| n <= MAX_BACKENDS_PER_SVC)
-            .ok_or(Error::TooManyBackends(backends.len()))?;
-        // 1. Backends, under fresh ids.
-        let mut ids = Vec::with_capacity(backends.len());
-        for be in &backends {
-            let id = self.alloc_id()?;
-            let r = match be {
-                SocketAddr::V4(a) => self.be4.insert(
-                    id,
-                    Backend4 {
-                        addr: u32::from_ne_bytes(a.ip().octets()),
-                        port: a.port().to_be(),
-                        proto: l4.number(),
-                        ..Default::default()
-                    },
-                    0,
-                ),
-                SocketAddr::V6(a) => self.be6.insert(
-                    id,
-                    Backend6 {
-                        addr: ip6_words(*a.ip()),
-                        port: a.port().to_be(),
-                        proto: l4.number(),
-                        ..Default::default()
-                    },
-                    0,
-                ),
-            };
-            if let Err(source) = r {
-                self.release_id(id);
-                for id in ids {
-                    self.free_backend(id);
-                }
-                return Err(Error::Map {
-                    name: if be.is_ipv4() { BE4_MAP } else { BE6_MAP },
-                    source,
-                });
-            }
-            ids.push(id);
-        }
-        // 2. Slots, 3. the frontend last.
-        for (i, &id) in ids.iter().enumerate() {
-            self.put_slot(
-                vip,
-                l4,
-                i as u16 + 1,
-                SvcValue {
-                    backend_id: id,
-                    ..Default::default()
-                },
-            )?;
-        }
-        let svc_id = self.svc_id((vip, l4));
-        let mut flags = 0;
-        if self.maglev && !ids.is_empty() && ids.len() < MAGLEV_TABLE_SIZE as usize {
-            // Entries are overwritten in place; every entry names a live backend at all times
-            // (old ids are freed only below, after the frontend points at the new ones).
-            let keys: Vec<String> = backends.iter().map(ToString::to_string).collect();
-            let table = crate::userspace::maglev::Maglev::new(&keys, MAGLEV_TABLE_SIZE as usize);
-            let mut complete = true;
-            for index in 0..MAGLEV_TABLE_SIZE {
-                let Some(i) = table.pick(u64::from(index)) else {
-                    break;
-                };
-                // `pick(index)` of a table of that size is entry `index`.
-                if let Err(e) = self
-                    .maglev_map
-                    .insert(MaglevKey { svc_id, index }, ids[i], 0)
-                {
-                    // Map full (more Maglev frontends than it holds): this frontend falls back
-                    // to random choice rather than failing the whole diff.
-                    tracing::warn!(frontend = %vip, error = %e, "Maglev table does not fit; random choice for this frontend");
-                    complete = false;
-                    break;
-                }
-            }
-            if complete {
-                flags |= mcs_ebpf_common::SVC_FLAG_MAGLEV;
-            } else {
-                for index in 0..MAGLEV_TABLE_SIZE {
-                    let _ = self.maglev_map.remove(&MaglevKey { svc_id, index });
-                }
-            }
-        }
-        let front = SvcValue {
-            count,
-            flags: flags
-                | if affinity_timeout_s.is_some() {
-                    mcs_ebpf_common::SVC_FLAG_AFFINITY
-                } else {
-                    0
-                },
-            affinity_timeout_s: affinity_timeout_s.unwrap_or(0),
-            rev_nat_id: svc_id,
-            ..Default::default()
-        };
-        self.put_slot(vip, l4, 0, front)?;
-        // 4. Free what the previous version used beyond the new count, and its backends.
-        let old = self.programmed.insert((vip, l4), ids).unwrap_or_default();
-        for slot in (backends.len() + 1)..=old.len() {
-            self.delete_slot(vip, l4, slot as u16);
-        }
-        for id in old {
-            self.free_backend(id);
-        }
-        Ok(())
-    }
-
-    /// Removes a frontend: slot 0 first (new connects stop matching), then slots, then backends.
-    pub fn remove_service(&mut self, vip: SocketAddr, l4: L4) {
-        self.delete_slot(vip, l4, 0);
-        if let Some(svc_id) = self.svc_ids.remove(&(vip, l4)) {
-            for index in 0..MAGLEV_TABLE_SIZE {
-                let _ = self.maglev_map.remove(&MaglevKey { svc_id, index });
-            }
-            self.free_svc_ids.push(svc_id);
-        }
-        if let Some(old) = self.programmed.remove(&(vip, l4)) {
-            for slot in 1..=old.len() {
-                self.delete_slot(vip, l4, slot as u16);
-            }
-            for id in old {
-                self.free_backend(id);
-            }
-        }
-    }
-
-    fn put_slot(&mut self, vip: SocketAddr, l4: L4, slot: u16, v: SvcValue) -> Result<(), Error> {
-        match vip {
-            SocketAddr::V4(a) => self
-                .svc4
-                .insert(
-                    Svc4Key::new(
-                        u32::from_ne_bytes(a.ip().octets()),
-                        a.port().to_be(),
-                        l4.number(),
-                        slot,
-                    ),
-                    v,
-                    0,
-                )
-                .map_err(|source| Error::Map {
-                    name: SVC4_MAP,
-                    source,
-                }),
-            SocketAddr::V6(a) => self
-                .svc6
-                .insert(
-                    Svc6Key::new(ip6_words(*a.ip()), a.port().to_be(), l4.number(), slot),
-                    v,
-                    0,
-                )
-                .map_err(|source| Error::Map {
-                    name: SVC6_MAP,
-                    source,
-                }),
-        }
-    }
-
-    fn delete_slot(&mut self, vip: SocketAddr, l4: L4, slot: u16) {
-        let _ = match vip {
-            SocketAddr::V4(a) => self.svc4.remove(&Svc4Key::new(
-                u32::from_ne_bytes(a.ip().octets()),
-                a.port().to_be(),
-                l4.number(),
-                slot,
-            )),
-            SocketAddr::V6(a) => self.svc6.remove(&Svc6Key::new(
-                ip6_words(*a.ip()),
-                a.port().to_be(),
-                l4.number(),
-                slot,
-            )),
-        };
-    }
-
-    fn alloc_id(&mut self) -> Result<u32, Error> {
-        let id = match self.free_ids.pop() {
-            Some(id) => id,
-            None if (self.used_ids.len() as u32) < BE_MAP_MAX_ENTRIES => {
-                while self.used_ids.contains(&self.next_id) || self.next_id == 0 {
-                    self.next_id = self.next_id.wrapping_add(1);
-                }
-                let id = self.next_id;
-                self.next_id = self.next_id.wrapping_add(1);
-                id
-            }
-            None => return Err(Error::BackendsFull),
-        };
-        self.used_ids.insert(id);
-        Ok(id)
-    }
-
-    fn release_id(&mut self, id: u32) {
-        if self.used_ids.remove(&id) {
-            self.free_ids.push(id);
-        }
-    }
-
-    fn free_backend(&mut self, id: u32) {
-        let _ = self.be4.remove(&id);
-        let _ = self.be6.remove(&id);
-        self.release_id(id);
     }
 
     /// Number of frontends (slot-0 entries) in the maps, read back from the kernel.
@@ -704,63 +497,6 @@ fn ip6_from_words(w: [u32; 4]) -> Ipv6Addr {
         o[4 * i..4 * i + 4].copy_from_slice(&word.to_ne_bytes());
     }
     Ipv6Addr::from(o)
-}
-
-fn l4_of(p: Protocol) -> Option<L4> {
-    match p {
-        Protocol::Tcp => Some(L4::Tcp),
-        Protocol::Udp => Some(L4::Udp),
-        Protocol::Sctp => None,
-    }
-}
-
-fn key_of(f: &Frontend) -> Option<(SocketAddr, L4)> {
-    Some((SocketAddr::new(f.vip, f.port), l4_of(f.protocol)?))
-}
-
-impl Dataplane for SocketLb {
-    fn name(&self) -> &'static str {
-        "ebpf"
-    }
-
-    fn apply(&mut self, diff: &TableDiff) -> Result<(), DataplaneError> {
-        let err = |e: Error| DataplaneError {
-            message: e.to_string(),
-        };
-        for f in &diff.remove {
-            if let Some((vip, l4)) = key_of(f) {
-                self.remove_service(vip, l4);
-            }
-        }
-        for (f, svc) in &diff.upsert {
-            let Some((vip, l4)) = key_of(f) else {
-                tracing::warn!(frontend = %f, "SCTP is not translated by the socket LB");
-                continue;
-            };
-            let backends: Vec<SocketAddr> = svc
-                .selected()
-                .map(|b| SocketAddr::new(b.address, b.port))
-                .collect();
-            let affinity = svc.affinity.map(|a| a.timeout_seconds);
-            self.set_service_with(vip, l4, &backends, affinity)
-                .map_err(err)?;
-        }
-        if std::mem::take(&mut self.first_apply) {
-            // The first diff is the whole table: drop what a previous agent left that is gone.
-            let keep: BTreeSet<FrontKey> = diff.upsert.keys().filter_map(key_of).collect();
-            let stale: Vec<FrontKey> = self
-                .programmed
-                .keys()
-                .filter(|k| !keep.contains(k))
-                .copied()
-                .collect();
-            for (vip, l4) in stale {
-                tracing::info!(frontend = %vip, "removing a frontend left by the previous agent");
-                self.remove_service(vip, l4);
-            }
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]

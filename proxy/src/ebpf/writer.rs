@@ -1,0 +1,416 @@
+//! Programming frontends into the maps: backend entries (reference-counted ids, see
+//! [`super::ids`]), slots, the frontend at slot 0, Maglev tables; and the [`Dataplane`] impl,
+//! in which a frontend that cannot be programmed (too many backends, a full map) is rejected
+//! alone — removed whole, reported by [`Dataplane::unprogrammed`], retried when room frees —
+//! while every other frontend is programmed.
+//!
+//! # Update order
+//!
+//! Backends first, then backend slots `1..=n`, then the frontend at slot 0 with the new count,
+//! then stale slots are deleted and the old backends released (deleted when no slot names
+//! them). A concurrent `connect()` never reads a count that points at a missing slot, and an
+//! old slot it read names that frontend's backend or nothing.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::SocketAddr,
+};
+
+use mcs_ebpf_common::{
+    BE4_MAP, BE6_MAP, Backend4, Backend6, MAGLEV_TABLE_SIZE, MAX_BACKENDS_PER_SVC, MaglevKey,
+    SVC4_MAP, SVC6_MAP, Svc4Key, Svc6Key, SvcValue,
+};
+use mcs_model::{
+    Dataplane, DataplaneError, Frontend, Protocol, Service, TableDiff,
+    validate::{Reason, Rejection},
+};
+
+use super::{Error, FrontKey, L4, SocketLb, ip6_words};
+
+impl SocketLb {
+    /// Programs (or replaces) the frontend `vip` with `backends`, in the safe order.
+    pub fn set_service(
+        &mut self,
+        vip: SocketAddr,
+        l4: L4,
+        backends: &[SocketAddr],
+    ) -> Result<(), Error> {
+        self.set_service_with(vip, l4, backends, None)
+    }
+
+    /// As [`SocketLb::set_service`], with ClientIP affinity for `affinity_timeout_s` seconds
+    /// when given. The socket LB sees a client before it has a source address, so a client is
+    /// its network namespace (its pod), as in Cilium's socket LB. On error nothing of the
+    /// frontend is left in the maps (it is removed whole) and no backend id leaks.
+    pub fn set_service_with(
+        &mut self,
+        vip: SocketAddr,
+        l4: L4,
+        backends: &[SocketAddr],
+        affinity_timeout_s: Option<u32>,
+    ) -> Result<(), Error> {
+        let backends: Vec<SocketAddr> = backends
+            .iter()
+            .filter(|b| b.is_ipv4() == vip.is_ipv4())
+            .copied()
+            .collect();
+        let count = u16::try_from(backends.len())
+            .ok()
+            .filter(|&n| n <= MAX_BACKENDS_PER_SVC)
+            .ok_or(Error::TooManyBackends(backends.len()))?;
+        // 1. Backends: one reference each (new ids get their map entry).
+        let mut ids = Vec::with_capacity(backends.len());
+        for be in &backends {
+            match self.acquire_backend(*be, l4) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    for id in ids {
+                        self.release_backend(id);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let old_len = self.programmed.get(&(vip, l4)).map_or(0, Vec::len);
+        if let Err(e) = self.write_frontend(vip, l4, &backends, &ids, count, affinity_timeout_s) {
+            // Partly written: take the frontend out whole (slot 0 first), then every slot
+            // either version used, and give back both versions' references.
+            self.delete_slot(vip, l4, 0);
+            for slot in 1..=old_len.max(ids.len()) {
+                self.delete_slot(vip, l4, slot as u16);
+            }
+            self.drop_maglev(vip, l4);
+            for id in ids {
+                self.release_backend(id);
+            }
+            for id in self.programmed.remove(&(vip, l4)).unwrap_or_default() {
+                self.release_backend(id);
+            }
+            return Err(e);
+        }
+        // 4. Delete what the previous version used beyond the new count; release its ids.
+        let old = self.programmed.insert((vip, l4), ids).unwrap_or_default();
+        for slot in (backends.len() + 1)..=old.len() {
+            self.delete_slot(vip, l4, slot as u16);
+        }
+        for id in old {
+            self.release_backend(id);
+        }
+        Ok(())
+    }
+
+    /// 2. Slots, Maglev table, 3. the frontend last.
+    fn write_frontend(
+        &mut self,
+        vip: SocketAddr,
+        l4: L4,
+        backends: &[SocketAddr],
+        ids: &[u32],
+        count: u16,
+        affinity_timeout_s: Option<u32>,
+    ) -> Result<(), Error> {
+        for (i, &id) in ids.iter().enumerate() {
+            self.put_slot(
+                vip,
+                l4,
+                i as u16 + 1,
+                SvcValue {
+                    backend_id: id,
+                    ..Default::default()
+                },
+            )?;
+        }
+        let svc_id = self.svc_id((vip, l4));
+        let mut flags = 0;
+        if self.maglev && !ids.is_empty() && ids.len() < MAGLEV_TABLE_SIZE as usize {
+            // Entries are overwritten in place; every entry names a live backend at all times
+            // (old ids are released only after the frontend points at the new ones).
+            let keys: Vec<String> = backends.iter().map(ToString::to_string).collect();
+            let table = crate::userspace::maglev::Maglev::new(&keys, MAGLEV_TABLE_SIZE as usize);
+            let mut complete = true;
+            for index in 0..MAGLEV_TABLE_SIZE {
+                let Some(i) = table.pick(u64::from(index)) else {
+                    break;
+                };
+                // `pick(index)` of a table of that size is entry `index`.
+                if let Err(e) = self
+                    .maglev_map
+                    .insert(MaglevKey { svc_id, index }, ids[i], 0)
+                {
+                    // Map full (more Maglev frontends than it holds): this frontend falls back
+                    // to random choice rather than failing.
+                    tracing::warn!(frontend = %vip, error = %e, "Maglev table does not fit; random choice for this frontend");
+                    complete = false;
+                    break;
+                }
+            }
+            if complete {
+                flags |= mcs_ebpf_common::SVC_FLAG_MAGLEV;
+            } else {
+                for index in 0..MAGLEV_TABLE_SIZE {
+                    let _ = self.maglev_map.remove(&MaglevKey { svc_id, index });
+                }
+            }
+        }
+        let front = SvcValue {
+            count,
+            flags: flags
+                | if affinity_timeout_s.is_some() {
+                    mcs_ebpf_common::SVC_FLAG_AFFINITY
+                } else {
+                    0
+                },
+            affinity_timeout_s: affinity_timeout_s.unwrap_or(0),
+            rev_nat_id: svc_id,
+            ..Default::default()
+        };
+        self.put_slot(vip, l4, 0, front)
+    }
+
+    fn drop_maglev(&mut self, vip: SocketAddr, l4: L4) {
+        if let Some(svc_id) = self.svc_ids.remove(&(vip, l4)) {
+            for index in 0..MAGLEV_TABLE_SIZE {
+                let _ = self.maglev_map.remove(&MaglevKey { svc_id, index });
+            }
+            self.free_svc_ids.push(svc_id);
+        }
+    }
+
+    /// Removes a frontend: slot 0 first (new connects stop matching), then slots, then the
+    /// backends' references.
+    pub fn remove_service(&mut self, vip: SocketAddr, l4: L4) {
+        self.delete_slot(vip, l4, 0);
+        self.drop_maglev(vip, l4);
+        if let Some(old) = self.programmed.remove(&(vip, l4)) {
+            for slot in 1..=old.len() {
+                self.delete_slot(vip, l4, slot as u16);
+            }
+            for id in old {
+                self.release_backend(id);
+            }
+        }
+    }
+
+    /// One reference to the backend's id, writing its map entry when the id is new.
+    fn acquire_backend(&mut self, be: SocketAddr, l4: L4) -> Result<u32, Error> {
+        let (id, new) = self
+            .ids
+            .acquire((be, l4))
+            .map_err(|_| Error::BackendsFull)?;
+        if !new {
+            return Ok(id);
+        }
+        let r = match be {
+            SocketAddr::V4(a) => self.be4.insert(
+                id,
+                Backend4 {
+                    addr: u32::from_ne_bytes(a.ip().octets()),
+                    port: a.port().to_be(),
+                    proto: l4.number(),
+                    ..Default::default()
+                },
+                0,
+            ),
+            SocketAddr::V6(a) => self.be6.insert(
+                id,
+                Backend6 {
+                    addr: ip6_words(*a.ip()),
+                    port: a.port().to_be(),
+                    proto: l4.number(),
+                    ..Default::default()
+                },
+                0,
+            ),
+        };
+        if let Err(source) = r {
+            self.ids.release(id);
+            return Err(Error::Map {
+                name: if be.is_ipv4() { BE4_MAP } else { BE6_MAP },
+                source,
+            });
+        }
+        Ok(id)
+    }
+
+    /// Drops one reference; the last one deletes the map entry.
+    fn release_backend(&mut self, id: u32) {
+        if let Some((be, _)) = self.ids.release(id) {
+            self.delete_backend_entry(id, be.is_ipv4());
+        }
+    }
+
+    pub(super) fn delete_backend_entry(&mut self, id: u32, v4: bool) {
+        let _ = if v4 {
+            self.be4.remove(&id)
+        } else {
+            self.be6.remove(&id)
+        };
+    }
+
+    fn put_slot(&mut self, vip: SocketAddr, l4: L4, slot: u16, v: SvcValue) -> Result<(), Error> {
+        match vip {
+            SocketAddr::V4(a) => self
+                .svc4
+                .insert(
+                    Svc4Key::new(
+                        u32::from_ne_bytes(a.ip().octets()),
+                        a.port().to_be(),
+                        l4.number(),
+                        slot,
+                    ),
+                    v,
+                    0,
+                )
+                .map_err(|source| Error::Map {
+                    name: SVC4_MAP,
+                    source,
+                }),
+            SocketAddr::V6(a) => self
+                .svc6
+                .insert(
+                    Svc6Key::new(ip6_words(*a.ip()), a.port().to_be(), l4.number(), slot),
+                    v,
+                    0,
+                )
+                .map_err(|source| Error::Map {
+                    name: SVC6_MAP,
+                    source,
+                }),
+        }
+    }
+
+    fn delete_slot(&mut self, vip: SocketAddr, l4: L4, slot: u16) {
+        let _ = match vip {
+            SocketAddr::V4(a) => self.svc4.remove(&Svc4Key::new(
+                u32::from_ne_bytes(a.ip().octets()),
+                a.port().to_be(),
+                l4.number(),
+                slot,
+            )),
+            SocketAddr::V6(a) => self.svc6.remove(&Svc6Key::new(
+                ip6_words(*a.ip()),
+                a.port().to_be(),
+                l4.number(),
+                slot,
+            )),
+        };
+    }
+
+    /// Live backend ids (one per backend address, port and protocol).
+    pub fn backend_ids(&self) -> usize {
+        self.ids.live_count()
+    }
+
+    /// Holds at most `n` backend ids, as if the backends map were that small (tests of a
+    /// full map without writing 65,536 entries).
+    #[doc(hidden)]
+    pub fn limit_backend_ids(&mut self, n: usize) {
+        self.ids.set_capacity(n);
+    }
+
+    /// Programs one frontend of the table; `Err` leaves nothing of it in the maps.
+    fn program(&mut self, f: &Frontend, svc: &Service) -> Result<(), Error> {
+        let Some((vip, l4)) = key_of(f) else {
+            return Ok(());
+        };
+        let backends: Vec<SocketAddr> = svc
+            .selected()
+            .map(|b| SocketAddr::new(b.address, b.port))
+            .collect();
+        self.set_service_with(vip, l4, &backends, svc.affinity.map(|a| a.timeout_seconds))
+    }
+}
+
+fn l4_of(p: Protocol) -> Option<L4> {
+    match p {
+        Protocol::Tcp => Some(L4::Tcp),
+        Protocol::Udp => Some(L4::Udp),
+        Protocol::Sctp => None,
+    }
+}
+
+fn key_of(f: &Frontend) -> Option<FrontKey> {
+    Some((SocketAddr::new(f.vip, f.port), l4_of(f.protocol)?))
+}
+
+impl Dataplane for SocketLb {
+    fn name(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn apply(&mut self, diff: &TableDiff) -> Result<(), DataplaneError> {
+        let mut freed = false;
+        for f in &diff.remove {
+            self.failed.remove(f);
+            if let Some((vip, l4)) = key_of(f) {
+                self.remove_service(vip, l4);
+                freed = true;
+            }
+        }
+        for (f, svc) in &diff.upsert {
+            if key_of(f).is_none() {
+                tracing::warn!(frontend = %f, "SCTP is not translated by the socket LB");
+                continue;
+            }
+            let before = self.ids.live_count();
+            match self.program(f, svc) {
+                Ok(()) => {
+                    if self.failed.remove(f).is_some() {
+                        tracing::info!(frontend = %f, "frontend programmed after an earlier failure");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(frontend = %f, service = %svc.service, error = %e, "frontend cannot be programmed; rejected alone, the rest is programmed");
+                    self.failed.insert(*f, (svc.clone(), e.to_string()));
+                }
+            }
+            freed |= self.ids.live_count() < before;
+        }
+        if freed && !self.failed.is_empty() {
+            // Room may have freed: try the frontends that did not fit.
+            let retry: Vec<(Frontend, Service)> = self
+                .failed
+                .iter()
+                .filter(|(f, _)| !diff.upsert.contains_key(*f))
+                .map(|(f, (s, _))| (*f, s.clone()))
+                .collect();
+            for (f, svc) in retry {
+                if self.program(&f, &svc).is_ok() {
+                    tracing::info!(frontend = %f, "frontend programmed after an earlier failure");
+                    self.failed.remove(&f);
+                }
+            }
+        }
+        if std::mem::take(&mut self.first_apply) {
+            // The first diff is the whole table: drop what a previous agent left that is gone.
+            let keep: BTreeSet<FrontKey> = diff.upsert.keys().filter_map(key_of).collect();
+            let stale: Vec<FrontKey> = self
+                .programmed
+                .keys()
+                .filter(|k| !keep.contains(k))
+                .copied()
+                .collect();
+            for (vip, l4) in stale {
+                tracing::info!(frontend = %vip, "removing a frontend left by the previous agent");
+                self.remove_service(vip, l4);
+            }
+        }
+        Ok(())
+    }
+
+    fn unprogrammed(&self) -> Vec<Rejection> {
+        self.failed
+            .iter()
+            .map(|(f, (svc, message))| {
+                Rejection::new(
+                    &format!("ServiceImport {}", svc.service),
+                    Reason::Unprogrammable,
+                    format!("frontend {f}: {message}"),
+                )
+            })
+            .collect()
+    }
+}
+
+/// Frontends that could not be programmed, with the service and why.
+pub(super) type Failed = BTreeMap<Frontend, (Service, String)>;
