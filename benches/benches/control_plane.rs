@@ -225,6 +225,10 @@ async fn agent_rss(kubeconfig: &std::path::Path) -> Result<f64, String> {
             // The bench's VIPs (see `vip`); its endpoints are outside.
             "--clusterset-ip-cidr",
             "198.18.128.0/17",
+            "--max-frontends",
+            "1000000",
+            "--max-backends",
+            "10000000",
         ])
         .args([
             "--log-level",

@@ -459,6 +459,11 @@ impl Bed {
                         "100",
                         "--clusterset-ip-cidr",
                         "198.19.128.0/18",
+                        // The scaling step holds 10k fillers plus the measured services.
+                        "--max-frontends",
+                        "65536",
+                        "--max-backends",
+                        "262144",
                         "--source",
                         &dir_arg,
                     ],
@@ -491,6 +496,10 @@ impl Bed {
                         "warn",
                         "--clusterset-ip-cidr",
                         "198.19.192.0/18",
+                        "--max-frontends",
+                        "65536",
+                        "--max-backends",
+                        "262144",
                     ])
                     .arg("--cgroup-root")
                     .arg(cg.path())

@@ -138,8 +138,10 @@ impl Default for Limits {
             ports_per_slice: 100,
             endpoints_per_slice: 1000,
             backends_per_frontend: Self::EBPF_BACKENDS_PER_FRONTEND,
-            frontends: 20_000,
-            backends: 200_000,
+            // At these the agent's peak RSS is within the DaemonSet's 512 MiB with every
+            // dataplane (README, Safety).
+            frontends: 10_000,
+            backends: 100_000,
         }
     }
 }
