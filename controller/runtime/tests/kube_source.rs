@@ -419,32 +419,66 @@ async fn agent_works_under_exactly_the_deployed_cluster_role() {
     let _ = run.stop.send(true);
 
     // And a rejected object gets a Kubernetes Event, written as the agent.
-    let mut sink = mcs_controller::events::EventSink::new(agent, "node-a");
+    // Three nodes' agents reject the same slice alike: one Event, not three.
     let bad = mcs_model::Rejection {
         object: format!("EndpointSlice {ns}/web-c1"),
         reason: mcs_model::Reason::HostileEndpoint,
         message: "address 127.0.0.1 is loopback".into(),
     };
-    sink.publish(&[bad]);
+    let mut sinks: Vec<_> = ["node-a", "node-b", "node-c"]
+        .into_iter()
+        .map(|n| mcs_controller::events::EventSink::new(agent.clone(), n))
+        .collect();
+    // A rejection only node-c makes (its own address) is its own Event.
+    let own = mcs_model::Rejection {
+        object: format!("EndpointSlice {ns}/web-c1"),
+        reason: mcs_model::Reason::ProtectedAddress,
+        message: "address 198.18.60.9 is an address this node depends on".into(),
+    };
+    for s in &mut sinks {
+        s.publish(std::slice::from_ref(&bad));
+    }
+    sinks[2].publish(&[own]);
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(admin, &ns);
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
         let list = events.list(&Default::default()).await.unwrap();
-        if let Some(e) = list
+        let rejected: Vec<_> = list
             .items
             .iter()
-            .find(|e| e.reason.as_deref() == Some("Rejected"))
-        {
+            .filter(|e| e.reason.as_deref() == Some("Rejected"))
+            .collect();
+        let hostile = rejected
+            .iter()
+            .filter(|e| e.note.as_deref().unwrap_or("").contains("hostile_endpoint"))
+            .count();
+        let protected = rejected
+            .iter()
+            .filter(|e| {
+                e.note
+                    .as_deref()
+                    .unwrap_or("")
+                    .contains("protected_address")
+            })
+            .count();
+        if hostile >= 1 && protected >= 1 {
             assert_eq!(
-                e.regarding.as_ref().unwrap().name.as_deref(),
-                Some("web-c1")
+                hostile, 1,
+                "one Event per rejection, whatever the number of nodes"
             );
-            assert!(e.note.as_deref().unwrap().contains("hostile_endpoint"));
+            assert_eq!(protected, 1);
+            for e in &rejected {
+                assert_eq!(
+                    e.regarding.as_ref().unwrap().name.as_deref(),
+                    Some("web-c1")
+                );
+                assert_eq!(e.reporting_controller.as_deref(), Some("mcs-agent"));
+            }
             break;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "no Event was recorded"
+            "Events not recorded: {rejected:?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
