@@ -476,3 +476,50 @@ fn small_round_trips_and_bulk_both_ways_arrive_intact() {
     );
     sb.stop_agent();
 }
+
+/// A VIP→VIP loop (a slice whose endpoint is another ClusterSetIP) ends in a rejection, not in
+/// connections piling up through the forwarder until the cap.
+#[test]
+fn a_loop_through_another_clusterset_ip_is_rejected_not_forwarded() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&ALL);
+    sb.write(
+        "loop.yaml",
+        "apiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceImport\n\
+         metadata: { name: loopy, namespace: shop }\n\
+         spec: { type: ClusterSetIP, ips: [\"198.18.100.20\"], ports: [{ name: http, protocol: TCP, port: 80 }] }\n\
+         ---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+         metadata: { name: loopy-c1, namespace: shop, labels: { multicluster.kubernetes.io/service-name: loopy, multicluster.kubernetes.io/source-cluster: c1 } }\n\
+         addressType: IPv4\nports: [{ name: http, protocol: TCP, port: 80 }]\n\
+         endpoints: [{ addresses: [\"198.18.100.10\"] }, { addresses: [\"198.18.100.20\"] }]\n",
+    );
+    sb.start_agent(&[]);
+    let (_, metrics) = sb.http("/metrics").unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("mcs_rejected{reason=\"endpoint_is_clusterset_ip\"} 2")),
+        "{metrics}"
+    );
+    // Bounded: 20 attempts, each failing at once (no backend) instead of looping.
+    for _ in 0..20 {
+        assert!(sb.tcp("198.18.100.20:80", "x").is_err());
+    }
+    let (_, metrics) = sb.http("/metrics").unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "mcs_proxy_active_connections 0"),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains("backend=\"198.18.100."),
+        "a VIP was used as a backend: {metrics}"
+    );
+    // The other services are untouched.
+    assert!(sb.tcp("198.18.100.10:80", "ok").unwrap().ends_with(" ok"));
+    sb.stop_agent();
+}
