@@ -168,6 +168,12 @@ pub struct ProxyArgs {
     /// Expire UDP sessions idle this long.
     #[arg(long, default_value_t = 30)]
     pub udp_idle_timeout_s: u64,
+    /// Most UDP sessions (client flows) in all.
+    #[arg(long, default_value_t = 65_536)]
+    pub max_udp_sessions: usize,
+    /// Most UDP sessions of one client address.
+    #[arg(long, default_value_t = 4_096)]
+    pub max_udp_sessions_per_client: usize,
     /// Never switch a bulk transfer to zero-copy splice(2); always copy through a buffer
     /// (small messages are always copied: for them a copy is cheaper than two splices).
     #[arg(long)]

@@ -523,3 +523,54 @@ fn a_loop_through_another_clusterset_ip_is_rejected_not_forwarded() {
     assert!(sb.tcp("198.18.100.10:80", "ok").unwrap().ends_with(" ok"));
     sb.stop_agent();
 }
+
+/// One client address cannot take the whole UDP session table: past its cap its new flows
+/// are dropped (and counted) while its open flows go on.
+#[test]
+fn udp_sessions_are_capped_per_client() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&["198.18.1.2:5353"]);
+    sb.start_agent(&["--max-udp-sessions-per-client", "3"]);
+    // A connected socket per flow (a new client port each), as resolvers use.
+    let flow = |sb: &Sandbox, msg: &str| -> std::io::Result<std::net::UdpSocket> {
+        let msg = msg.to_string();
+        sb.cli
+            .run(move || {
+                let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+                s.set_read_timeout(Some(std::time::Duration::from_secs(2)))?;
+                s.connect("198.18.100.12:53")?;
+                s.send(msg.as_bytes())?;
+                let mut buf = [0u8; 256];
+                let n = s.recv(&mut buf)?;
+                assert!(String::from_utf8_lossy(&buf[..n]).ends_with(&msg));
+                Ok(s)
+            })
+            .unwrap()
+    };
+    let socks: Vec<std::net::UdpSocket> = (0..3)
+        .map(|i| flow(&sb, &format!("q{i}")).unwrap_or_else(|e| panic!("flow {i}: {e}")))
+        .collect();
+    assert!(
+        flow(&sb, "q3").is_err(),
+        "a fourth flow of one client was served"
+    );
+    // The open flows still work.
+    socks[0].send(b"again").unwrap();
+    let mut buf = [0u8; 256];
+    let n = socks[0].recv(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).ends_with("again"));
+    let (_, metrics) = sb.http("/metrics").unwrap();
+    assert!(
+        metrics.lines().any(|l| l
+            .starts_with("mcs_proxy_refused_total{frontend=\"198.18.100.12:53/UDP\"}")
+            && !l.ends_with(" 0")),
+        "{metrics}"
+    );
+    assert!(
+        metrics.lines().any(|l| l == "mcs_proxy_udp_sessions 3"),
+        "{metrics}"
+    );
+    sb.stop_agent();
+}

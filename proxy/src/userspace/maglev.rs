@@ -36,6 +36,10 @@ pub fn table_size_for(backends: usize, cap: usize) -> usize {
     }
 }
 
+fn is_prime(n: usize) -> bool {
+    n >= 2 && (2..).take_while(|d| d * d <= n).all(|d| n % d != 0)
+}
+
 /// A Maglev lookup table: entry → backend index.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Maglev {
@@ -69,7 +73,16 @@ impl Maglev {
                 table: Box::new([]),
             };
         }
-        assert!(size > n, "table size {size} must exceed the {n} backends");
+        // The size must be a prime above n (else the fill does not end): a caller's smaller
+        // size is raised to one, never a panic.
+        let size = if size > n && is_prime(size) {
+            size
+        } else {
+            table_size_for(n, usize::MAX)
+        };
+        // More backends than the largest table has entries: the first ones only.
+        let n = n.min(size - 1);
+        let keys = &keys[..n];
         let m = size as u64;
         let (offset, skip): (Vec<u64>, Vec<u64>) = keys
             .iter()
@@ -161,6 +174,11 @@ mod tests {
     #[test]
     fn empty_has_no_pick() {
         assert_eq!(Maglev::new::<&str>(&[], 7).pick(42), None);
+        // A size that is not a prime above the backends is raised, never a panic or a hang.
+        for size in [0, 1, 4, 10, 1000] {
+            let m = Maglev::new(&keys(10), size);
+            assert!(m.pick(1).is_some_and(|i| i < 10), "size {size}");
+        }
     }
 
     proptest! {

@@ -103,6 +103,28 @@ impl ProxyMetrics {
         }
     }
 
+    /// Drops the label sets of one backend of one frontend (it left the route), so that
+    /// backend churn does not grow the registry without bound.
+    pub fn forget_backend(&self, frontend: &str, backend: &str) {
+        let l = BackendLabels {
+            frontend: frontend.into(),
+            backend: backend.into(),
+        };
+        self.connections.remove(&l);
+        self.bytes_tx.remove(&l);
+        self.bytes_rx.remove(&l);
+        self.connect_failures.remove(&l);
+    }
+
+    /// Drops the label sets of a frontend that is gone.
+    pub fn forget_frontend(&self, frontend: &str) {
+        let l = FrontendLabels {
+            frontend: frontend.into(),
+        };
+        self.retries.remove(&l);
+        self.refused.remove(&l);
+    }
+
     /// The counters of one frontend.
     pub fn frontend(&self, frontend: &str) -> FrontendCounters {
         let l = FrontendLabels {

@@ -52,6 +52,8 @@ pub struct UserspaceConfig {
     pub udp_idle_timeout: Duration,
     /// Most UDP sessions.
     pub max_udp_sessions: usize,
+    /// Most UDP sessions of one client address (one pod cannot take the whole table).
+    pub max_udp_sessions_per_client: usize,
     /// Largest Maglev table per frontend (a prime); each table is sized to its backends.
     pub maglev_table_size: usize,
     /// Bulk transfers switch to zero-copy splice(2) (else everything is copied).
@@ -72,6 +74,7 @@ impl Default for UserspaceConfig {
             max_connections: 65_536,
             udp_idle_timeout: Duration::from_secs(30),
             max_udp_sessions: 65_536,
+            max_udp_sessions_per_client: 4_096,
             maglev_table_size: maglev::DEFAULT_TABLE_SIZE,
             splice: true,
             tcp_workers: 0,

@@ -177,15 +177,94 @@ impl SharedRoutes {
         let old = self.current.load_full();
         let mut map = old.map.clone();
         for f in &diff.remove {
-            map.remove(&(SocketAddr::new(f.vip, f.port), f.protocol));
+            if let Some(r) = map.remove(&(SocketAddr::new(f.vip, f.port), f.protocol)) {
+                for b in &r.backend_labels {
+                    metrics.forget_backend(&r.frontend, b);
+                }
+                metrics.forget_frontend(&r.frontend);
+            }
         }
         for (f, s) in &diff.upsert {
-            map.insert(
-                (SocketAddr::new(f.vip, f.port), f.protocol),
-                Arc::new(Route::new(f, s, table_size, metrics)),
-            );
+            let route = Arc::new(Route::new(f, s, table_size, metrics));
+            if let Some(prev) =
+                map.insert((SocketAddr::new(f.vip, f.port), f.protocol), route.clone())
+            {
+                for b in prev.backend_labels.iter() {
+                    if !route.backend_labels.contains(b) {
+                        metrics.forget_backend(&prev.frontend, b);
+                    }
+                }
+            }
         }
         self.current.store(Arc::new(Routes { map }));
         self.generation.send_modify(|g| *g += 1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service(backends: &[&str]) -> Service {
+        Service {
+            service: "ns/web".into(),
+            affinity: None,
+            backends: backends
+                .iter()
+                .map(|b| {
+                    let a: SocketAddr = b.parse().unwrap();
+                    mcs_model::Backend {
+                        address: a.ip(),
+                        port: a.port(),
+                        cluster: "c1".into(),
+                        zone: None,
+                        ready: true,
+                        serving: true,
+                        terminating: false,
+                        selected: true,
+                    }
+                })
+                .collect(),
+        }
+    }
+
+    fn exposed(registry: &prometheus_client::registry::Registry) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, registry).unwrap();
+        out
+    }
+
+    /// Label sets of backends that left and of frontends that went are dropped: churn does not
+    /// grow the registry.
+    #[test]
+    fn metric_label_sets_follow_the_routes() {
+        let metrics = ProxyMetrics::default();
+        let mut registry = prometheus_client::registry::Registry::default();
+        metrics.register(&mut registry);
+        let routes = SharedRoutes::new();
+        let f = Frontend {
+            vip: "198.18.0.10".parse().unwrap(),
+            port: 80,
+            protocol: Protocol::Tcp,
+        };
+        let mut d = TableDiff::default();
+        d.upsert
+            .insert(f, service(&["198.18.1.2:8080", "198.18.1.3:8080"]));
+        routes.apply(&d, 1021, &metrics);
+        let text = exposed(&registry);
+        assert!(text.contains("backend=\"198.18.1.3:8080\""), "{text}");
+        let mut d = TableDiff::default();
+        d.upsert.insert(f, service(&["198.18.1.2:8080"]));
+        routes.apply(&d, 1021, &metrics);
+        let text = exposed(&registry);
+        assert!(!text.contains("198.18.1.3:8080"), "{text}");
+        assert!(text.contains("198.18.1.2:8080"), "{text}");
+        let d = TableDiff {
+            remove: vec![f],
+            ..Default::default()
+        };
+        routes.apply(&d, 1021, &metrics);
+        let text = exposed(&registry);
+        assert!(!text.contains("198.18.0.10:80"), "{text}");
     }
 }

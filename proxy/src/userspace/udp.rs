@@ -6,9 +6,12 @@
 //!   the client's next datagrams go straight to it (the kernel prefers the connected socket)
 //!   and replies leave with the VIP as their source.
 //!
-//! Sessions expire when idle; the table is bounded.
+//! Sessions expire when idle; the table is bounded, in total and per client address, and a
+//! session holds no buffer of its own: datagrams are relayed through one 64 KiB buffer per
+//! thread (a session costs its two sockets and a task, not 128 KiB).
 
 use std::{
+    cell::RefCell,
     collections::HashMap,
     io::{self, IoSliceMut},
     net::{SocketAddr, SocketAddrV4, SocketAddrV6},
@@ -29,10 +32,22 @@ const MAX_DATAGRAM_BYTES: usize = 65_535;
 
 type SessionKey = (SocketAddr, SocketAddr);
 
-/// Live sessions: (client, VIP) → upstream socket.
+/// Live sessions: (client, VIP) → upstream socket, and sessions per client address.
 #[derive(Debug, Default)]
 pub struct Sessions {
-    map: Mutex<HashMap<SessionKey, Arc<UdpSocket>>>,
+    map: Mutex<SessionTable>,
+}
+
+#[derive(Debug, Default)]
+struct SessionTable {
+    by_flow: HashMap<SessionKey, Arc<UdpSocket>>,
+    per_client: HashMap<std::net::IpAddr, usize>,
+}
+
+thread_local! {
+    /// The relay buffer of this thread: borrowed only between a `try_recv` and its
+    /// `try_send`, never across an await.
+    static RELAY_BUF: RefCell<Box<[u8]>> = RefCell::new(vec![0u8; MAX_DATAGRAM_BYTES].into_boxed_slice());
 }
 
 /// Receives first datagrams until shutdown.
@@ -62,6 +77,7 @@ pub async fn listen_loop(sock: UdpSocket, shared: Arc<Shared>, sessions: Arc<Ses
             .map
             .lock()
             .expect("sessions lock")
+            .by_flow
             .get(&(client, vip))
             .cloned();
         if let Some(up) = existing {
@@ -133,9 +149,17 @@ async fn open_session(
         tracing::debug!(%vip, "udp: no route");
         return;
     };
-    if sessions.map.lock().expect("sessions lock").len() >= shared.config.max_udp_sessions {
-        route.frontend_counters.refused.inc();
-        return;
+    {
+        let t = sessions.map.lock().expect("sessions lock");
+        let of_client = t.per_client.get(&client.ip()).copied().unwrap_or(0);
+        if t.by_flow.len() >= shared.config.max_udp_sessions
+            || of_client >= shared.config.max_udp_sessions_per_client
+        {
+            drop(t);
+            route.frontend_counters.refused.inc();
+            tracing::debug!(%client, of_client, "udp: session table full (in total or for this client); datagram dropped");
+            return;
+        }
     }
     let Some((i, backend)) = route.pick(client, 0) else {
         route.frontend_counters.refused.inc();
@@ -178,11 +202,11 @@ async fn open_session(
     let counters = route.counters[i].clone();
     counters.connections.inc();
     counters.bytes_tx.inc_by(first.len() as u64);
-    sessions
-        .map
-        .lock()
-        .expect("sessions lock")
-        .insert((client, vip), up.clone());
+    {
+        let mut t = sessions.map.lock().expect("sessions lock");
+        t.by_flow.insert((client, vip), up.clone());
+        *t.per_client.entry(client.ip()).or_insert(0) += 1;
+    }
     shared.metrics.udp_sessions.inc();
     let (shared, sessions) = (shared.clone(), sessions.clone());
     tokio::spawn(async move {
@@ -194,13 +218,43 @@ async fn open_session(
             shared.shutdown.clone(),
         )
         .await;
-        sessions
-            .map
-            .lock()
-            .expect("sessions lock")
-            .remove(&(client, vip));
+        {
+            let mut t = sessions.map.lock().expect("sessions lock");
+            if t.by_flow.remove(&(client, vip)).is_some()
+                && let Some(n) = t.per_client.get_mut(&client.ip())
+            {
+                *n -= 1;
+                if *n == 0 {
+                    t.per_client.remove(&client.ip());
+                }
+            }
+        }
         shared.metrics.udp_sessions.dec();
     });
+}
+
+/// Moves every datagram waiting on `from` to `to` through this thread's buffer; `Err` when
+/// `from` failed (the session ends). A datagram `to` cannot take now is dropped, as UDP may.
+fn drain(
+    from: &UdpSocket,
+    to: &UdpSocket,
+    bytes: &prometheus_client::metrics::counter::Counter,
+) -> io::Result<()> {
+    RELAY_BUF.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        loop {
+            match from.try_recv(&mut buf) {
+                Ok(n) => {
+                    let _ = to.try_send(&buf[..n]);
+                    bytes.inc_by(n as u64);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                // ICMP port unreachable from the backend shows up here; keep the session.
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
+                Err(e) => return Err(e),
+            }
+        }
+    })
 }
 
 async fn relay(
@@ -210,22 +264,15 @@ async fn relay(
     idle: Duration,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
-    let mut a = vec![0u8; MAX_DATAGRAM_BYTES];
-    let mut b = vec![0u8; MAX_DATAGRAM_BYTES];
     loop {
-        tokio::select! {
-            r = down.recv(&mut a) => match r {
-                Ok(n) => { let _ = up.send(&a[..n]).await; counters.bytes_tx.inc_by(n as u64); }
-                Err(_) => return,
-            },
-            r = up.recv(&mut b) => match r {
-                Ok(n) => { let _ = down.send(&b[..n]).await; counters.bytes_rx.inc_by(n as u64); }
-                // ICMP port unreachable from the backend shows up here; keep the session.
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
-                Err(_) => return,
-            },
+        let moved = tokio::select! {
+            r = down.readable() => r.and_then(|()| drain(down, up, &counters.bytes_tx)),
+            r = up.readable() => r.and_then(|()| drain(up, down, &counters.bytes_rx)),
             () = tokio::time::sleep(idle) => return,
             () = super::stopped(&mut shutdown) => return,
+        };
+        if moved.is_err() {
+            return;
         }
     }
 }
