@@ -593,3 +593,75 @@ fn racing_connects_never_land_on_another_services_backend() {
     let k = (rounds - 1) % 3 + 1;
     assert_eq!(lb.backend_ids(), 2 * k, "after {rounds} rounds");
 }
+
+/// An unconnected UDP socket keeps its backend for a VIP while that backend is selected
+/// (QUIC, DNS over one socket): through a scale-up it stays; when its backend is removed it
+/// moves, once, to another and stays there.
+#[test]
+fn unconnected_udp_keeps_its_backend_while_it_is_selected() {
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let ns = Netns::new("bpf").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let backends: Vec<SocketAddr> = (0..8).map(|_| udp_backend(&ns, "127.0.0.1:0")).collect();
+    let mut lb = SocketLb::open(&pins.0).unwrap();
+    lb.attach(cg.path()).unwrap();
+    let vip: SocketAddr = "198.18.0.16:53".parse().unwrap();
+    lb.set_service(vip, L4::Udp, &backends[..4]).unwrap();
+    let sync = tempfile::tempdir().unwrap();
+    let p = Probe::UdpSegments {
+        to: vip,
+        per_segment: 12,
+        segments: 3,
+        sync_dir: sync.path().to_path_buf(),
+    };
+    let mut cmd = cg.command(Some(&ns), &Probe::program());
+    p.configure(&mut cmd);
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("probe");
+    let wait_file = |name: &str| -> String {
+        let path = sync.path().join(name);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            if let Ok(s) = std::fs::read_to_string(&path) {
+                return s;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "probe never wrote {name}"
+            );
+            thread::sleep(std::time::Duration::from_millis(10));
+        }
+    };
+    // Segment 0 done: scale up to eight backends.
+    wait_file("seg0");
+    lb.set_service(vip, L4::Udp, &backends).unwrap();
+    std::fs::write(sync.path().join("go0"), "").unwrap();
+    // Segment 1 done: remove the backend it was on.
+    let last = wait_file("seg1");
+    let on: SocketAddr = backends
+        .iter()
+        .copied()
+        .find(|b| last.starts_with(&format!("backend {} ", b.port())))
+        .expect("reply names a backend");
+    let rest: Vec<SocketAddr> = backends.iter().copied().filter(|b| *b != on).collect();
+    lb.set_service(vip, L4::Udp, &rest).unwrap();
+    std::fs::write(sync.path().join("go1"), "").unwrap();
+    let r = Probe::parse(&child.wait_with_output().unwrap()).unwrap();
+    assert_eq!(r.error, None, "{r:?}");
+    let port_of = |reply: &String| reply.split(' ').nth(1).unwrap().to_string();
+    let seg: Vec<std::collections::BTreeSet<String>> = r
+        .replies
+        .chunks(12)
+        .map(|c| c.iter().map(port_of).collect())
+        .collect();
+    assert_eq!(seg.len(), 3, "{r:?}");
+    assert_eq!(seg[0].len(), 1, "one socket spread over backends: {seg:?}");
+    assert_eq!(seg[1], seg[0], "moved on a scale-up: {seg:?}");
+    assert_eq!(seg[2].len(), 1, "{seg:?}");
+    assert_ne!(seg[2], seg[0], "stayed on a removed backend: {seg:?}");
+}

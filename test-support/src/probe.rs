@@ -59,6 +59,20 @@ pub enum Probe {
         /// Datagram.
         send: String,
     },
+    /// Unconnected UDP from one socket: `segments` × `per_segment` `sendto`/`recvfrom`
+    /// exchanges. After each segment but the last, the probe writes the last reply to
+    /// `<sync_dir>/seg<k>` and waits (bounded, 20 s) for `<sync_dir>/go<k>`, so that the test
+    /// can reprogram the dataplane between segments. `replies` holds every reply in order.
+    UdpSegments {
+        /// Destination.
+        to: SocketAddr,
+        /// Exchanges per segment.
+        per_segment: u32,
+        /// Segments.
+        segments: u32,
+        /// Directory of the sync files.
+        sync_dir: PathBuf,
+    },
     /// `count` TCP request/response exchanges, one new connection each, `interval_ms` apart;
     /// counts successes and failures (bounded: count × (interval + timeout)).
     TcpLoop {
@@ -86,6 +100,9 @@ pub struct ProbeResult {
     pub ok: u32,
     /// `TcpLoop`: exchanges that failed.
     pub failed: u32,
+    /// `UdpSegments`: every reply, in order.
+    #[serde(default)]
+    pub replies: Vec<String>,
 }
 
 impl Probe {
@@ -202,6 +219,44 @@ fn run(probe: &Probe) -> ProbeResult {
                     result.reply = reply;
                 }
                 Err(e) => result.error = Some(e.to_string()),
+            }
+        }
+        Probe::UdpSegments {
+            to,
+            per_segment,
+            segments,
+            sync_dir,
+        } => {
+            let mut attempt = || -> std::io::Result<()> {
+                let s = std::net::UdpSocket::bind(wildcard(*to))?;
+                s.set_read_timeout(Some(PROBE_TIMEOUT))?;
+                let mut buf = [0u8; 2048];
+                for seg in 0..*segments {
+                    if seg > 0 {
+                        let k = seg - 1;
+                        let last = result.replies.last().cloned().unwrap_or_default();
+                        std::fs::write(sync_dir.join(format!("seg{k}")), last)?;
+                        let go = sync_dir.join(format!("go{k}"));
+                        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+                        while !go.exists() {
+                            if std::time::Instant::now() > deadline {
+                                return Err(std::io::Error::other(format!("no {}", go.display())));
+                            }
+                            std::thread::sleep(Duration::from_millis(10));
+                        }
+                    }
+                    for i in 0..*per_segment {
+                        s.send_to(format!("s{seg}.{i}").as_bytes(), to)?;
+                        let (n, _) = s.recv_from(&mut buf)?;
+                        result
+                            .replies
+                            .push(String::from_utf8_lossy(&buf[..n]).to_string());
+                    }
+                }
+                Ok(())
+            };
+            if let Err(e) = attempt() {
+                result.error = Some(e.to_string());
             }
         }
         Probe::TcpLoop {

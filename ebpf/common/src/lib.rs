@@ -49,8 +49,20 @@ pub const MAGLEV_MAP: &str = "MCS_MAGLEV_V1";
 pub const MAGLEV_TABLE_SIZE: u32 = 251;
 /// Entries of the Maglev map: tables of 4096 services.
 pub const MAGLEV_MAP_MAX_ENTRIES: u32 = MAGLEV_TABLE_SIZE * 4096;
+/// Name of the UDP stickiness LRU map (socket cookie + frontend → backend): an unconnected
+/// UDP socket keeps its backend for a VIP while that backend is selected. Key and value are
+/// [`AffinityKey`] (with the socket cookie in place of the netns cookie) and
+/// [`AffinityValue`].
+pub const UDP_STICKY_MAP: &str = "MCS_UDP_STICKY_V1";
+/// Entries of the UDP stickiness LRU map.
+pub const UDP_STICKY_MAP_MAX_ENTRIES: u32 = 262_144;
+/// Name of the membership map ((frontend `rev_nat_id`, backend id) → 1): whether a backend is
+/// selected for a frontend now, in one lookup. Written by userspace.
+pub const MEMBER_MAP: &str = "MCS_MEMBER_V1";
+/// Entries of the membership map (every slot of both families).
+pub const MEMBER_MAP_MAX_ENTRIES: u32 = 2 * SVC_MAP_MAX_ENTRIES;
 /// Every map, for pinning and status.
-pub const ALL_MAPS: [&str; 8] = [
+pub const ALL_MAPS: [&str; 10] = [
     SVC4_MAP,
     BE4_MAP,
     SVC6_MAP,
@@ -59,6 +71,8 @@ pub const ALL_MAPS: [&str; 8] = [
     REVNAT6_MAP,
     AFFINITY_MAP,
     MAGLEV_MAP,
+    UDP_STICKY_MAP,
+    MEMBER_MAP,
 ];
 /// Entries of each reverse-NAT LRU map.
 pub const REVNAT_MAP_MAX_ENTRIES: u32 = 262_144;
@@ -125,6 +139,16 @@ pub struct MaglevKey {
     pub svc_id: u32,
     /// Table index, `0..MAGLEV_TABLE_SIZE`. Host order.
     pub index: u32,
+}
+
+/// Key of the membership map: a backend of a frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct MemberKey {
+    /// The frontend's `rev_nat_id` (slot 0). Host order.
+    pub svc_id: u32,
+    /// Backend id. Host order.
+    pub backend_id: u32,
 }
 
 /// Value of the services map. Slot 0 uses `count`, `flags`, `affinity_timeout_s`,
@@ -315,6 +339,7 @@ mod pod {
     unsafe impl aya::Pod for super::AffinityKey {}
     unsafe impl aya::Pod for super::AffinityValue {}
     unsafe impl aya::Pod for super::MaglevKey {}
+    unsafe impl aya::Pod for super::MemberKey {}
 }
 
 #[cfg(test)]

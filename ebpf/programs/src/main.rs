@@ -33,6 +33,7 @@ use mcs_ebpf_common::{
     SVC_MAP_MAX_ENTRIES, Svc4Key, Svc6Key, SvcValue, proto,
 };
 use mcs_ebpf_common::{MAGLEV_MAP_MAX_ENTRIES, MAGLEV_TABLE_SIZE, MaglevKey, SVC_FLAG_MAGLEV};
+use mcs_ebpf_common::{MEMBER_MAP_MAX_ENTRIES, MemberKey, UDP_STICKY_MAP_MAX_ENTRIES};
 
 #[map(name = "MCS_SVC4_V1")]
 static MCS_SVC4_V1: HashMap<Svc4Key, SvcValue> = HashMap::pinned(SVC_MAP_MAX_ENTRIES, 0);
@@ -55,6 +56,26 @@ static MCS_AFFINITY_V1: LruHashMap<AffinityKey, AffinityValue> =
 
 #[map(name = "MCS_MAGLEV_V1")]
 static MCS_MAGLEV_V1: HashMap<MaglevKey, u32> = HashMap::pinned(MAGLEV_MAP_MAX_ENTRIES, 0);
+
+#[map(name = "MCS_UDP_STICKY_V1")]
+static MCS_UDP_STICKY_V1: LruHashMap<AffinityKey, AffinityValue> =
+    LruHashMap::pinned(UDP_STICKY_MAP_MAX_ENTRIES, 0);
+
+#[map(name = "MCS_MEMBER_V1")]
+static MCS_MEMBER_V1: HashMap<MemberKey, u32> = HashMap::pinned(MEMBER_MAP_MAX_ENTRIES, 0);
+
+/// Whether backend `id` is selected for the frontend `svc_id` now.
+fn is_member(svc_id: u32, id: u32) -> bool {
+    // SAFETY: presence only.
+    unsafe {
+        MCS_MEMBER_V1
+            .get(&MemberKey {
+                svc_id,
+                backend_id: id,
+            })
+            .is_some()
+    }
+}
 
 /// Let the syscall go on.
 const SYSCALL_PROCEED: i32 = 1;
@@ -149,6 +170,25 @@ fn select4(ctx: &SockAddrContext, p: u8, vip: u32, port: u16) -> Result<(u32, u1
             }
         }
     }
+    // An unconnected UDP socket keeps its backend while it is selected (QUIC, DNS).
+    let skey = AffinityKey {
+        netns_cookie: cookie(ctx),
+        ..akey
+    };
+    let udp = p == proto::UDP;
+    if chosen.is_none() && udp {
+        // SAFETY: values copied out.
+        if let Some(s) = unsafe { MCS_UDP_STICKY_V1.get(&skey) } {
+            let (id, saddr, sport) = (s.backend_id, s.addr[0], s.port);
+            if is_member(svc_id, id) {
+                if let Some(be) = unsafe { MCS_BE4_V1.get(&id) } {
+                    if be.addr == saddr && be.port == sport {
+                        chosen = Some((id, saddr, sport));
+                    }
+                }
+            }
+        }
+    }
     let (id, addr, bport) = match chosen {
         Some(c) => c,
         None => {
@@ -164,15 +204,18 @@ fn select4(ctx: &SockAddrContext, p: u8, vip: u32, port: u16) -> Result<(u32, u1
             (id, be.addr, be.port)
         }
     };
+    let v = AffinityValue {
+        last_used_ns: now,
+        backend_id: id,
+        port: bport,
+        _pad0: [0; 2],
+        addr: [addr, 0, 0, 0],
+    };
     if affinity {
-        let v = AffinityValue {
-            last_used_ns: now,
-            backend_id: id,
-            port: bport,
-            _pad0: [0; 2],
-            addr: [addr, 0, 0, 0],
-        };
         let _ = MCS_AFFINITY_V1.insert(&akey, &v, 0);
+    }
+    if udp {
+        let _ = MCS_UDP_STICKY_V1.insert(&skey, &v, 0);
     }
     Ok((addr, bport))
 }
@@ -293,6 +336,24 @@ fn translate6(ctx: &SockAddrContext) -> Result<(), Skip> {
             }
         }
     }
+    let skey = AffinityKey {
+        netns_cookie: cookie(ctx),
+        ..akey
+    };
+    let udp = p == proto::UDP;
+    if chosen.is_none() && udp {
+        // SAFETY: values copied out.
+        if let Some(s) = unsafe { MCS_UDP_STICKY_V1.get(&skey) } {
+            let (id, saddr, sport) = (s.backend_id, s.addr, s.port);
+            if is_member(svc_id, id) {
+                if let Some(be) = unsafe { MCS_BE6_V1.get(&id) } {
+                    if be.addr == saddr && be.port == sport {
+                        chosen = Some((id, saddr, sport));
+                    }
+                }
+            }
+        }
+    }
     let (id, addr, bport) = match chosen {
         Some(c) => c,
         None => {
@@ -308,15 +369,18 @@ fn translate6(ctx: &SockAddrContext) -> Result<(), Skip> {
             (id, be.addr, be.port)
         }
     };
+    let v = AffinityValue {
+        last_used_ns: now,
+        backend_id: id,
+        port: bport,
+        _pad0: [0; 2],
+        addr,
+    };
     if affinity {
-        let v = AffinityValue {
-            last_used_ns: now,
-            backend_id: id,
-            port: bport,
-            _pad0: [0; 2],
-            addr,
-        };
         let _ = MCS_AFFINITY_V1.insert(&akey, &v, 0);
+    }
+    if udp {
+        let _ = MCS_UDP_STICKY_V1.insert(&skey, &v, 0);
     }
     let key = RevNat6Key {
         cookie: cookie(ctx),

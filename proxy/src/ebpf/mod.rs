@@ -38,7 +38,7 @@ use mcs_ebpf_common::{
     ALL_MAPS, BE_MAP_MAX_ENTRIES, BE4_MAP, BE6_MAP, Backend4, Backend6, MAX_BACKENDS_PER_SVC,
     SVC4_MAP, SVC6_MAP, Svc4Key, Svc6Key, SvcValue,
 };
-use mcs_ebpf_common::{MAGLEV_MAP, MaglevKey};
+use mcs_ebpf_common::{MAGLEV_MAP, MEMBER_MAP, MaglevKey, MemberKey};
 
 /// The object built by `build.rs`, 8-byte aligned as the ELF parser wants.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/mcs-ebpf"));
@@ -164,6 +164,8 @@ pub struct SocketLb {
     links: Vec<PinnedLink>,
     adopted_links: usize,
     maglev_map: HashMap<MapData, MaglevKey, u32>,
+    /// (frontend, backend) pairs selected now (the kernel checks UDP stickiness with it).
+    member_map: HashMap<MapData, MemberKey, u32>,
     /// Use Maglev tables (consistent per client pod) instead of random picks.
     maglev: bool,
     /// `rev_nat_id` of each frontend (names its Maglev table).
@@ -207,8 +209,11 @@ impl SocketLb {
         let be6 = HashMap::try_from(take(&mut ebpf, BE6_MAP)?).map_err(map_err(BE6_MAP))?;
         let maglev_map =
             HashMap::try_from(take(&mut ebpf, MAGLEV_MAP)?).map_err(map_err(MAGLEV_MAP))?;
+        let member_map =
+            HashMap::try_from(take(&mut ebpf, MEMBER_MAP)?).map_err(map_err(MEMBER_MAP))?;
         let mut lb = Self {
             maglev_map,
+            member_map,
             maglev: false,
             svc_ids: BTreeMap::new(),
             free_svc_ids: Vec::new(),

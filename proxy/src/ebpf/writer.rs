@@ -17,8 +17,8 @@ use std::{
 };
 
 use mcs_ebpf_common::{
-    BE4_MAP, BE6_MAP, Backend4, Backend6, MAGLEV_TABLE_SIZE, MAX_BACKENDS_PER_SVC, MaglevKey,
-    SVC4_MAP, SVC6_MAP, Svc4Key, Svc6Key, SvcValue,
+    BE4_MAP, BE6_MAP, Backend4, Backend6, MAGLEV_TABLE_SIZE, MAX_BACKENDS_PER_SVC, MEMBER_MAP,
+    MaglevKey, MemberKey, SVC4_MAP, SVC6_MAP, Svc4Key, Svc6Key, SvcValue,
 };
 use mcs_model::{
     Dataplane, DataplaneError, Frontend, Protocol, Service, TableDiff,
@@ -79,16 +79,31 @@ impl SocketLb {
             for slot in 1..=old_len.max(ids.len()) {
                 self.delete_slot(vip, l4, slot as u16);
             }
+            let old = self.programmed.remove(&(vip, l4)).unwrap_or_default();
+            if let Some(&svc_id) = self.svc_ids.get(&(vip, l4)) {
+                self.drop_members(svc_id, ids.iter().chain(&old));
+            }
             self.drop_maglev(vip, l4);
             for id in ids {
                 self.release_backend(id);
             }
-            for id in self.programmed.remove(&(vip, l4)).unwrap_or_default() {
+            for id in old {
                 self.release_backend(id);
             }
             return Err(e);
         }
         // 4. Delete what the previous version used beyond the new count; release its ids.
+        let gone: Vec<u32> = self
+            .programmed
+            .get(&(vip, l4))
+            .into_iter()
+            .flatten()
+            .filter(|id| !ids.contains(id))
+            .copied()
+            .collect();
+        if let Some(&svc_id) = self.svc_ids.get(&(vip, l4)) {
+            self.drop_members(svc_id, gone.iter());
+        }
         let old = self.programmed.insert((vip, l4), ids).unwrap_or_default();
         for slot in (backends.len() + 1)..=old.len() {
             self.delete_slot(vip, l4, slot as u16);
@@ -121,6 +136,21 @@ impl SocketLb {
             )?;
         }
         let svc_id = self.svc_id((vip, l4));
+        for &id in ids {
+            self.member_map
+                .insert(
+                    MemberKey {
+                        svc_id,
+                        backend_id: id,
+                    },
+                    1,
+                    0,
+                )
+                .map_err(|source| Error::Map {
+                    name: MEMBER_MAP,
+                    source,
+                })?;
+        }
         let mut flags = 0;
         if self.maglev && !ids.is_empty() && ids.len() < MAGLEV_TABLE_SIZE as usize {
             // Entries are overwritten in place; every entry names a live backend at all times
@@ -167,6 +197,15 @@ impl SocketLb {
         self.put_slot(vip, l4, 0, front)
     }
 
+    fn drop_members<'a>(&mut self, svc_id: u32, ids: impl Iterator<Item = &'a u32>) {
+        for &id in ids {
+            let _ = self.member_map.remove(&MemberKey {
+                svc_id,
+                backend_id: id,
+            });
+        }
+    }
+
     fn drop_maglev(&mut self, vip: SocketAddr, l4: L4) {
         if let Some(svc_id) = self.svc_ids.remove(&(vip, l4)) {
             for index in 0..MAGLEV_TABLE_SIZE {
@@ -180,6 +219,13 @@ impl SocketLb {
     /// backends' references.
     pub fn remove_service(&mut self, vip: SocketAddr, l4: L4) {
         self.delete_slot(vip, l4, 0);
+        if let (Some(&svc_id), Some(old)) = (
+            self.svc_ids.get(&(vip, l4)),
+            self.programmed.get(&(vip, l4)),
+        ) {
+            let old = old.clone();
+            self.drop_members(svc_id, old.iter());
+        }
         self.drop_maglev(vip, l4);
         if let Some(old) = self.programmed.remove(&(vip, l4)) {
             for slot in 1..=old.len() {

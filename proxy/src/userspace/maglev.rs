@@ -37,7 +37,10 @@ pub fn table_size_for(backends: usize, cap: usize) -> usize {
 }
 
 fn is_prime(n: usize) -> bool {
-    n >= 2 && (2..).take_while(|d| d * d <= n).all(|d| !n.is_multiple_of(d))
+    n >= 2
+        && (2..)
+            .take_while(|d| d * d <= n)
+            .all(|d| !n.is_multiple_of(d))
 }
 
 /// A Maglev lookup table: entry → backend index.
