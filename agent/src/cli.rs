@@ -153,6 +153,9 @@ pub struct ProxyArgs {
     /// Most open TCP connections; more are refused with a reset.
     #[arg(long, default_value_t = 65_536)]
     pub max_connections: usize,
+    /// Most open TCP connections of one client address; more are refused with a reset.
+    #[arg(long, default_value_t = 16_384)]
+    pub max_connections_per_client: usize,
     /// Timeout of one backend connect attempt, in milliseconds.
     #[arg(long, default_value_t = 2000)]
     pub connect_timeout_ms: u64,

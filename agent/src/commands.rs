@@ -200,6 +200,7 @@ fn userspace_config(p: &ProxyArgs) -> UserspaceConfig {
         idle_timeout: Duration::from_secs(p.idle_timeout_s),
         drain_timeout: Duration::from_secs(p.drain_timeout_s),
         max_connections: p.max_connections.max(1),
+        max_connections_per_client: p.max_connections_per_client.max(1),
         udp_idle_timeout: Duration::from_secs(p.udp_idle_timeout_s),
         max_udp_sessions: p.max_udp_sessions.max(1),
         max_udp_sessions_per_client: p.max_udp_sessions_per_client.max(1),

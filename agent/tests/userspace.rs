@@ -574,3 +574,48 @@ fn udp_sessions_are_capped_per_client() {
     );
     sb.stop_agent();
 }
+
+/// One client address cannot take every TCP connection: past its share it is refused with a
+/// reset while its open connections go on.
+#[test]
+fn tcp_connections_are_capped_per_client() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&ALL);
+    sb.start_agent(&["--max-connections-per-client", "2"]);
+    let open = |sb: &Sandbox| -> std::io::Result<TcpStream> {
+        sb.cli
+            .run(|| {
+                let s =
+                    TcpStream::connect_timeout(&"198.18.100.10:80".parse().unwrap(), IO_TIMEOUT)?;
+                s.set_read_timeout(Some(IO_TIMEOUT))?;
+                Ok(s)
+            })
+            .unwrap()
+    };
+    let ask = |mut s: &TcpStream, m: &str| -> std::io::Result<String> {
+        s.write_all(m.as_bytes())?;
+        let mut buf = [0u8; 256];
+        let n = s.read(&mut buf)?;
+        Ok(String::from_utf8_lossy(&buf[..n]).to_string())
+    };
+    let a = open(&sb).unwrap();
+    let b = open(&sb).unwrap();
+    assert!(ask(&a, "a").unwrap().ends_with(" a"));
+    assert!(ask(&b, "b").unwrap().ends_with(" b"));
+    let refused = open(&sb).and_then(|c| ask(&c, "c"));
+    assert!(
+        refused.as_ref().map_or(true, String::is_empty),
+        "third connection of one client served: {refused:?}"
+    );
+    assert!(ask(&a, "a2").unwrap().ends_with(" a2"));
+    drop((a, b));
+    // Its slots come back when its connections close.
+    wait_until("slots given back", || {
+        open(&sb)
+            .and_then(|c| ask(&c, "d"))
+            .is_ok_and(|r| r.ends_with(" d"))
+    });
+    sb.stop_agent();
+}

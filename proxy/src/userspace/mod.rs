@@ -48,6 +48,8 @@ pub struct UserspaceConfig {
     pub drain_timeout: Duration,
     /// Most open TCP connections; more are refused with a reset.
     pub max_connections: usize,
+    /// Most open TCP connections of one client address (one pod cannot take them all).
+    pub max_connections_per_client: usize,
     /// Expire UDP sessions idle this long.
     pub udp_idle_timeout: Duration,
     /// Most UDP sessions.
@@ -75,6 +77,7 @@ impl Default for UserspaceConfig {
             udp_idle_timeout: Duration::from_secs(30),
             max_udp_sessions: 65_536,
             max_udp_sessions_per_client: 4_096,
+            max_connections_per_client: 16_384,
             maglev_table_size: maglev::DEFAULT_TABLE_SIZE,
             splice: true,
             tcp_workers: 0,
@@ -110,6 +113,9 @@ pub struct Shared {
     config: UserspaceConfig,
     metrics: ProxyMetrics,
     shutdown: watch::Receiver<bool>,
+    /// Open TCP connections per client, counted in buckets by a hash of the client address
+    /// (lock-free; clients that share a bucket share its cap).
+    per_client: tcp::ClientCounts,
 }
 
 /// The running forwarder.
@@ -134,6 +140,7 @@ impl Userspace {
             config: config.clone(),
             metrics,
             shutdown: shutdown_rx,
+            per_client: tcp::ClientCounts::new(config.max_connections_per_client),
         });
         let cap = Arc::new(Semaphore::new(config.max_connections));
         let mut tasks = Vec::new();

@@ -12,7 +12,7 @@ use std::{
     os::fd::OwnedFd,
     sync::{
         Arc,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU32, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -34,6 +34,47 @@ const SPLICE_CHUNK_BYTES: usize = 1 << 16;
 const COPY_BUF_BYTES: usize = 16 << 10;
 /// Pause after an accept error (e.g. out of file descriptors), doubling up to a second.
 const ACCEPT_BACKOFF_START_MS: u64 = 5;
+
+/// Buckets of [`ClientCounts`].
+const CLIENT_BUCKETS: usize = 16_384;
+
+/// Open connections per client address, in buckets by hash: one atomic add on accept and one
+/// subtract on close, no lock and no allocation per connection.
+#[derive(Debug)]
+pub struct ClientCounts {
+    limit: u32,
+    buckets: Box<[AtomicU32]>,
+}
+
+impl ClientCounts {
+    /// At most `limit` open connections per client.
+    pub fn new(limit: usize) -> Self {
+        Self {
+            limit: u32::try_from(limit.max(1)).unwrap_or(u32::MAX),
+            buckets: (0..CLIENT_BUCKETS).map(|_| AtomicU32::new(0)).collect(),
+        }
+    }
+
+    /// Takes a slot for `client`, or `None` when it has `limit` open already.
+    fn take(&self, client: SocketAddr) -> Option<ClientSlot<'_>> {
+        let h = super::routes::flow_hash(client, true) as usize % CLIENT_BUCKETS;
+        let b = &self.buckets[h];
+        if b.fetch_add(1, Ordering::Relaxed) >= self.limit {
+            b.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(ClientSlot(b))
+    }
+}
+
+/// A client's slot, given back on drop.
+struct ClientSlot<'a>(&'a AtomicU32);
+
+impl Drop for ClientSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 /// Accepts until shutdown.
 pub async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, cap: Arc<Semaphore>) {
@@ -70,9 +111,18 @@ pub async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, cap: Arc<Se
         };
         let shared = shared.clone();
         tokio::spawn(async move {
+            let Some(slot) = shared.per_client.take(client) else {
+                // This client has its share open already: refuse it alone.
+                if let Some(route) = shared.routes.load().get(dst, Protocol::Tcp) {
+                    route.frontend_counters.refused.inc();
+                }
+                reset(&stream);
+                return;
+            };
             shared.metrics.active_connections.inc();
             handle(stream, client, dst, &shared).await;
             shared.metrics.active_connections.dec();
+            drop(slot);
             drop(permit);
         });
     }
