@@ -26,7 +26,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Watch ServiceImports and MCS EndpointSlices and program the dataplane.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Compute and print the forwarding table from a source, without touching the system.
     Table(TableArgs),
     /// Print what the eBPF dataplane has programmed, read back from the pinned maps.

@@ -30,7 +30,7 @@ const SOURCE_CHANNEL: usize = 4096;
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Table(args) => runtime()?.block_on(table(args)),
-        Command::Run(args) => runtime()?.block_on(agent(args)),
+        Command::Run(args) => runtime()?.block_on(agent(*args)),
         Command::Status(args) => status(&args),
         Command::Uninstall(args) => {
             let n = SocketLb::uninstall(&args.bpf_pin_dir)?;
