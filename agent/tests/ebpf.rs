@@ -111,8 +111,27 @@ impl Setup {
         reason = "the child is returned; callers kill and wait it"
     )]
     fn start_agent(&self) -> Child {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
-            .env("MCS_CLUSTERSET_IP_CIDR", mcs_test_support::CLUSTERSET_CIDRS)
+        self.start_agent_with(None)
+    }
+
+    /// The agent with only `caps` in its bounding set (e.g. `+net_admin,+bpf`), as the
+    /// DaemonSet grants them, when given.
+    #[allow(
+        clippy::zombie_processes,
+        reason = "the child is returned; callers kill and wait it"
+    )]
+    fn spawn_agent(&self, caps: Option<&str>) -> Child {
+        let mut cmd = match caps {
+            Some(c) => {
+                let mut cmd = Command::new("setpriv");
+                cmd.arg(format!("--bounding-set=-all,{c}"))
+                    .arg("--inh-caps=-all")
+                    .arg(env!("CARGO_BIN_EXE_mcs-agent"));
+                cmd
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_mcs-agent")),
+        };
+        cmd.env("MCS_CLUSTERSET_IP_CIDR", mcs_test_support::CLUSTERSET_CIDRS)
             .args([
                 "run",
                 "--dataplane",
@@ -132,7 +151,15 @@ impl Setup {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
-            .unwrap();
+            .unwrap()
+    }
+
+    #[allow(
+        clippy::zombie_processes,
+        reason = "the child is returned; callers kill and wait it"
+    )]
+    fn start_agent_with(&self, caps: Option<&str>) -> Child {
+        let mut child = self.spawn_agent(caps);
         let deadline = Instant::now() + WAIT;
         loop {
             let ready = TcpStream::connect(("127.0.0.1", self.port))
@@ -322,5 +349,59 @@ fn demo_runs_both_dataplanes_side_by_side() {
         "nothing left behind",
     ] {
         assert!(text.contains(want), "missing {want:?} in:\n{text}");
+    }
+}
+
+/// The DaemonSet grants NET_ADMIN, BPF and PERFMON: with exactly those the eBPF agent loads,
+/// attaches and translates; without any one of them it fails at start with a clear error.
+#[test]
+fn the_deployed_capabilities_are_exactly_what_the_ebpf_agent_needs() {
+    let Some(s) = setup() else { return };
+    if !require(prereq::program("setpriv")) {
+        return;
+    }
+    let mut child = s.start_agent_with(Some("+net_admin,+bpf,+perfmon"));
+    let r = s.probe(&Probe::Tcp {
+        to: "198.18.100.10:80".parse().unwrap(),
+        send: "caps".into(),
+    });
+    assert!(r.reply.ends_with("got caps"), "{r:?}");
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
+        .args(["uninstall", "--bpf-pin-dir"])
+        .arg(&s.pins)
+        .output();
+    for caps in ["+bpf,+perfmon", "+net_admin,+perfmon", "+net_admin,+bpf"] {
+        let mut child = s.spawn_agent(Some(caps));
+        let deadline = Instant::now() + WAIT;
+        let status = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break st;
+            }
+            assert!(Instant::now() < deadline, "agent with {caps} did not fail");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        assert!(!status.success(), "agent with only {caps} started: {err}");
+        assert!(
+            err.contains("eBPF") || err.contains("attaching"),
+            "{caps}: {err}"
+        );
+        // All or nothing: no program stays attached after a failed start.
+        let links = std::fs::read_dir(s.pins.join("links"))
+            .map(|d| d.count())
+            .unwrap_or(0);
+        assert_eq!(links, 0, "{caps}: links left attached");
+        let _ = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
+            .args(["uninstall", "--bpf-pin-dir"])
+            .arg(&s.pins)
+            .output();
     }
 }

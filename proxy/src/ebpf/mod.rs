@@ -306,8 +306,25 @@ impl SocketLb {
         }
     }
 
-    /// Attaches every program to `cgroup`, or keeps the links a previous agent pinned.
+    /// Attaches every program to `cgroup`, or keeps the links a previous agent pinned. All or
+    /// nothing: if one program cannot be attached, the links this call attached are detached
+    /// again (a half-attached socket LB would translate some families and not others while
+    /// `--dataplane auto` falls back to userspace).
     pub fn attach(&mut self, cgroup: &Path) -> Result<(), Error> {
+        let before = self.links.len();
+        let mut pinned_now: Vec<PathBuf> = Vec::new();
+        let r = self.attach_all(cgroup, &mut pinned_now);
+        if r.is_err() {
+            for pin in &pinned_now {
+                let _ = std::fs::remove_file(pin);
+            }
+            // Dropping the links closes their fds: with the pins gone, they detach.
+            self.links.truncate(before);
+        }
+        r
+    }
+
+    fn attach_all(&mut self, cgroup: &Path, pinned_now: &mut Vec<PathBuf>) -> Result<(), Error> {
         let file = File::open(cgroup).map_err(|source| Error::Cgroup {
             path: cgroup.to_path_buf(),
             source,
@@ -348,6 +365,7 @@ impl SocketLb {
                 .map_err(|e: aya::programs::links::LinkError| pin_err(&pin, e))?;
             let pinned = fd_link.pin(&pin).map_err(|e| pin_err(&pin, e))?;
             let _ = std::fs::set_permissions(&pin, std::fs::Permissions::from_mode(0o600));
+            pinned_now.push(pin);
             self.links.push(pinned);
         }
         if self.adopted_links > 0 {
