@@ -316,9 +316,12 @@ async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
     let controller = controller.run(rx, stop_rx).await;
     match controller.into_dataplane() {
         AgentDataplane::Userspace(u) => u.shutdown().await,
-        AgentDataplane::Ebpf(_) => tracing::info!(
+        AgentDataplane::Ebpf(_) => tracing::warn!(
+            cgroup = %args.cgroup_root.display(),
             pins = %args.pins.bpf_pin_dir.display(),
-            "eBPF programs stay attached and keep translating; `mcs-agent uninstall` removes them"
+            "the eBPF programs stay attached to {} and keep rewriting connects to the ClusterSetIPs (so traffic survives restarts); to remove them: mcs-agent uninstall --bpf-pin-dir {}",
+            args.cgroup_root.display(),
+            args.pins.bpf_pin_dir.display()
         ),
         AgentDataplane::Log(_) => {}
     }
