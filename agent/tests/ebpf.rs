@@ -374,21 +374,26 @@ fn the_deployed_capabilities_are_exactly_what_the_ebpf_agent_needs() {
         .output();
     for caps in ["+bpf,+perfmon", "+net_admin,+perfmon", "+net_admin,+bpf"] {
         let mut child = s.spawn_agent(Some(caps));
+        // Read stderr while it runs: a verifier log can be larger than the pipe.
+        let mut stderr = child.stderr.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut err = String::new();
+            let _ = stderr.read_to_string(&mut err);
+            err
+        });
         let deadline = Instant::now() + WAIT;
         let status = loop {
             if let Some(st) = child.try_wait().unwrap() {
                 break st;
             }
-            assert!(Instant::now() < deadline, "agent with {caps} did not fail");
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("agent with {caps} did not fail");
+            }
             std::thread::sleep(Duration::from_millis(20));
         };
-        let mut err = String::new();
-        child
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut err)
-            .unwrap();
+        let err = reader.join().unwrap();
         assert!(!status.success(), "agent with only {caps} started: {err}");
         assert!(
             err.contains("eBPF") || err.contains("attaching"),

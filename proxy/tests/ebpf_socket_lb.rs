@@ -665,3 +665,75 @@ fn unconnected_udp_keeps_its_backend_while_it_is_selected() {
     assert_eq!(seg[2].len(), 1, "{seg:?}");
     assert_ne!(seg[2], seg[0], "stayed on a removed backend: {seg:?}");
 }
+
+/// One pod churning UDP sockets cannot flush the reverse translations other pods depend on:
+/// the new entries a network namespace may create in the shared LRU maps are bounded per
+/// second (`NETNS_QUOTA_PER_WINDOW`), so 20,000 sockets leave at most that many entries per
+/// second they took, and another pod's socket still sees replies from the VIP.
+#[test]
+fn one_pod_cannot_flush_the_reverse_translations_of_others() {
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let victim_ns = Netns::new("bpfv").unwrap();
+    let attacker_ns = Netns::new("bpfa").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let be = udp_backend(&victim_ns, "127.0.0.1:0");
+    // The same backend address answers in the attacker's namespace too.
+    let _sink = udp_backend(&attacker_ns, &be.to_string());
+    let mut lb = SocketLb::open(&pins.0).unwrap();
+    lb.attach(cg.path()).unwrap();
+    let vip: SocketAddr = "198.18.0.17:53".parse().unwrap();
+    lb.set_service(vip, L4::Udp, &[be]).unwrap();
+    let sync = tempfile::tempdir().unwrap();
+    let victim = Probe::UdpSegments {
+        to: vip,
+        per_segment: 1,
+        segments: 2,
+        sync_dir: sync.path().to_path_buf(),
+    };
+    let mut cmd = cg.command(Some(&victim_ns), &Probe::program());
+    victim.configure(&mut cmd);
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("victim probe");
+    let seg0 = sync.path().join("seg0");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !seg0.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "victim never answered"
+        );
+        thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let before = mcs_proxy::ebpf::reverse_entries(&pins.0).unwrap().0;
+    let started = std::time::Instant::now();
+    let flood = probe(
+        &cg,
+        &attacker_ns,
+        &Probe::UdpFlood {
+            to: vip,
+            sockets: 20_000,
+        },
+    );
+    // Windows the flood can have touched: the seconds it took, plus the partial ones at
+    // either end.
+    let windows = started.elapsed().as_secs() as usize + 2;
+    assert!(flood.ok > 19_000, "{flood:?}");
+    let added = mcs_proxy::ebpf::reverse_entries(&pins.0).unwrap().0 - before;
+    let bound = windows * mcs_ebpf_common::NETNS_QUOTA_PER_WINDOW as usize;
+    assert!(
+        added <= bound,
+        "one pod created {added} reverse entries (quota {bound} over {windows} windows)"
+    );
+    std::fs::write(sync.path().join("go0"), "").unwrap();
+    let r = Probe::parse(&child.wait_with_output().unwrap()).unwrap();
+    assert_eq!(r.error, None, "{r:?}");
+    assert_eq!(
+        r.peers,
+        [vip, vip],
+        "the victim's reverse translation was flushed"
+    );
+}

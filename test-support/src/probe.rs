@@ -61,7 +61,7 @@ pub enum Probe {
     },
     /// Unconnected UDP from one socket: `segments` × `per_segment` `sendto`/`recvfrom`
     /// exchanges. After each segment but the last, the probe writes the last reply to
-    /// `<sync_dir>/seg<k>` and waits (bounded, 20 s) for `<sync_dir>/go<k>`, so that the test
+    /// `<sync_dir>/seg<k>` and waits (bounded, 60 s) for `<sync_dir>/go<k>`, so that the test
     /// can reprogram the dataplane between segments. `replies` holds every reply in order.
     UdpSegments {
         /// Destination.
@@ -72,6 +72,15 @@ pub enum Probe {
         segments: u32,
         /// Directory of the sync files.
         sync_dir: PathBuf,
+    },
+    /// `sockets` UDP sockets, each created, sending two datagrams to `to` (the second finds
+    /// its reverse entry, so the kernel's LRU counts it as used) and closed, without reading
+    /// replies (a pod that churns sockets); bounded by the count.
+    UdpFlood {
+        /// Destination.
+        to: SocketAddr,
+        /// Sockets to churn.
+        sockets: u32,
     },
     /// `count` TCP request/response exchanges, one new connection each, `interval_ms` apart;
     /// counts successes and failures (bounded: count × (interval + timeout)).
@@ -103,6 +112,9 @@ pub struct ProbeResult {
     /// `UdpSegments`: every reply, in order.
     #[serde(default)]
     pub replies: Vec<String>,
+    /// `UdpSegments`: the source of every reply, in order.
+    #[serde(default)]
+    pub peers: Vec<SocketAddr>,
 }
 
 impl Probe {
@@ -237,7 +249,7 @@ fn run(probe: &Probe) -> ProbeResult {
                         let last = result.replies.last().cloned().unwrap_or_default();
                         std::fs::write(sync_dir.join(format!("seg{k}")), last)?;
                         let go = sync_dir.join(format!("go{k}"));
-                        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+                        let deadline = std::time::Instant::now() + Duration::from_secs(60);
                         while !go.exists() {
                             if std::time::Instant::now() > deadline {
                                 return Err(std::io::Error::other(format!("no {}", go.display())));
@@ -247,16 +259,29 @@ fn run(probe: &Probe) -> ProbeResult {
                     }
                     for i in 0..*per_segment {
                         s.send_to(format!("s{seg}.{i}").as_bytes(), to)?;
-                        let (n, _) = s.recv_from(&mut buf)?;
+                        let (n, from) = s.recv_from(&mut buf)?;
                         result
                             .replies
                             .push(String::from_utf8_lossy(&buf[..n]).to_string());
+                        result.peers.push(from);
                     }
                 }
                 Ok(())
             };
             if let Err(e) = attempt() {
                 result.error = Some(e.to_string());
+            }
+        }
+        Probe::UdpFlood { to, sockets } => {
+            for _ in 0..*sockets {
+                let sent = std::net::UdpSocket::bind(wildcard(*to)).and_then(|s| {
+                    s.send_to(b"flood", to)?;
+                    s.send_to(b"flood", to)
+                });
+                match sent {
+                    Ok(_) => result.ok += 1,
+                    Err(_) => result.failed += 1,
+                }
             }
         }
         Probe::TcpLoop {

@@ -61,8 +61,18 @@ pub const UDP_STICKY_MAP_MAX_ENTRIES: u32 = 262_144;
 pub const MEMBER_MAP: &str = "MCS_MEMBER_V1";
 /// Entries of the membership map (every slot of both families).
 pub const MEMBER_MAP_MAX_ENTRIES: u32 = 2 * SVC_MAP_MAX_ENTRIES;
+/// Name of the per-network-namespace quota map (netns cookie → [`NetnsQuota`]): how many new
+/// entries of the shared LRU maps (reverse NAT, UDP stickiness) one pod may create per
+/// window, so that no pod can flush the entries the others depend on.
+pub const QUOTA_MAP: &str = "MCS_NETNS_QUOTA_V1";
+/// Entries of the quota map (pods on a node).
+pub const QUOTA_MAP_MAX_ENTRIES: u32 = 65_536;
+/// New shared-LRU entries one network namespace may create per window.
+pub const NETNS_QUOTA_PER_WINDOW: u32 = 4_096;
+/// The quota window, in nanoseconds.
+pub const NETNS_QUOTA_WINDOW_NS: u64 = 1_000_000_000;
 /// Every map, for pinning and status.
-pub const ALL_MAPS: [&str; 10] = [
+pub const ALL_MAPS: [&str; 11] = [
     SVC4_MAP,
     BE4_MAP,
     SVC6_MAP,
@@ -73,6 +83,7 @@ pub const ALL_MAPS: [&str; 10] = [
     MAGLEV_MAP,
     UDP_STICKY_MAP,
     MEMBER_MAP,
+    QUOTA_MAP,
 ];
 /// Entries of each reverse-NAT LRU map.
 pub const REVNAT_MAP_MAX_ENTRIES: u32 = 262_144;
@@ -139,6 +150,18 @@ pub struct MaglevKey {
     pub svc_id: u32,
     /// Table index, `0..MAGLEV_TABLE_SIZE`. Host order.
     pub index: u32,
+}
+
+/// Value of the quota map: the current window of one network namespace. Host order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct NetnsQuota {
+    /// `bpf_ktime_get_ns()` when the window began.
+    pub window_start_ns: u64,
+    /// New entries created in the window.
+    pub used: u32,
+    /// Always 0.
+    pub _pad0: u32,
 }
 
 /// Key of the membership map: a backend of a frontend.
@@ -340,6 +363,7 @@ mod pod {
     unsafe impl aya::Pod for super::AffinityValue {}
     unsafe impl aya::Pod for super::MaglevKey {}
     unsafe impl aya::Pod for super::MemberKey {}
+    unsafe impl aya::Pod for super::NetnsQuota {}
 }
 
 #[cfg(test)]

@@ -34,6 +34,9 @@ use mcs_ebpf_common::{
 };
 use mcs_ebpf_common::{MAGLEV_MAP_MAX_ENTRIES, MAGLEV_TABLE_SIZE, MaglevKey, SVC_FLAG_MAGLEV};
 use mcs_ebpf_common::{MEMBER_MAP_MAX_ENTRIES, MemberKey, UDP_STICKY_MAP_MAX_ENTRIES};
+use mcs_ebpf_common::{
+    NETNS_QUOTA_PER_WINDOW, NETNS_QUOTA_WINDOW_NS, NetnsQuota, QUOTA_MAP_MAX_ENTRIES,
+};
 
 #[map(name = "MCS_SVC4_V1")]
 static MCS_SVC4_V1: HashMap<Svc4Key, SvcValue> = HashMap::pinned(SVC_MAP_MAX_ENTRIES, 0);
@@ -63,6 +66,84 @@ static MCS_UDP_STICKY_V1: LruHashMap<AffinityKey, AffinityValue> =
 
 #[map(name = "MCS_MEMBER_V1")]
 static MCS_MEMBER_V1: HashMap<MemberKey, u32> = HashMap::pinned(MEMBER_MAP_MAX_ENTRIES, 0);
+
+#[map(name = "MCS_NETNS_QUOTA_V1")]
+static MCS_NETNS_QUOTA_V1: LruHashMap<u64, NetnsQuota> =
+    LruHashMap::pinned(QUOTA_MAP_MAX_ENTRIES, 0);
+
+/// Whether this socket's pod may create one more entry in the shared LRU maps now: at most
+/// `NETNS_QUOTA_PER_WINDOW` per window and network namespace (approximate across CPUs). A pod
+/// over its quota is still translated; only its new reverse/stickiness entries are skipped.
+fn new_entry_allowed(ctx: &SockAddrContext) -> bool {
+    let ns = netns_cookie(ctx);
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    match MCS_NETNS_QUOTA_V1.get_ptr_mut(&ns) {
+        Some(q) => {
+            // SAFETY: a valid pointer into the map value, used at once.
+            let q = unsafe { &mut *q };
+            if now.saturating_sub(q.window_start_ns) > NETNS_QUOTA_WINDOW_NS {
+                q.window_start_ns = now;
+                q.used = 1;
+                true
+            } else if q.used < NETNS_QUOTA_PER_WINDOW {
+                q.used += 1;
+                true
+            } else {
+                false
+            }
+        }
+        None => {
+            let q = NetnsQuota {
+                window_start_ns: now,
+                used: 1,
+                _pad0: 0,
+            };
+            let _ = MCS_NETNS_QUOTA_V1.insert(&ns, &q, 0);
+            true
+        }
+    }
+}
+
+/// Notes `key → value` in the IPv4 reverse map unless it holds it already (no write, no
+/// quota for a datagram of a known flow); a new entry needs the pod's quota.
+fn note_revnat4(ctx: &SockAddrContext, key: &RevNat4Key, value: &RevNat4Value) {
+    // SAFETY: values copied out.
+    if let Some(v) = unsafe { MCS_REVNAT4_V1.get(key) } {
+        if v.vip == value.vip && v.port == value.port {
+            return;
+        }
+    }
+    if new_entry_allowed(ctx) {
+        let _ = MCS_REVNAT4_V1.insert(key, value, 0);
+    }
+}
+
+/// As [`note_revnat4`], IPv6.
+fn note_revnat6(ctx: &SockAddrContext, key: &RevNat6Key, value: &RevNat6Value) {
+    // SAFETY: values copied out.
+    if let Some(v) = unsafe { MCS_REVNAT6_V1.get(key) } {
+        if v.vip == value.vip && v.port == value.port {
+            return;
+        }
+    }
+    if new_entry_allowed(ctx) {
+        let _ = MCS_REVNAT6_V1.insert(key, value, 0);
+    }
+}
+
+/// Notes the socket's UDP backend unless already noted; a new entry needs the pod's quota.
+fn note_sticky(ctx: &SockAddrContext, key: &AffinityKey, value: &AffinityValue) {
+    // SAFETY: values copied out.
+    if let Some(v) = unsafe { MCS_UDP_STICKY_V1.get(key) } {
+        if v.backend_id == value.backend_id {
+            return;
+        }
+    }
+    if new_entry_allowed(ctx) {
+        let _ = MCS_UDP_STICKY_V1.insert(key, value, 0);
+    }
+}
 
 /// Whether backend `id` is selected for the frontend `svc_id` now.
 fn is_member(svc_id: u32, id: u32) -> bool {
@@ -215,7 +296,7 @@ fn select4(ctx: &SockAddrContext, p: u8, vip: u32, port: u16) -> Result<(u32, u1
         let _ = MCS_AFFINITY_V1.insert(&akey, &v, 0);
     }
     if udp {
-        let _ = MCS_UDP_STICKY_V1.insert(&skey, &v, 0);
+        note_sticky(ctx, &skey, &v);
     }
     Ok((addr, bport))
 }
@@ -237,7 +318,7 @@ fn translate4(ctx: &SockAddrContext) -> Result<(), Skip> {
         port,
         _pad0: [0; 2],
     };
-    let _ = MCS_REVNAT4_V1.insert(&key, &value, 0);
+    note_revnat4(ctx, &key, &value);
     sa.user_ip4 = addr;
     sa.user_port = u32::from(bport);
     Ok(())
@@ -299,7 +380,7 @@ fn translate6(ctx: &SockAddrContext) -> Result<(), Skip> {
             port,
             _pad0: [0; 2],
         };
-        let _ = MCS_REVNAT6_V1.insert(&key, &value, 0);
+        note_revnat6(ctx, &key, &value);
         set_ip6(sa, backend);
         sa.user_port = u32::from(bport);
         return Ok(());
@@ -380,7 +461,7 @@ fn translate6(ctx: &SockAddrContext) -> Result<(), Skip> {
         let _ = MCS_AFFINITY_V1.insert(&akey, &v, 0);
     }
     if udp {
-        let _ = MCS_UDP_STICKY_V1.insert(&skey, &v, 0);
+        note_sticky(ctx, &skey, &v);
     }
     let key = RevNat6Key {
         cookie: cookie(ctx),
@@ -393,7 +474,7 @@ fn translate6(ctx: &SockAddrContext) -> Result<(), Skip> {
         port,
         _pad0: [0; 2],
     };
-    let _ = MCS_REVNAT6_V1.insert(&key, &value, 0);
+    note_revnat6(ctx, &key, &value);
     set_ip6(sa, addr);
     sa.user_port = u32::from(bport);
     Ok(())

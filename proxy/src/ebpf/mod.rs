@@ -442,6 +442,27 @@ impl SocketLb {
     }
 }
 
+/// Entries of the reverse-NAT maps pinned in `pin_dir` (IPv4, IPv6).
+pub fn reverse_entries(pin_dir: &Path) -> Result<(usize, usize), Error> {
+    fn count<K: aya::Pod, V: aya::Pod>(dir: &Path, name: &'static str) -> Result<usize, Error> {
+        let err = |source| Error::Map { name, source };
+        let data = MapData::from_pin(dir.join(name)).map_err(err)?;
+        let map: HashMap<_, K, V> =
+            HashMap::try_from(aya::maps::Map::LruHashMap(data)).map_err(err)?;
+        Ok(map.keys().filter_map(Result::ok).count())
+    }
+    Ok((
+        count::<mcs_ebpf_common::RevNat4Key, mcs_ebpf_common::RevNat4Value>(
+            pin_dir,
+            mcs_ebpf_common::REVNAT4_MAP,
+        )?,
+        count::<mcs_ebpf_common::RevNat6Key, mcs_ebpf_common::RevNat6Value>(
+            pin_dir,
+            mcs_ebpf_common::REVNAT6_MAP,
+        )?,
+    ))
+}
+
 /// Reads what the pinned maps in `pin_dir` hold (no program is loaded).
 pub fn read_pinned(pin_dir: &Path) -> Result<Programmed, Error> {
     fn open<K: aya::Pod, V: aya::Pod>(
