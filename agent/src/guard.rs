@@ -104,3 +104,59 @@ pub async fn apiserver_addresses(url: &http::Uri) -> Vec<IpAddr> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(cidrs: &[&str]) -> GuardArgs {
+        GuardArgs {
+            clusterset_ip_cidrs: cidrs.iter().map(ToString::to_string).collect(),
+            trusted_managed_by: vec![],
+            protect_addresses: vec!["198.18.10.1".parse().unwrap()],
+            max_ports_per_import: 100,
+            max_backends_per_frontend: 1024,
+            max_frontends: 10,
+            max_backends: 100,
+            max_file_bytes: 1 << 20,
+        }
+    }
+
+    #[tokio::test]
+    async fn the_api_servers_address_is_found_from_its_url() {
+        for (url, want) in [
+            ("https://198.18.0.1:6443", vec!["198.18.0.1"]),
+            ("https://[2001:2::1]:443", vec!["2001:2::1"]),
+        ] {
+            let got = apiserver_addresses(&url.parse().unwrap()).await;
+            let want: Vec<IpAddr> = want.iter().map(|a| a.parse().unwrap()).collect();
+            assert_eq!(got, want, "{url}");
+        }
+        let named = apiserver_addresses(&"https://localhost:6443".parse().unwrap()).await;
+        assert!(
+            named.iter().all(IpAddr::is_loopback) && !named.is_empty(),
+            "{named:?}"
+        );
+    }
+
+    #[test]
+    fn the_guard_protects_the_api_server_and_refuses_bad_ranges() {
+        let apiserver: IpAddr = "198.18.100.1".parse().unwrap();
+        let g = build(&args(&["198.18.100.0/24", ""]), &[apiserver]).unwrap();
+        assert!(g.protected.contains(&apiserver));
+        assert!(g.protected.contains(&"198.18.10.1".parse().unwrap()));
+        assert_eq!(g.clusterset_cidrs.len(), 1, "empty entries are ignored");
+        assert_eq!(g.limits.frontends, 10);
+        let e = build(&args(&[""]), &[]).unwrap_err().to_string();
+        assert!(e.contains("--clusterset-ip-cidr"), "{e}");
+        assert!(
+            build(&args(&["198.0.0.0/7"]), &[]).is_err(),
+            "wider than /8"
+        );
+        assert!(build(&args(&["2001::/16"]), &[]).is_err(), "wider than /32");
+        assert!(
+            build(&args(&["198.18.100.1/24"]), &[]).is_err(),
+            "host bits"
+        );
+    }
+}
