@@ -52,6 +52,8 @@ const WEB_VIP: &str = "198.18.100.10:80";
 const WEB_VIP6: &str = "[2001:2::100:10]:80";
 const DNS_VIP: &str = "198.18.100.12:53";
 const METRICS_PORT: u16 = 9464;
+/// Largest request a demo backend reads.
+const MAX_REQUEST_BYTES: u64 = 4096;
 const IO_TIMEOUT: Duration = Duration::from_secs(3);
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -95,15 +97,17 @@ fn start_backend(ns: &Netns, cluster: &'static str, addr: SocketAddr) -> anyhow:
                 continue;
             }
             match tcp.accept() {
-                Ok((mut c, _)) => {
+                Ok((c, _)) => {
                     let _ = c.set_read_timeout(Some(IO_TIMEOUT));
-                    let mut buf = [0u8; 512];
-                    if let Ok(n) = c.read(&mut buf) {
-                        let _ = write!(
-                            c,
-                            "cluster {cluster} backend {addr} got {}",
-                            String::from_utf8_lossy(&buf[..n])
+                    // The whole request (the client half-closes after it), then the whole
+                    // reply in one write: closing with unread bytes would send a reset.
+                    let mut req = Vec::new();
+                    if (&c).take(MAX_REQUEST_BYTES).read_to_end(&mut req).is_ok() {
+                        let reply = format!(
+                            "cluster {cluster} backend {addr} got {}\n",
+                            String::from_utf8_lossy(&req)
                         );
+                        let _ = (&c).write_all(reply.as_bytes());
                     }
                 }
                 Err(_) => continue,
@@ -116,7 +120,7 @@ fn start_backend(ns: &Netns, cluster: &'static str, addr: SocketAddr) -> anyhow:
         while !s.load(Ordering::Acquire) {
             if let Ok((n, from)) = udp.recv_from(&mut buf) {
                 let reply = format!(
-                    "cluster {cluster} backend {addr} got {}",
+                    "cluster {cluster} backend {addr} got {}\n",
                     String::from_utf8_lossy(&buf[..n])
                 );
                 let _ = udp.send_to(reply.as_bytes(), from);
@@ -255,13 +259,23 @@ fn http(at: Metrics<'_>, path: &str) -> Option<(u16, String)> {
 struct Tally {
     by_backend: BTreeMap<String, usize>,
     latencies: Vec<Duration>,
+    /// Requests that got an error (refused, reset, timeout).
     failed: usize,
+    /// Replies that came back cut or wrong (not the whole answer to this request).
+    incomplete: usize,
     first_error: Option<String>,
 }
 
 impl Tally {
-    fn add(&mut self, reply: Result<String, String>, took: Duration) {
+    /// Counts one request whose whole reply must end with `got {request}\n`.
+    fn add(&mut self, request: &str, reply: Result<String, String>, took: Duration) {
+        let whole = format!(" got {request}\n");
         match reply {
+            Ok(r) if r.starts_with("cluster ") && !r.ends_with(&whole) => {
+                self.incomplete += 1;
+                self.first_error
+                    .get_or_insert(format!("incomplete reply {r:?}"));
+            }
             Ok(r) if r.starts_with("cluster ") => {
                 let mut w = r.split_whitespace();
                 let (cluster, backend) = (w.nth(1).unwrap_or("?"), w.nth(1).unwrap_or("?"));
@@ -272,7 +286,7 @@ impl Tally {
                 self.latencies.push(took);
             }
             Ok(r) => {
-                self.failed += 1;
+                self.incomplete += 1;
                 self.first_error
                     .get_or_insert(format!("unexpected reply {r:?}"));
             }
@@ -283,8 +297,13 @@ impl Tally {
         }
     }
 
+    /// Requests without a whole reply.
+    fn bad(&self) -> usize {
+        self.failed + self.incomplete
+    }
+
     fn print(&mut self, what: &str) -> (f64, f64) {
-        let total: usize = self.by_backend.values().sum::<usize>() + self.failed;
+        let total: usize = self.by_backend.values().sum::<usize>() + self.bad();
         println!("    {what}: {total} requests");
         let mut per_cluster: BTreeMap<&str, usize> = BTreeMap::new();
         for (k, n) in &self.by_backend {
@@ -305,13 +324,15 @@ impl Tally {
                 println!("        {:<22} {m:>4}", k.split(' ').nth(1).unwrap_or("?"));
             }
         }
-        if self.failed > 0 {
-            println!(
-                "      failed: {} (first: {})",
-                self.failed,
-                self.first_error.as_deref().unwrap_or("?")
-            );
-        }
+        println!(
+            "      failed: {}, incomplete replies: {}{}",
+            self.failed,
+            self.incomplete,
+            self.first_error
+                .as_deref()
+                .map(|e| format!(" (first: {e})"))
+                .unwrap_or_default()
+        );
         if self.latencies.is_empty() {
             return (f64::NAN, f64::NAN);
         }
@@ -336,12 +357,16 @@ fn tcp_requests(cli: &Netns, to: &str, n: usize) -> anyhow::Result<Tally> {
                     TcpStream::connect_timeout(&to, IO_TIMEOUT).map_err(|e| e.to_string())?;
                 s.set_read_timeout(Some(IO_TIMEOUT))
                     .map_err(|e| e.to_string())?;
-                write!(s, "GET /{i}").map_err(|e| e.to_string())?;
+                // The request in one write, then a half-close: the backend reads to EOF.
+                s.write_all(format!("GET /{i}").as_bytes())
+                    .map_err(|e| e.to_string())?;
+                s.shutdown(std::net::Shutdown::Write)
+                    .map_err(|e| e.to_string())?;
                 let mut out = String::new();
                 s.read_to_string(&mut out).map_err(|e| e.to_string())?;
                 Ok(out)
             })();
-            t.add(reply, start.elapsed());
+            t.add(&format!("GET /{i}"), reply, start.elapsed());
         }
         t
     })
@@ -365,7 +390,7 @@ fn udp_requests(cli: &Netns, to: &str, n: usize) -> anyhow::Result<(Tally, bool)
                 from_vip &= from == to;
                 Ok(String::from_utf8_lossy(&buf[..k]).to_string())
             })();
-            t.add(reply, start.elapsed());
+            t.add(&format!("query {i}"), reply, start.elapsed());
         }
         (t, from_vip)
     })
@@ -419,6 +444,15 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<std::process::ExitCode> {
             );
         }
     }
+    let unexpected: Vec<&String> = summaries.iter().flat_map(|(_, s)| &s.unexpected).collect();
+    if !unexpected.is_empty() {
+        println!("\nFAILED: requests failed or came back incomplete where none should:");
+        for u in &unexpected {
+            println!("  {u}");
+        }
+        return Ok(std::process::ExitCode::FAILURE);
+    }
+    println!("\nevery request of every step that should succeed got its whole reply");
     Ok(std::process::ExitCode::SUCCESS)
 }
 
@@ -427,6 +461,8 @@ struct Summary {
     tcp: (f64, f64),
     udp: (f64, f64),
     failover_ms: f64,
+    /// Steps that should have had no failure and had some.
+    unexpected: Vec<String>,
 }
 
 /// The demo's story on one dataplane.
@@ -569,10 +605,30 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
     step.say(&format!(
         "traffic from the client pod to the ClusterSetIPs ({n} new connections each)"
     ));
-    let tcp = tcp_requests(&sb.cli, WEB_VIP, n)?.print(&format!("TCP {WEB_VIP} (shop/web)"));
-    tcp_requests(&sb.cli, WEB_VIP6, n.min(50))?.print(&format!("TCP {WEB_VIP6} (shop/web, IPv6)"));
+    // Steps where every request must get its whole reply; a failure there is a bug.
+    let mut unexpected: Vec<String> = Vec::new();
+    let mut expect_clean = |what: &str, t: &Tally| {
+        if t.bad() > 0 {
+            unexpected.push(format!(
+                "{dataplane}: {what}: {} failed, {} incomplete ({})",
+                t.failed,
+                t.incomplete,
+                t.first_error.as_deref().unwrap_or("?")
+            ));
+        }
+    };
+    let what = format!("TCP {WEB_VIP} (shop/web)");
+    let mut t = tcp_requests(&sb.cli, WEB_VIP, n)?;
+    let tcp = t.print(&what);
+    expect_clean(&what, &t);
+    let what = format!("TCP {WEB_VIP6} (shop/web, IPv6)");
+    let mut t = tcp_requests(&sb.cli, WEB_VIP6, n.min(50))?;
+    t.print(&what);
+    expect_clean(&what, &t);
+    let what = format!("UDP {DNS_VIP} (shop/dns-cache)");
     let (mut udp, from_vip) = udp_requests(&sb.cli, DNS_VIP, n.min(100))?;
-    let udp_lat = udp.print(&format!("UDP {DNS_VIP} (shop/dns-cache)"));
+    let udp_lat = udp.print(&what);
+    expect_clean(&what, &udp);
     println!(
         "      replies came from the ClusterSetIP: {}",
         if from_vip { "yes" } else { "NO" }
@@ -584,10 +640,15 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
     std::thread::sleep(Duration::from_millis(50));
     let mut during = tcp_requests(&sb.cli, WEB_VIP, 10)?;
     during.print("right after the stop, before c1's endpoints are marked not ready");
+    println!("    (c1 is still the local cluster with ready endpoints, so the agent keeps to it;");
+    if dataplane == "ebpf" {
+        println!("     the socket LB rewrote connect(), so the client sees the refusal itself;");
+    } else {
+        println!("     the forwarder retries the refused connects within c1, then resets;");
+    }
     println!(
-        "    (c1 is still the local cluster with ready endpoints, so the agent keeps to it and"
+        "     no silent black hole. These failures are expected, not counted against the demo.)"
     );
-    println!("     the refused connects are retried within c1, then reset: no silent black hole.)");
     println!(
         "    The MCS controller of c1 now reports its endpoints not ready (EndpointSlice update)."
     );
@@ -621,9 +682,14 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
     }
 
     step.say("traffic after failover");
-    tcp_requests(&sb.cli, WEB_VIP, n)?.print(&format!("TCP {WEB_VIP} (shop/web)"));
+    let what = format!("TCP {WEB_VIP} (shop/web) after failover");
+    let mut t = tcp_requests(&sb.cli, WEB_VIP, n)?;
+    t.print(&what);
+    expect_clean(&what, &t);
+    let what = format!("UDP {DNS_VIP} (shop/dns-cache) after failover");
     let (mut udp, _) = udp_requests(&sb.cli, DNS_VIP, n.min(100))?;
-    udp.print(&format!("UDP {DNS_VIP} (shop/dns-cache)"));
+    udp.print(&what);
+    expect_clean(&what, &udp);
     if let Some(e) = sb.ebpf.as_ref() {
         println!("    what the eBPF maps hold now (mcs-agent status):");
         if let Ok(p) = mcs_proxy::ebpf::read_pinned(&e.pins) {
@@ -671,9 +737,15 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
     } else {
         println!("    warning: still present: {left:?}");
     }
+    if !from_vip {
+        unexpected.push(format!(
+            "{dataplane}: UDP replies did not all come from the ClusterSetIP"
+        ));
+    }
     Ok(Summary {
         tcp,
         udp: udp_lat,
         failover_ms,
+        unexpected,
     })
 }

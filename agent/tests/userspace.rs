@@ -619,3 +619,199 @@ fn tcp_connections_are_capped_per_client() {
     });
     sb.stop_agent();
 }
+
+/// Starts a TCP backend on both c1 web addresses that runs `serve` on each connection.
+fn special_backends(sb: &Sandbox, serve: fn(TcpStream)) -> Vec<std::thread::JoinHandle<()>> {
+    ["198.18.1.2:8080", "198.18.1.3:8080"]
+        .iter()
+        .map(|a| {
+            let l = sb
+                .c1
+                .run(|| std::net::TcpListener::bind(*a))
+                .unwrap()
+                .unwrap();
+            std::thread::spawn(move || {
+                for s in l.incoming().flatten() {
+                    std::thread::spawn(move || serve(s));
+                }
+            })
+        })
+        .collect()
+}
+
+/// Closes `s` with a reset (SO_LINGER 0).
+fn reset_close(s: TcpStream) {
+    socket2::SockRef::from(&s)
+        .set_linger(Some(std::time::Duration::ZERO))
+        .unwrap();
+    drop(s);
+}
+
+/// Reads until EOF or an error; the bytes read, and how it ended.
+fn read_until_end(mut s: &TcpStream) -> (Vec<u8>, std::io::Result<()>) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return (got, Ok(())),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => return (got, Err(e)),
+        }
+    }
+}
+
+/// A backend that resets mid-response: the client gets the bytes before it and then a reset,
+/// not a clean end of stream (a cut reply must not look whole).
+#[test]
+fn a_backend_reset_reaches_the_client_as_a_reset() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&[]);
+    let _b = special_backends(&sb, |mut s| {
+        let mut buf = [0u8; 64];
+        let _ = s.read(&mut buf);
+        let _ = s.write_all(b"partial-");
+        let _ = s.flush();
+        // Let the bytes leave before the reset.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        reset_close(s);
+    });
+    sb.start_agent(&[]);
+    let (got, end) = sb
+        .cli
+        .run(|| {
+            let s = TcpStream::connect_timeout(&"198.18.100.10:80".parse().unwrap(), IO_TIMEOUT)
+                .unwrap();
+            s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+            (&s).write_all(b"req").unwrap();
+            read_until_end(&s)
+        })
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&got), "partial-");
+    assert_eq!(
+        end.map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::ConnectionReset),
+        "the client took a cut reply for a whole one"
+    );
+    sb.stop_agent();
+}
+
+/// A client that resets: the backend sees a reset, not a clean end of stream.
+#[test]
+fn a_client_reset_reaches_the_backend_as_a_reset() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&[]);
+    static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let _b = special_backends(&sb, |s| {
+        let _ = s.set_read_timeout(Some(IO_TIMEOUT));
+        let mut first = [0u8; 5];
+        let ok = (&s).read_exact(&mut first).is_ok();
+        let (_, end) = read_until_end(&s);
+        let how = match end {
+            Ok(()) => "eof".to_string(),
+            Err(e) => format!("{:?}", e.kind()),
+        };
+        SEEN.lock().unwrap().push(format!("{ok} {how}"));
+    });
+    sb.start_agent(&[]);
+    sb.cli
+        .run(|| {
+            let s = TcpStream::connect_timeout(&"198.18.100.10:80".parse().unwrap(), IO_TIMEOUT)
+                .unwrap();
+            (&s).write_all(b"hello").unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            reset_close(s);
+        })
+        .unwrap();
+    wait_until("the backend saw the end", || {
+        !SEEN.lock().unwrap().is_empty()
+    });
+    assert_eq!(SEEN.lock().unwrap()[0], "true ConnectionReset");
+    sb.stop_agent();
+}
+
+/// Clean closes pass on as EOF after every byte, in each direction.
+#[test]
+fn clean_closes_pass_on_as_eof_after_all_bytes() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&[]);
+    let _b = special_backends(&sb, |s| {
+        let _ = s.set_read_timeout(Some(IO_TIMEOUT));
+        let (req, end) = read_until_end(&s);
+        if end.is_ok() {
+            // Echo back everything received, then FIN.
+            let _ = (&s).write_all(format!("{}:", req.len()).as_bytes());
+            let _ = (&s).write_all(&req);
+        }
+    });
+    sb.start_agent(&[]);
+    let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let (got, end) = sb
+        .cli
+        .run(move || {
+            let s = TcpStream::connect_timeout(&"198.18.100.10:80".parse().unwrap(), IO_TIMEOUT)
+                .unwrap();
+            s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+            (&s).write_all(&payload).unwrap();
+            s.shutdown(std::net::Shutdown::Write).unwrap();
+            read_until_end(&s)
+        })
+        .unwrap();
+    assert!(end.is_ok(), "{end:?}");
+    let expected: Vec<u8> = b"200000:"
+        .iter()
+        .copied()
+        .chain((0..200_000u32).map(|i| (i % 251) as u8))
+        .collect();
+    assert_eq!(got.len(), expected.len());
+    assert!(got == expected, "bytes differ");
+    sb.stop_agent();
+}
+
+/// A UDP flow whose backend stops being selected moves to a selected one: its session ends
+/// with the route change, and the client's next datagram opens a new one (a client that
+/// reuses its port never stays pinned to a removed backend).
+#[test]
+fn a_udp_flow_leaves_a_backend_that_is_no_longer_selected() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&["198.18.1.2:5353", "198.18.2.2:5353"]);
+    sb.start_agent(&[]);
+    let sock = sb
+        .cli
+        .run(|| {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+            s.connect("198.18.100.12:53").unwrap();
+            s
+        })
+        .unwrap();
+    let ask = |s: &std::net::UdpSocket, m: &str| -> std::io::Result<String> {
+        s.send(m.as_bytes())?;
+        let mut buf = [0u8; 256];
+        let n = s.recv(&mut buf)?;
+        Ok(String::from_utf8_lossy(&buf[..n]).to_string())
+    };
+    assert!(ask(&sock, "a").unwrap().starts_with("198.18.1.2:5353"));
+    let c1 = sb.read("slices-c1.yaml");
+    sb.write(
+        "slices-c1.yaml",
+        &c1.replace("ready: true", "ready: false")
+            .replace("serving: true", "serving: false"),
+    );
+    wait_until("new flows reach c2", || {
+        sb.udp("198.18.100.12:53", "probe")
+            .is_ok_and(|(r, _)| r.starts_with("198.18.2.2"))
+    });
+    // The old flow: its next datagram may be lost in the switch, the one after reaches c2.
+    let _ = ask(&sock, "b");
+    let r = ask(&sock, "c").expect("the old flow got no reply after its backend was removed");
+    assert!(r.starts_with("198.18.2.2:5353"), "{r}");
+    sb.stop_agent();
+}

@@ -202,6 +202,12 @@ async fn handle(client_stream: TcpStream, client: SocketAddr, dst: SocketAddr, s
             r = &mut relay => {
                 if let Err(e) = r {
                     tracing::debug!(%client, %backend, error = %e, "connection ended with an error");
+                    if e.kind() != io::ErrorKind::TimedOut {
+                        // A reset or error on one side aborts the other with a reset, never a
+                        // FIN: a cut stream must not look complete.
+                        reset(&client_stream);
+                        reset(&up);
+                    }
                 }
                 return;
             }
@@ -215,6 +221,9 @@ async fn handle(client_stream: TcpStream, client: SocketAddr, dst: SocketAddr, s
             () = drain_sleep => {
                 shared.metrics.drained.inc();
                 tracing::debug!(%client, %backend, "backend removed; drain bound reached, closing");
+                // Cut mid-stream: both sides learn it from a reset.
+                reset(&client_stream);
+                reset(&up);
                 return;
             }
             () = super::stopped(&mut shutdown), if drain_at.is_none() => {

@@ -210,14 +210,7 @@ async fn open_session(
     shared.metrics.udp_sessions.inc();
     let (shared, sessions) = (shared.clone(), sessions.clone());
     tokio::spawn(async move {
-        relay(
-            &up,
-            &down,
-            &counters,
-            shared.config.udp_idle_timeout,
-            shared.shutdown.clone(),
-        )
-        .await;
+        relay(&up, &down, &counters, &shared, vip, backend).await;
         {
             let mut t = sessions.map.lock().expect("sessions lock");
             if t.by_flow.remove(&(client, vip)).is_some()
@@ -257,17 +250,33 @@ fn drain(
     })
 }
 
+/// Relays a session until it is idle, fails, the forwarder stops, or its backend is no longer
+/// selected for the VIP (then the session ends, and the client's next datagram opens a new
+/// one to a selected backend: a flow never stays pinned to a removed backend).
 async fn relay(
     up: &UdpSocket,
     down: &UdpSocket,
     counters: &super::metrics::BackendCounters,
-    idle: Duration,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
+    shared: &Shared,
+    vip: SocketAddr,
+    backend: SocketAddr,
 ) {
+    let idle: Duration = shared.config.udp_idle_timeout;
+    let mut shutdown = shared.shutdown.clone();
+    let mut generation = shared.routes.subscribe();
     loop {
         let moved = tokio::select! {
             r = down.readable() => r.and_then(|()| drain(down, up, &counters.bytes_tx)),
             r = up.readable() => r.and_then(|()| drain(up, down, &counters.bytes_rx)),
+            changed = generation.changed() => {
+                let still = changed.is_ok()
+                    && shared
+                        .routes
+                        .load()
+                        .get(vip, Protocol::Udp)
+                        .is_some_and(|r| r.has_backend(backend));
+                if still { Ok(()) } else { return }
+            }
             () = tokio::time::sleep(idle) => return,
             () = super::stopped(&mut shutdown) => return,
         };
