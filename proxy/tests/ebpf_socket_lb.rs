@@ -737,3 +737,96 @@ fn one_pod_cannot_flush_the_reverse_translations_of_others() {
         "the victim's reverse translation was flushed"
     );
 }
+
+/// A TCP backend in `ns` that runs `serve` on each connection.
+fn special_tcp_backend(ns: &Netns, serve: fn(std::net::TcpStream)) -> SocketAddr {
+    let l = ns
+        .run(|| TcpListener::bind("127.0.0.1:0"))
+        .unwrap()
+        .expect("bind backend");
+    let local = l.local_addr().unwrap();
+    thread::spawn(move || {
+        for s in l.incoming().flatten() {
+            thread::spawn(move || serve(s));
+        }
+    });
+    local
+}
+
+fn abort(s: std::net::TcpStream) {
+    let l = nix::libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    let _ = nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::Linger, &l);
+    drop(s);
+}
+
+/// Through the socket LB the connection is the client's own, to the backend: a backend's
+/// reset reaches the client as a reset after the bytes before it, a client's reset reaches
+/// the backend as a reset, and clean closes are EOF after every byte.
+#[test]
+fn resets_and_clean_closes_pass_through_the_socket_lb() {
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let ns = Netns::new("bpf").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let resetting = special_tcp_backend(&ns, |mut s| {
+        let mut buf = [0u8; 64];
+        let _ = s.read(&mut buf);
+        let _ = s.write_all(b"partial-");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        abort(s);
+    });
+    static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let observing = special_tcp_backend(&ns, |mut s| {
+        let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(5)));
+        let mut got = Vec::new();
+        let how = match s.read_to_end(&mut got) {
+            Ok(_) => "eof".to_string(),
+            Err(e) => format!("{:?}", e.kind()),
+        };
+        SEEN.lock()
+            .unwrap()
+            .push(format!("{} {how}", String::from_utf8_lossy(&got)));
+    });
+    let echo = tcp_backend(&ns, "127.0.0.1:0");
+    let mut lb = SocketLb::open(&pins.0).unwrap();
+    lb.attach(cg.path()).unwrap();
+    lb.set_service("198.18.0.20:80".parse().unwrap(), L4::Tcp, &[resetting])
+        .unwrap();
+    lb.set_service("198.18.0.21:80".parse().unwrap(), L4::Tcp, &[observing])
+        .unwrap();
+    lb.set_service("198.18.0.22:80".parse().unwrap(), L4::Tcp, &[echo])
+        .unwrap();
+
+    let r = probe(&cg, &ns, &tcp("198.18.0.20:80"));
+    assert_eq!(r.reply, "partial-", "{r:?}");
+    assert!(
+        r.error.as_deref().is_some_and(|e| e.contains("reset")),
+        "a backend's reset did not reach the client: {r:?}"
+    );
+
+    let r = probe(
+        &cg,
+        &ns,
+        &Probe::TcpReset {
+            to: "198.18.0.21:80".parse().unwrap(),
+            send: "hello".into(),
+        },
+    );
+    assert_eq!(r.error, None, "{r:?}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while SEEN.lock().unwrap().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "backend saw nothing");
+        thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(SEEN.lock().unwrap()[0], "hello ConnectionReset");
+
+    // Clean: the request half-closed, the whole answer, then EOF.
+    let r = probe(&cg, &ns, &tcp("198.18.0.22:80"));
+    assert_eq!(r.error, None, "{r:?}");
+    assert_eq!(r.reply, format!("backend {} got hi", echo.port()));
+}

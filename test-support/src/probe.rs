@@ -59,6 +59,13 @@ pub enum Probe {
         /// Datagram.
         send: String,
     },
+    /// TCP connect to `to`, send `send`, wait 100 ms, then close with a reset (SO_LINGER 0).
+    TcpReset {
+        /// Destination.
+        to: SocketAddr,
+        /// Bytes to send before the reset.
+        send: String,
+    },
     /// Unconnected UDP from one socket: `segments` × `per_segment` `sendto`/`recvfrom`
     /// exchanges. After each segment but the last, the probe writes the last reply to
     /// `<sync_dir>/seg<k>` and waits (bounded, 60 s) for `<sync_dir>/go<k>`, so that the test
@@ -231,6 +238,25 @@ fn run(probe: &Probe) -> ProbeResult {
                     result.reply = reply;
                 }
                 Err(e) => result.error = Some(e.to_string()),
+            }
+        }
+        Probe::TcpReset { to, send } => {
+            let mut attempt = || -> std::io::Result<()> {
+                let mut s = TcpStream::connect_timeout(to, PROBE_TIMEOUT)?;
+                result.peer = s.peer_addr().ok();
+                s.write_all(send.as_bytes())?;
+                std::thread::sleep(Duration::from_millis(100));
+                let abort = nix::libc::linger {
+                    l_onoff: 1,
+                    l_linger: 0,
+                };
+                nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::Linger, &abort)
+                    .map_err(std::io::Error::from)?;
+                drop(s);
+                Ok(())
+            };
+            if let Err(e) = attempt() {
+                result.error = Some(e.to_string());
             }
         }
         Probe::UdpSegments {
