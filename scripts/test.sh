@@ -36,6 +36,13 @@ smoke=$?
 set -e
 if ((smoke == 0)); then cat target/mcs-bench-smoke.md; echo "harness smoke: ok"; else echo "harness smoke: FAILED"; status=1; fi
 
+step "fault suite, smoke mode (3 s per scenario; asserts no cut reply and that load was served, not speed)"
+set +e
+target/debug/mcs-bench faults --smoke --out target/mcs-bench-smoke
+faults=$?
+set -e
+if ((faults == 0)); then echo "fault suite smoke: ok"; else echo "fault suite smoke: FAILED"; status=1; fi
+
 step "summary"
 # One closing line over all test binaries.
 awk '/^test result:/ { for (i=1;i<=NF;i++) { if ($(i+1) ~ /^passed;?$/) p+=$i; if ($(i+1) ~ /^failed;?$/) f+=$i; if ($(i+1) ~ /^ignored;?$/) ig+=$i } }

@@ -5,8 +5,10 @@
 //! - `benches/`: criterion micro-benchmarks of the hot paths (`cargo bench -p mcs-bench`).
 //! - [`fixtures`]: synthetic ClusterSets of a given size, shared by the benches.
 //! - [`harness`]: the side-by-side harness behind the `mcs-bench` binary.
+//! - [`faults`]: the fault suite (`mcs-bench faults`).
 #![forbid(unsafe_code)]
 
+pub mod faults;
 pub mod harness;
 
 /// Synthetic inputs.

@@ -77,6 +77,38 @@ struct RunArgs {
 
 #[derive(Subcommand, Debug)]
 enum Tool {
+    /// The fault suite: steady load to a ClusterSetIP while a fault is injected, counting
+    /// the connections the client saw fail or cut and the longest gap (as root).
+    Faults {
+        /// Scenarios, comma-separated: agent-kill, backend-kill, flap (default: all).
+        #[arg(long, value_delimiter = ',')]
+        scenarios: Vec<String>,
+        /// Dataplanes, comma-separated: ebpf, userspace (default: both).
+        #[arg(long, value_delimiter = ',')]
+        dataplanes: Vec<String>,
+        /// Seconds of load per scenario.
+        #[arg(long, default_value_t = 30.0)]
+        seconds: f64,
+        /// CI: 3 s per scenario; exits 1 if any reply was cut or nothing was served.
+        #[arg(long)]
+        smoke: bool,
+        /// The mcs-agent binary (default: next to this one).
+        #[arg(long)]
+        agent: Option<PathBuf>,
+        /// Output directory (faults.md, faults.json).
+        #[arg(long, default_value = "target/mcs-bench")]
+        out: PathBuf,
+    },
+    /// (internal) New-connection request loop; prints one JSON line.
+    #[command(hide = true)]
+    CrrLoop {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        #[arg(long, default_value_t = 2_000_000)]
+        max: u64,
+    },
     /// (internal) UDP echo server.
     #[command(hide = true)]
     UdpEcho {
@@ -119,6 +151,20 @@ fn main() -> ExitCode {
             Ok(())
         }),
         Some(Tool::Check { http, udp }) => harness::tools::check(http, udp),
+        Some(Tool::CrrLoop { to, seconds, max }) => {
+            let r = mcs_bench::faults::crr_loop(to, seconds, max);
+            serde_json::to_string(&r)
+                .map(|l| println!("{l}"))
+                .map_err(anyhow::Error::from)
+        }
+        Some(Tool::Faults {
+            scenarios,
+            dataplanes,
+            seconds,
+            smoke,
+            agent,
+            out,
+        }) => return faults(&scenarios, &dataplanes, seconds, smoke, agent, &out),
         None => return bench(cli.run),
     };
     match result {
@@ -127,6 +173,89 @@ fn main() -> ExitCode {
             eprintln!("mcs-bench: {e:#}");
             ExitCode::from(1)
         }
+    }
+}
+
+fn faults(
+    scenarios: &[String],
+    dataplanes: &[String],
+    seconds: f64,
+    smoke: bool,
+    agent: Option<PathBuf>,
+    out: &std::path::Path,
+) -> ExitCode {
+    use mcs_bench::faults::{self, Dataplane, Scenario};
+    let scenarios: Result<Vec<Scenario>, String> = if scenarios.is_empty() {
+        Ok(Scenario::ALL.to_vec())
+    } else {
+        scenarios
+            .iter()
+            .map(|s| Scenario::parse(s).ok_or_else(|| format!("unknown scenario {s:?}")))
+            .collect()
+    };
+    let dataplanes: Result<Vec<Dataplane>, String> = if dataplanes.is_empty() {
+        Ok(vec![Dataplane::Ebpf, Dataplane::Userspace])
+    } else {
+        dataplanes
+            .iter()
+            .map(|d| match d.as_str() {
+                "ebpf" => Ok(Dataplane::Ebpf),
+                "userspace" => Ok(Dataplane::Userspace),
+                _ => Err(format!("unknown dataplane {d:?}")),
+            })
+            .collect()
+    };
+    let (scenarios, dataplanes) = match (scenarios, dataplanes) {
+        (Ok(s), Ok(d)) => (s, d),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("mcs-bench faults: {e} (see --help)");
+            return ExitCode::from(2);
+        }
+    };
+    let seconds = if smoke { 3.0 } else { seconds.max(1.0) };
+    let agent = agent.unwrap_or_else(|| {
+        std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(|d| d.join("mcs-agent")))
+            .unwrap_or_else(|| PathBuf::from("mcs-agent"))
+    });
+    let mut outcomes = Vec::new();
+    let mut bad = Vec::new();
+    for s in &scenarios {
+        for d in &dataplanes {
+            eprintln!("mcs-bench faults: {} on {:?} for {seconds} s", s.name(), d);
+            match faults::run(*s, *d, seconds, &agent) {
+                Ok(o) => {
+                    if o.load.incomplete > 0 {
+                        bad.push(format!(
+                            "{} {}: {} cut replies",
+                            o.scenario, o.dataplane, o.load.incomplete
+                        ));
+                    }
+                    if o.load.ok == 0 {
+                        bad.push(format!("{} {}: nothing served", o.scenario, o.dataplane));
+                    }
+                    outcomes.push(o);
+                }
+                Err(e) => bad.push(format!("{} {d:?}: {e:#}", s.name())),
+            }
+        }
+    }
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    let md = faults::markdown(&outcomes, &command);
+    println!("{md}");
+    let _ = std::fs::create_dir_all(out);
+    let _ = std::fs::write(out.join("faults.md"), &md);
+    if let Ok(json) = serde_json::to_string_pretty(&outcomes) {
+        let _ = std::fs::write(out.join("faults.json"), json);
+    }
+    if bad.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        for b in &bad {
+            eprintln!("mcs-bench faults: {b}");
+        }
+        ExitCode::from(1)
     }
 }
 

@@ -1,0 +1,503 @@
+//! The fault suite (`mcs-bench faults`): each scenario runs steady load from the client pod to
+//! a ClusterSetIP while a fault is injected, and counts what the client saw — connections
+//! tried, failed, replies cut, the longest gap between two served connections. A bench, not a
+//! test: the figures go into README's "Faults" table; `--smoke` (CI) asserts only that no
+//! reply was cut and that the load ran.
+//!
+//! # Layout
+//!
+//! ```text
+//!  client (cli netns; in the agent's cgroup for eBPF) ── node (agent) ─┬─ c1: 198.18.1.2, .3 :8080
+//!                                                                      └─ c2: 198.18.2.2, .3 :8080
+//! ```
+//!
+//! The client is a child process (`mcs-bench crr-loop`, one new connection per request); the
+//! agent reads a file source in a temporary directory the scenarios rewrite.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+use mcs_sandbox::{cgroup::TestCgroup, netns::Netns, topology::TwoClusters};
+use serde::{Deserialize, Serialize};
+
+/// The ClusterSetIP of the measured service.
+pub const VIP: &str = "198.18.100.10:80";
+const BACKENDS: [(&str, &str); 4] = [
+    ("c1", "198.18.1.2"),
+    ("c1", "198.18.1.3"),
+    ("c2", "198.18.2.2"),
+    ("c2", "198.18.2.3"),
+];
+const PORT: u16 = 8080;
+const IO_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// What the client saw.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct LoadResult {
+    /// Connections tried.
+    pub tried: u64,
+    /// Connections that got the whole reply.
+    pub ok: u64,
+    /// Connections that failed (refused, reset, timeout, closed before any reply).
+    pub failed: u64,
+    /// Replies that came back cut or wrong (some bytes, not the whole answer).
+    pub incomplete: u64,
+    /// Longest time between two served connections, in milliseconds.
+    pub longest_gap_ms: f64,
+    /// The first error seen.
+    pub first_error: Option<String>,
+}
+
+/// `mcs-bench crr-loop`: new connections to `to` for `seconds` (at most `max` of them), each
+/// sending a request, half-closing and reading the whole reply.
+pub fn crr_loop(to: SocketAddr, seconds: f64, max: u64) -> LoadResult {
+    let mut r = LoadResult::default();
+    let start = Instant::now();
+    let end = start + Duration::from_secs_f64(seconds);
+    let mut last_ok = start;
+    while Instant::now() < end && r.tried < max {
+        r.tried += 1;
+        let req = format!("GET /{}", r.tried);
+        let one = || -> std::io::Result<String> {
+            let mut s = TcpStream::connect_timeout(&to, IO_TIMEOUT)?;
+            s.set_read_timeout(Some(IO_TIMEOUT))?;
+            s.write_all(req.as_bytes())?;
+            s.shutdown(std::net::Shutdown::Write)?;
+            let mut out = String::new();
+            s.read_to_string(&mut out)?;
+            Ok(out)
+        };
+        match one() {
+            Ok(out) if out.starts_with("backend ") && out.ends_with(&format!(" {req}\n")) => {
+                r.ok += 1;
+                let now = Instant::now();
+                let gap = now.duration_since(last_ok).as_secs_f64() * 1e3;
+                r.longest_gap_ms = r.longest_gap_ms.max(gap);
+                last_ok = now;
+            }
+            // Closed before any reply (e.g. the forwarder's process died): a failure the
+            // client sees, not a reply it could take for whole.
+            Ok(out) if out.is_empty() => {
+                r.failed += 1;
+                r.first_error
+                    .get_or_insert("closed without a reply".to_string());
+            }
+            Ok(out) => {
+                r.incomplete += 1;
+                r.first_error.get_or_insert(format!("cut reply {out:?}"));
+            }
+            Err(e) => {
+                r.failed += 1;
+                r.first_error.get_or_insert(e.to_string());
+                // A refused connect returns at once: do not spin.
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+    let tail = Instant::now().duration_since(last_ok).as_secs_f64() * 1e3;
+    r.longest_gap_ms = r.longest_gap_ms.max(tail);
+    r
+}
+
+/// A backend: reads the whole request, answers `backend ADDR REQUEST\n`; stops when told.
+struct Backend {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+fn start_backend(ns: &Netns, addr: SocketAddr) -> anyhow::Result<Backend> {
+    let l = ns.run(|| TcpListener::bind(addr))??;
+    l.set_nonblocking(true)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = stop.clone();
+    std::thread::spawn(move || {
+        // Polls accept every millisecond so that a stop closes the listener promptly
+        // (connections are then refused, as from a dead pod).
+        while !s.load(Ordering::Acquire) {
+            match l.accept() {
+                Ok((c, _)) => {
+                    std::thread::spawn(move || {
+                        let _ = c.set_nonblocking(false);
+                        let _ = c.set_read_timeout(Some(IO_TIMEOUT));
+                        let mut req = Vec::new();
+                        if (&c).take(4096).read_to_end(&mut req).is_ok() {
+                            let reply =
+                                format!("backend {addr} {}\n", String::from_utf8_lossy(&req));
+                            let _ = (&c).write_all(reply.as_bytes());
+                        }
+                    });
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+    });
+    Ok(Backend { addr, stop })
+}
+
+/// The ClusterSet as the agent's file source: the import and one slice per cluster, with the
+/// ready flags given.
+fn objects(ready: &dyn Fn(&str) -> bool) -> String {
+    let mut y = String::from(
+        "apiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceImport\n\
+         metadata: { name: web, namespace: shop, creationTimestamp: \"2026-11-01T10:00:00Z\" }\n\
+         spec: { type: ClusterSetIP, ips: [\"198.18.100.10\"], ports: [{ name: http, protocol: TCP, port: 80 }] }\n",
+    );
+    for cluster in ["c1", "c2"] {
+        y.push_str(&format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+             metadata: {{ name: web-{cluster}, namespace: shop, labels: {{ multicluster.kubernetes.io/service-name: web, multicluster.kubernetes.io/source-cluster: {cluster} }} }}\n\
+             addressType: IPv4\nports: [{{ name: http, protocol: TCP, port: {PORT} }}]\nendpoints:\n"
+        ));
+        for (c, a) in BACKENDS.iter().filter(|(c, _)| *c == cluster) {
+            let _ = c;
+            y.push_str(&format!(
+                "- {{ addresses: [\"{a}\"], conditions: {{ ready: {} }} }}\n",
+                ready(a)
+            ));
+        }
+    }
+    y
+}
+
+/// Writes the objects atomically (the file source never reads half a file).
+fn write_objects(dir: &Path, ready: &dyn Fn(&str) -> bool) -> anyhow::Result<()> {
+    let tmp = dir.join(".objects.yaml.tmp");
+    std::fs::write(&tmp, objects(ready))?;
+    std::fs::rename(&tmp, dir.join("objects.yaml"))?;
+    Ok(())
+}
+
+/// Which dataplane a scenario runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Dataplane {
+    /// The eBPF socket LB.
+    Ebpf,
+    /// The userspace forwarder.
+    Userspace,
+}
+
+impl Dataplane {
+    fn name(self) -> &'static str {
+        match self {
+            Dataplane::Ebpf => "ebpf",
+            Dataplane::Userspace => "userspace",
+        }
+    }
+}
+
+/// The sandbox of one scenario run.
+struct Bed {
+    topo: TwoClusters,
+    dir: tempfile_dir::Dir,
+    cg: TestCgroup,
+    pins: PathBuf,
+    agent_bin: PathBuf,
+    agent: Option<Child>,
+    dataplane: Dataplane,
+    backends: Vec<Backend>,
+    metrics_port: u16,
+}
+
+/// A temporary directory removed on drop (no extra dependency for it).
+mod tempfile_dir {
+    use std::path::{Path, PathBuf};
+
+    pub struct Dir(PathBuf);
+
+    impl Dir {
+        pub fn new() -> std::io::Result<Self> {
+            let p = std::env::temp_dir().join(mcs_sandbox::unique_name("faults"));
+            std::fs::create_dir_all(&p)?;
+            Ok(Self(p))
+        }
+        pub fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+impl Drop for Bed {
+    fn drop(&mut self) {
+        self.kill_agent();
+        if self.dataplane == Dataplane::Ebpf {
+            let _ = Command::new(&self.agent_bin)
+                .args(["uninstall", "--bpf-pin-dir"])
+                .arg(&self.pins)
+                .output();
+        }
+    }
+}
+
+impl Bed {
+    fn new(dataplane: Dataplane, agent_bin: &Path) -> anyhow::Result<Self> {
+        let topo = TwoClusters::build().context("building the namespaces")?;
+        // eBPF: packets go from the client pod straight to the backends, routed by the node.
+        topo.node.enable_forwarding()?;
+        let mut backends = Vec::new();
+        for (c, a) in BACKENDS {
+            let ns = if c == "c1" { &topo.c1 } else { &topo.c2 };
+            backends.push(start_backend(ns, SocketAddr::new(a.parse()?, PORT))?);
+        }
+        let dir = tempfile_dir::Dir::new()?;
+        write_objects(dir.path(), &|_| true)?;
+        let cg = TestCgroup::new("faults")?;
+        let pins = Path::new("/sys/fs/bpf").join(mcs_sandbox::unique_name("faults"));
+        let metrics_port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let mut bed = Self {
+            topo,
+            dir,
+            cg,
+            pins,
+            agent_bin: agent_bin.to_path_buf(),
+            agent: None,
+            dataplane,
+            backends,
+            metrics_port,
+        };
+        bed.start_agent()?;
+        Ok(bed)
+    }
+
+    fn start_agent(&mut self) -> anyhow::Result<()> {
+        let mut cmd = match self.dataplane {
+            // The eBPF agent runs outside `ip netns exec` (which hides bpffs and cgroupfs).
+            Dataplane::Ebpf => Command::new(&self.agent_bin),
+            Dataplane::Userspace => self
+                .topo
+                .node
+                .command(self.agent_bin.to_str().context("agent path")?),
+        };
+        cmd.args(["run", "--dataplane", self.dataplane.name()])
+            .args(["--cluster-id", "c1", "--file-poll-ms", "50"])
+            .args(["--clusterset-ip-cidr", "198.18.100.0/24"])
+            .args([
+                "--metrics-addr",
+                &format!("127.0.0.1:{}", self.metrics_port),
+            ])
+            .arg("--source")
+            .arg(format!("file:{}", self.dir.path().display()))
+            .stdout(Stdio::null())
+            .stderr(if std::env::var_os("MCS_FAULTS_AGENT_LOG").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            });
+        if self.dataplane == Dataplane::Ebpf {
+            cmd.arg("--cgroup-root")
+                .arg(self.cg.path())
+                .arg("--bpf-pin-dir")
+                .arg(&self.pins);
+        }
+        self.agent = Some(cmd.spawn().context("starting the agent")?);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.ready() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("the agent did not become ready in 20 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn ready(&self) -> bool {
+        let port = self.metrics_port;
+        let get = move || -> Option<bool> {
+            let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+            s.write_all(b"GET /readyz HTTP/1.1\r\n\r\n").ok()?;
+            let mut out = String::new();
+            s.read_to_string(&mut out).ok()?;
+            Some(out.starts_with("HTTP/1.1 200"))
+        };
+        match self.dataplane {
+            Dataplane::Ebpf => get(),
+            Dataplane::Userspace => self.topo.node.run(get).ok().flatten(),
+        }
+        .unwrap_or(false)
+    }
+
+    fn kill_agent(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            let _ = a.kill();
+            let _ = a.wait();
+        }
+    }
+
+    /// Starts the load client in the client pod (and, for eBPF, in the agent's cgroup).
+    fn start_load(&self, seconds: f64) -> anyhow::Result<Child> {
+        let me = std::env::current_exe()?;
+        let mut cmd = match self.dataplane {
+            Dataplane::Ebpf => self.cg.command(Some(&self.topo.cli), &me),
+            Dataplane::Userspace => self.topo.cli.command(me.to_str().context("bench path")?),
+        };
+        cmd.args(["crr-loop", "--to", VIP, "--seconds", &seconds.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        Ok(cmd.spawn()?)
+    }
+}
+
+fn finish_load(child: Child) -> anyhow::Result<LoadResult> {
+    let out = child.wait_with_output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .last()
+        .context("the load client printed nothing")?;
+    Ok(serde_json::from_str(line)?)
+}
+
+/// A scenario.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scenario {
+    /// The agent is SIGKILLed a third into the run and restarted at once.
+    AgentKill,
+    /// One of the local cluster's two backends dies a third into the run, with no
+    /// EndpointSlice change until two thirds in (then it is marked not ready).
+    BackendKill,
+    /// One local endpoint's readiness flips every 100 ms for the whole run.
+    Flap,
+}
+
+impl Scenario {
+    /// Every scenario.
+    pub const ALL: [Scenario; 3] = [Scenario::AgentKill, Scenario::BackendKill, Scenario::Flap];
+
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scenario::AgentKill => "agent-kill",
+            Scenario::BackendKill => "backend-kill",
+            Scenario::Flap => "flap",
+        }
+    }
+
+    /// By name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|x| x.name() == s)
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Scenario::AgentKill => "agent SIGKILLed and restarted",
+            Scenario::BackendKill => {
+                "one of two local backends killed, its endpoint marked not ready only later"
+            }
+            Scenario::Flap => "one local endpoint's readiness flipping every 100 ms",
+        }
+    }
+}
+
+/// One scenario's outcome.
+#[derive(Clone, Debug, Serialize)]
+pub struct Outcome {
+    /// Scenario name.
+    pub scenario: &'static str,
+    /// Dataplane.
+    pub dataplane: &'static str,
+    /// What the client saw.
+    pub load: LoadResult,
+    /// For `backend-kill`: connections that failed while the dead backend was still listed.
+    pub note: String,
+}
+
+/// Runs `scenario` on `dataplane` for `seconds`.
+pub fn run(
+    scenario: Scenario,
+    dataplane: Dataplane,
+    seconds: f64,
+    agent: &Path,
+) -> anyhow::Result<Outcome> {
+    let mut bed = Bed::new(dataplane, agent)?;
+    let load = bed.start_load(seconds)?;
+    let third = Duration::from_secs_f64(seconds / 3.0);
+    let note = match scenario {
+        Scenario::AgentKill => {
+            std::thread::sleep(third);
+            bed.kill_agent();
+            let t = Instant::now();
+            bed.start_agent()?;
+            format!(
+                "restarted and ready again in {:.0} ms",
+                t.elapsed().as_secs_f64() * 1e3
+            )
+        }
+        Scenario::BackendKill => {
+            std::thread::sleep(third);
+            let dead = SocketAddr::new("198.18.1.2".parse()?, PORT);
+            bed.backends.retain(|b| b.addr != dead);
+            std::thread::sleep(third);
+            write_objects(bed.dir.path(), &|a| a != "198.18.1.2")?;
+            "killed at 1/3, marked not ready at 2/3".to_string()
+        }
+        Scenario::Flap => {
+            let end = Instant::now() + Duration::from_secs_f64(seconds);
+            let mut ready = true;
+            let mut flips = 0u32;
+            while Instant::now() < end {
+                ready = !ready;
+                flips += 1;
+                write_objects(bed.dir.path(), &|a| a != "198.18.1.3" || ready)?;
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            format!("{flips} flips")
+        }
+    };
+    let load = finish_load(load)?;
+    Ok(Outcome {
+        scenario: scenario.name(),
+        dataplane: dataplane.name(),
+        load,
+        note,
+    })
+}
+
+/// The outcomes as a markdown table.
+pub fn markdown(outcomes: &[Outcome], command: &str) -> String {
+    let mut s = String::from(
+        "| scenario | dataplane | connections tried | failed | cut replies | longest gap (ms) | note |\n|---|---|---|---|---|---|---|\n",
+    );
+    for o in outcomes {
+        let desc = Scenario::parse(o.scenario).map_or("", Scenario::describe);
+        s.push_str(&format!(
+            "| {} ({desc}) | {} | {} | {} | {} | {:.0} | {}{} |\n",
+            o.scenario,
+            o.dataplane,
+            o.load.tried,
+            o.load.failed,
+            o.load.incomplete,
+            o.load.longest_gap_ms,
+            o.note,
+            o.load
+                .first_error
+                .as_deref()
+                .map(|e| format!("; first error: {e}"))
+                .unwrap_or_default()
+        ));
+    }
+    s.push_str(&format!("\nCommand: `{command}`\n"));
+    s
+}
