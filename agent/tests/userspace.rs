@@ -172,22 +172,7 @@ fn connections_above_the_cap_are_refused_while_open_ones_continue() {
     }
     let mut sb = Sandbox::new(&ALL);
     sb.start_agent(&["--max-connections", "2"]);
-    let open = |sb: &Sandbox| -> std::io::Result<TcpStream> {
-        sb.cli
-            .run(|| {
-                let s =
-                    TcpStream::connect_timeout(&"198.18.100.10:80".parse().unwrap(), IO_TIMEOUT)?;
-                s.set_read_timeout(Some(IO_TIMEOUT))?;
-                Ok(s)
-            })
-            .unwrap()
-    };
-    let ask = |mut s: &TcpStream, m: &str| -> std::io::Result<String> {
-        s.write_all(m.as_bytes())?;
-        let mut buf = [0u8; 256];
-        let n = s.read(&mut buf)?;
-        Ok(String::from_utf8_lossy(&buf[..n]).to_string())
-    };
+    let (open, ask) = (open_web, ask_once);
     let a = open(&sb).unwrap();
     let b = open(&sb).unwrap();
     assert!(ask(&a, "a").unwrap().ends_with(" a"));
@@ -584,22 +569,7 @@ fn tcp_connections_are_capped_per_client() {
     }
     let mut sb = Sandbox::new(&ALL);
     sb.start_agent(&["--max-connections-per-client", "2"]);
-    let open = |sb: &Sandbox| -> std::io::Result<TcpStream> {
-        sb.cli
-            .run(|| {
-                let s =
-                    TcpStream::connect_timeout(&"198.18.100.10:80".parse().unwrap(), IO_TIMEOUT)?;
-                s.set_read_timeout(Some(IO_TIMEOUT))?;
-                Ok(s)
-            })
-            .unwrap()
-    };
-    let ask = |mut s: &TcpStream, m: &str| -> std::io::Result<String> {
-        s.write_all(m.as_bytes())?;
-        let mut buf = [0u8; 256];
-        let n = s.read(&mut buf)?;
-        Ok(String::from_utf8_lossy(&buf[..n]).to_string())
-    };
+    let (open, ask) = (open_web, ask_once);
     let a = open(&sb).unwrap();
     let b = open(&sb).unwrap();
     assert!(ask(&a, "a").unwrap().ends_with(" a"));
@@ -901,4 +871,23 @@ fn random_payloads_arrive_byte_exact_both_ways_with_and_without_splice() {
         }
         sb.stop_agent();
     }
+}
+
+/// A connection from the client pod to the web ClusterSetIP.
+fn open_web(sb: &Sandbox) -> std::io::Result<TcpStream> {
+    sb.cli
+        .run(|| {
+            let s = TcpStream::connect_timeout(&"198.18.100.10:80".parse().unwrap(), IO_TIMEOUT)?;
+            s.set_read_timeout(Some(IO_TIMEOUT))?;
+            Ok(s)
+        })
+        .unwrap()
+}
+
+/// Sends `m` and reads one reply.
+fn ask_once(mut s: &TcpStream, m: &str) -> std::io::Result<String> {
+    s.write_all(m.as_bytes())?;
+    let mut buf = [0u8; 256];
+    let n = s.read(&mut buf)?;
+    Ok(String::from_utf8_lossy(&buf[..n]).to_string())
 }

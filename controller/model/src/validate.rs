@@ -614,27 +614,27 @@ pub fn slice(input: &SliceInput, guard: &Guard, out: &mut Vec<Rejection>) -> Opt
         }
     };
     let limits = &guard.limits;
-    if input.ports.len() > limits.ports_per_slice {
-        out.push(Rejection::new(
-            &object,
+    let over = [
+        (
             Reason::TooManyPorts,
-            format!(
-                "{} ports; at most {} per slice",
-                input.ports.len(),
-                limits.ports_per_slice
-            ),
-        ));
-        return None;
-    }
-    if input.endpoints.len() > limits.endpoints_per_slice {
+            "ports",
+            input.ports.len(),
+            limits.ports_per_slice,
+        ),
+        (
+            Reason::TooManyEndpoints,
+            "endpoints",
+            input.endpoints.len(),
+            limits.endpoints_per_slice,
+        ),
+    ]
+    .into_iter()
+    .find(|(_, _, n, max)| n > max);
+    if let Some((reason, what, n, max)) = over {
         out.push(Rejection::new(
             &object,
-            Reason::TooManyEndpoints,
-            format!(
-                "{} endpoints; at most {} per slice",
-                input.endpoints.len(),
-                limits.endpoints_per_slice
-            ),
+            reason,
+            format!("{n} {what}; at most {max} per slice"),
         ));
         return None;
     }
