@@ -183,6 +183,37 @@ fn write_objects(dir: &Path, ready: &dyn Fn(&str) -> bool) -> anyhow::Result<()>
     Ok(())
 }
 
+/// Services of the burst scenario (`--smoke`: a tenth, which a debug build programs within
+/// its 1 s third).
+pub const BURST_SERVICES: u32 = 10_000;
+
+/// `n` more imports (no endpoints) in their own file, VIPs from 198.18.64.1 up, skipping the
+/// measured one.
+fn write_burst(dir: &Path, n: u32) -> anyhow::Result<()> {
+    let base = u32::from(std::net::Ipv4Addr::new(198, 18, 64, 1));
+    let skip: std::net::Ipv4Addr = "198.18.100.10".parse()?;
+    let mut y = String::new();
+    let mut written = 0;
+    let mut i = 0;
+    while written < n {
+        let vip = std::net::Ipv4Addr::from(base + i);
+        i += 1;
+        if vip == skip {
+            continue;
+        }
+        y.push_str(&format!(
+            "---\napiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceImport\n\
+             metadata: {{ name: b{written}, namespace: burst }}\n\
+             spec: {{ type: ClusterSetIP, ips: [\"{vip}\"], ports: [{{ name: http, protocol: TCP, port: 80 }}] }}\n"
+        ));
+        written += 1;
+    }
+    let tmp = dir.join(".burst.yaml.tmp");
+    std::fs::write(&tmp, y)?;
+    std::fs::rename(&tmp, dir.join("burst.yaml"))?;
+    Ok(())
+}
+
 /// Which dataplane a scenario runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Dataplane {
@@ -291,7 +322,9 @@ impl Bed {
         };
         cmd.args(["run", "--dataplane", self.dataplane.name()])
             .args(["--cluster-id", "c1", "--file-poll-ms", "50"])
-            .args(["--clusterset-ip-cidr", "198.18.100.0/24"])
+            // Room for the burst's 10,000 VIPs (198.18.64.0/18) beside the measured one.
+            .args(["--clusterset-ip-cidr", "198.18.64.0/18"])
+            .args(["--max-frontends", "20000"])
             .args([
                 "--metrics-addr",
                 &format!("127.0.0.1:{}", self.metrics_port),
@@ -323,20 +356,44 @@ impl Bed {
         }
     }
 
-    fn ready(&self) -> bool {
+    /// A GET of the agent's HTTP endpoint `path`.
+    fn http(&self, path: &str) -> Option<String> {
         let port = self.metrics_port;
-        let get = move || -> Option<bool> {
+        let req = format!("GET {path} HTTP/1.1\r\n\r\n");
+        let get = move || -> Option<String> {
             let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-            s.write_all(b"GET /readyz HTTP/1.1\r\n\r\n").ok()?;
+            s.write_all(req.as_bytes()).ok()?;
             let mut out = String::new();
             s.read_to_string(&mut out).ok()?;
-            Some(out.starts_with("HTTP/1.1 200"))
+            Some(out)
         };
         match self.dataplane {
             Dataplane::Ebpf => get(),
             Dataplane::Userspace => self.topo.node.run(get).ok().flatten(),
         }
-        .unwrap_or(false)
+    }
+
+    fn ready(&self) -> bool {
+        self.http("/readyz")
+            .is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+    }
+
+    /// Waits (up to `limit`) until the agent reports `frontends` frontends programmed; how
+    /// long it took.
+    fn wait_frontends(&self, frontends: u64, limit: Duration) -> Option<Duration> {
+        let t = Instant::now();
+        while t.elapsed() < limit {
+            let n = self.http("/metrics").and_then(|m| {
+                m.lines()
+                    .find_map(|l| l.strip_prefix("mcs_frontends "))
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+            });
+            if n == Some(frontends) {
+                return Some(t.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
     }
 
     fn kill_agent(&mut self) {
@@ -380,11 +437,19 @@ pub enum Scenario {
     BackendKill,
     /// One local endpoint's readiness flips every 100 ms for the whole run.
     Flap,
+    /// 10,000 other services (a tenth in smoke mode) are created a third into the run and
+    /// deleted at two thirds.
+    Burst,
 }
 
 impl Scenario {
     /// Every scenario.
-    pub const ALL: [Scenario; 3] = [Scenario::AgentKill, Scenario::BackendKill, Scenario::Flap];
+    pub const ALL: [Scenario; 4] = [
+        Scenario::AgentKill,
+        Scenario::BackendKill,
+        Scenario::Flap,
+        Scenario::Burst,
+    ];
 
     /// Its name on the command line.
     pub fn name(self) -> &'static str {
@@ -392,6 +457,7 @@ impl Scenario {
             Scenario::AgentKill => "agent-kill",
             Scenario::BackendKill => "backend-kill",
             Scenario::Flap => "flap",
+            Scenario::Burst => "burst",
         }
     }
 
@@ -407,6 +473,7 @@ impl Scenario {
                 "one of two local backends killed, its endpoint marked not ready only later"
             }
             Scenario::Flap => "one local endpoint's readiness flipping every 100 ms",
+            Scenario::Burst => "other services created in a burst, then deleted",
         }
     }
 }
@@ -424,11 +491,12 @@ pub struct Outcome {
     pub note: String,
 }
 
-/// Runs `scenario` on `dataplane` for `seconds`.
+/// Runs `scenario` on `dataplane` for `seconds` (`burst`: services of the burst scenario).
 pub fn run(
     scenario: Scenario,
     dataplane: Dataplane,
     seconds: f64,
+    burst: u32,
     agent: &Path,
 ) -> anyhow::Result<Outcome> {
     let mut bed = Bed::new(dataplane, agent)?;
@@ -464,6 +532,25 @@ pub fn run(
                 std::thread::sleep(Duration::from_millis(100));
             }
             format!("{flips} flips")
+        }
+        Scenario::Burst => {
+            std::thread::sleep(third);
+            let t = Instant::now();
+            write_burst(bed.dir.path(), burst)?;
+            let added = bed.wait_frontends(u64::from(burst) + 1, third);
+            std::thread::sleep(third.saturating_sub(t.elapsed()));
+            std::fs::remove_file(bed.dir.path().join("burst.yaml"))?;
+            let removed = bed.wait_frontends(1, third);
+            let ms = |d: Option<Duration>| {
+                d.map_or("not within the run".to_string(), |d| {
+                    format!("{:.0} ms", d.as_secs_f64() * 1e3)
+                })
+            };
+            format!(
+                "{burst} services programmed in {}, removed in {}",
+                ms(added),
+                ms(removed)
+            )
         }
     };
     let load = finish_load(load)?;

@@ -80,7 +80,7 @@ enum Tool {
     /// The fault suite: steady load to a ClusterSetIP while a fault is injected, counting
     /// the connections the client saw fail or cut and the longest gap (as root).
     Faults {
-        /// Scenarios, comma-separated: agent-kill, backend-kill, flap (default: all).
+        /// Scenarios, comma-separated: agent-kill, backend-kill, flap, burst (default: all).
         #[arg(long, value_delimiter = ',')]
         scenarios: Vec<String>,
         /// Dataplanes, comma-separated: ebpf, userspace (default: both).
@@ -224,7 +224,12 @@ fn faults(
     for s in &scenarios {
         for d in &dataplanes {
             eprintln!("mcs-bench faults: {} on {:?} for {seconds} s", s.name(), d);
-            match faults::run(*s, *d, seconds, &agent) {
+            let burst = if smoke {
+                faults::BURST_SERVICES / 10
+            } else {
+                faults::BURST_SERVICES
+            };
+            match faults::run(*s, *d, seconds, burst, &agent) {
                 Ok(o) => {
                     if o.load.incomplete > 0 {
                         bad.push(format!(
