@@ -170,6 +170,8 @@ pub struct SocketLb {
     maglev: bool,
     /// `rev_nat_id` of each frontend (names its Maglev table).
     svc_ids: BTreeMap<FrontKey, u32>,
+    /// `rev_nat_id`s that have a Maglev table in the map (only those have entries to delete).
+    maglev_tables: std::collections::BTreeSet<u32>,
     free_svc_ids: Vec<u32>,
     next_svc_id: u32,
 }
@@ -216,6 +218,7 @@ impl SocketLb {
             member_map,
             maglev: false,
             svc_ids: BTreeMap::new(),
+            maglev_tables: std::collections::BTreeSet::new(),
             free_svc_ids: Vec::new(),
             next_svc_id: 1,
             pin_dir: pin_dir.to_path_buf(),
@@ -258,6 +261,9 @@ impl SocketLb {
             let fk = (vip, l4);
             if slot == 0 && v.rev_nat_id != 0 {
                 self.svc_ids.insert(fk, v.rev_nat_id);
+                if v.flags & mcs_ebpf_common::SVC_FLAG_MAGLEV != 0 {
+                    self.maglev_tables.insert(v.rev_nat_id);
+                }
             }
             let e = fronts.entry(fk).or_default();
             if slot > 0 {

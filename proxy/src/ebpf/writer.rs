@@ -176,11 +176,13 @@ impl SocketLb {
             }
             if complete {
                 flags |= mcs_ebpf_common::SVC_FLAG_MAGLEV;
+                self.maglev_tables.insert(svc_id);
             } else {
-                for index in 0..MAGLEV_TABLE_SIZE {
-                    let _ = self.maglev_map.remove(&MaglevKey { svc_id, index });
-                }
+                self.delete_maglev_table(svc_id);
             }
+        } else if self.maglev_tables.contains(&svc_id) {
+            // No table any more (no backend, or too many for one): its entries go.
+            self.delete_maglev_table(svc_id);
         }
         let front = SvcValue {
             count,
@@ -206,11 +208,20 @@ impl SocketLb {
         }
     }
 
-    fn drop_maglev(&mut self, vip: SocketAddr, l4: L4) {
-        if let Some(svc_id) = self.svc_ids.remove(&(vip, l4)) {
+    /// Deletes the Maglev entries of `svc_id` (251 map deletes), if it has a table.
+    fn delete_maglev_table(&mut self, svc_id: u32) {
+        if self.maglev_tables.remove(&svc_id) {
             for index in 0..MAGLEV_TABLE_SIZE {
                 let _ = self.maglev_map.remove(&MaglevKey { svc_id, index });
             }
+        }
+    }
+
+    fn drop_maglev(&mut self, vip: SocketAddr, l4: L4) {
+        if let Some(svc_id) = self.svc_ids.remove(&(vip, l4)) {
+            // Only frontends with a table cost the 251 deletes (removing 10k frontends
+            // without Maglev took 3.5 s when every one paid them).
+            self.delete_maglev_table(svc_id);
             self.free_svc_ids.push(svc_id);
         }
     }
