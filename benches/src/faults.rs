@@ -56,6 +56,9 @@ pub struct LoadResult {
     pub longest_gap_ms: f64,
     /// The first error seen.
     pub first_error: Option<String>,
+    /// The slowest connection: how long it took and how it ended.
+    #[serde(default)]
+    pub slowest: Option<(f64, String)>,
 }
 
 /// `mcs-bench crr-loop`: new connections to `to` for `seconds` (at most `max` of them), each
@@ -68,6 +71,7 @@ pub fn crr_loop(to: SocketAddr, seconds: f64, max: u64) -> LoadResult {
     while Instant::now() < end && r.tried < max {
         r.tried += 1;
         let req = format!("GET /{}", r.tried);
+        let began = Instant::now();
         let one = || -> std::io::Result<String> {
             let mut s = TcpStream::connect_timeout(&to, IO_TIMEOUT)?;
             s.set_read_timeout(Some(IO_TIMEOUT))?;
@@ -77,7 +81,17 @@ pub fn crr_loop(to: SocketAddr, seconds: f64, max: u64) -> LoadResult {
             s.read_to_string(&mut out)?;
             Ok(out)
         };
-        match one() {
+        let outcome = one();
+        let took = began.elapsed().as_secs_f64() * 1e3;
+        if r.slowest.as_ref().is_none_or(|(ms, _)| took > *ms) {
+            let how = match &outcome {
+                Ok(o) if o.is_empty() => "closed without a reply".to_string(),
+                Ok(_) => "replied".to_string(),
+                Err(e) => e.to_string(),
+            };
+            r.slowest = Some((took, how));
+        }
+        match outcome {
             Ok(out) if out.starts_with("backend ") && out.ends_with(&format!(" {req}\n")) => {
                 r.ok += 1;
                 let now = Instant::now();
@@ -583,6 +597,12 @@ pub fn markdown(outcomes: &[Outcome], command: &str) -> String {
                 .as_deref()
                 .map(|e| format!("; first error: {e}"))
                 .unwrap_or_default()
+                + &o.load
+                    .slowest
+                    .as_ref()
+                    .filter(|(ms, _)| *ms > 100.0)
+                    .map(|(ms, how)| format!("; slowest: {ms:.0} ms, {how}"))
+                    .unwrap_or_default()
         ));
     }
     s.push_str(&format!("\nCommand: `{command}`\n"));

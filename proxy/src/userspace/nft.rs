@@ -6,6 +6,9 @@
 //!
 //! Pod traffic arriving on the node hits `prerouting`; traffic of the node's own processes is
 //! marked in `output`, rerouted through `lo` by the policy route, and then hits `prerouting`.
+//! When no forwarder listens (the agent died and is restarting), `tproxy` finds no socket and
+//! the next rule refuses the frontend's packets (TCP reset, ICMP port unreachable): clients
+//! fail at once instead of waiting on a black hole.
 
 use std::{
     io::Write as _,
@@ -101,6 +104,10 @@ impl Interception {
                  meta l4proto udp ip daddr . meta l4proto . th dport @frontends4 tproxy ip to :{port} meta mark set {mark} accept\n\
                  meta l4proto tcp ip6 daddr . meta l4proto . th dport @frontends6 tproxy ip6 to :{port} meta mark set {mark} accept\n\
                  meta l4proto udp ip6 daddr . meta l4proto . th dport @frontends6 tproxy ip6 to :{port} meta mark set {mark} accept\n\
+                 meta l4proto tcp ip daddr . meta l4proto . th dport @frontends4 reject with tcp reset\n\
+                 meta l4proto udp ip daddr . meta l4proto . th dport @frontends4 reject\n\
+                 meta l4proto tcp ip6 daddr . meta l4proto . th dport @frontends6 reject with tcp reset\n\
+                 meta l4proto udp ip6 daddr . meta l4proto . th dport @frontends6 reject\n\
                }}\n\
                chain output {{\n\
                  type route hook output priority mangle; policy accept;\n\
@@ -111,20 +118,37 @@ impl Interception {
         );
         nft(&script)?;
         let this = Self { cfg };
-        this.remove_routing();
         let (m, rt, prio) = (
             this.cfg.mark.to_string(),
             this.cfg.route_table.to_string(),
             this.cfg.rule_priority.to_string(),
         );
+        // Make before break: a restarting agent (or one replacing a crash's leftovers) never
+        // removes the routing it is about to add, so intercepted packets are never left
+        // without their local route (a SYN lost there costs the client a 1 s retransmit).
         for fam in ["-4", "-6"] {
             let any = if fam == "-4" { "0.0.0.0/0" } else { "::/0" };
             ip(&[
-                fam, "rule", "add", "fwmark", &m, "lookup", &rt, "priority", &prio,
-            ])?;
-            ip(&[
                 fam, "route", "replace", "local", any, "dev", "lo", "table", &rt,
             ])?;
+            match ip(&[
+                fam, "rule", "add", "fwmark", &m, "lookup", &rt, "priority", &prio,
+            ]) {
+                Ok(()) => {}
+                // The same rule is there already (left by the previous agent): keep it.
+                Err(e) if e.message.contains("File exists") => {}
+                Err(e) => return Err(e),
+            }
+            // Copies at other priorities (an older configuration) go.
+            for other in rule_priorities(fam, &m, &rt)
+                .into_iter()
+                .filter(|p| *p != this.cfg.rule_priority)
+            {
+                let p = other.to_string();
+                let _ = ip(&[
+                    fam, "rule", "del", "priority", &p, "fwmark", &m, "lookup", &rt,
+                ]);
+            }
         }
         tracing::info!(table = %this.cfg.table, port, mark, "interception installed");
         Ok(this)
@@ -208,6 +232,20 @@ fn nft(script: &str) -> Result<(), NftError> {
     } else {
         Err(err(String::from_utf8_lossy(&out.stderr).trim().to_string()))
     }
+}
+
+/// Priorities of the `ip rule`s that send `mark` to table `rt`.
+fn rule_priorities(fam: &str, mark: &str, rt: &str) -> Vec<u32> {
+    let Ok(out) = Command::new("ip")
+        .args([fam, "rule", "list", "fwmark", mark, "table", rt])
+        .output()
+    else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split(':').next()?.trim().parse().ok())
+        .collect()
 }
 
 fn ip(args: &[&str]) -> Result<(), NftError> {
