@@ -30,6 +30,8 @@ use anyhow::{Context as _, bail};
 use mcs_sandbox::{cgroup::TestCgroup, netns::Netns, topology::TwoClusters};
 use serde::{Deserialize, Serialize};
 
+use crate::harness::bed::{http_get, metric};
+
 /// The ClusterSetIP of the measured service.
 pub const VIP: &str = "198.18.100.10:80";
 const BACKENDS: [(&str, &str); 4] = [
@@ -178,8 +180,7 @@ fn objects(ready: &dyn Fn(&str) -> bool) -> String {
              metadata: {{ name: web-{cluster}, namespace: shop, labels: {{ multicluster.kubernetes.io/service-name: web, multicluster.kubernetes.io/source-cluster: {cluster} }} }}\n\
              addressType: IPv4\nports: [{{ name: http, protocol: TCP, port: {PORT} }}]\nendpoints:\n"
         ));
-        for (c, a) in BACKENDS.iter().filter(|(c, _)| *c == cluster) {
-            let _ = c;
+        for (_, a) in BACKENDS.iter().filter(|(c, _)| *c == cluster) {
             y.push_str(&format!(
                 "- {{ addresses: [\"{a}\"], conditions: {{ ready: {} }} }}\n",
                 ready(a)
@@ -249,7 +250,7 @@ impl Dataplane {
 /// The sandbox of one scenario run.
 struct Bed {
     topo: TwoClusters,
-    dir: tempfile_dir::Dir,
+    dir: tempfile::TempDir,
     cg: TestCgroup,
     pins: PathBuf,
     agent_bin: PathBuf,
@@ -257,30 +258,6 @@ struct Bed {
     dataplane: Dataplane,
     backends: Vec<Backend>,
     metrics_port: u16,
-}
-
-/// A temporary directory removed on drop (no extra dependency for it).
-mod tempfile_dir {
-    use std::path::{Path, PathBuf};
-
-    pub struct Dir(PathBuf);
-
-    impl Dir {
-        pub fn new() -> std::io::Result<Self> {
-            let p = std::env::temp_dir().join(mcs_sandbox::unique_name("faults"));
-            std::fs::create_dir_all(&p)?;
-            Ok(Self(p))
-        }
-        pub fn path(&self) -> &Path {
-            &self.0
-        }
-    }
-
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
 }
 
 impl Drop for Bed {
@@ -305,7 +282,9 @@ impl Bed {
             let ns = if c == "c1" { &topo.c1 } else { &topo.c2 };
             backends.push(start_backend(ns, SocketAddr::new(a.parse()?, PORT))?);
         }
-        let dir = tempfile_dir::Dir::new()?;
+        let dir = tempfile::Builder::new()
+            .prefix(&mcs_sandbox::unique_name("faults"))
+            .tempdir()?;
         write_objects(dir.path(), &|_| true)?;
         let cg = TestCgroup::new("faults")?;
         let pins = Path::new("/sys/fs/bpf").join(mcs_sandbox::unique_name("faults"));
@@ -370,17 +349,11 @@ impl Bed {
         }
     }
 
-    /// A GET of the agent's HTTP endpoint `path`.
+    /// The body of the agent's HTTP endpoint `path` when it answers 200 (from the node's
+    /// namespace for the userspace agent).
     fn http(&self, path: &str) -> Option<String> {
-        let port = self.metrics_port;
-        let req = format!("GET {path} HTTP/1.1\r\n\r\n");
-        let get = move || -> Option<String> {
-            let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-            s.write_all(req.as_bytes()).ok()?;
-            let mut out = String::new();
-            s.read_to_string(&mut out).ok()?;
-            Some(out)
-        };
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.metrics_port));
+        let get = move || http_get(addr, path).ok();
         match self.dataplane {
             Dataplane::Ebpf => get(),
             Dataplane::Userspace => self.topo.node.run(get).ok().flatten(),
@@ -388,8 +361,7 @@ impl Bed {
     }
 
     fn ready(&self) -> bool {
-        self.http("/readyz")
-            .is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+        self.http("/readyz").is_some()
     }
 
     /// Waits (up to `limit`) until the agent reports `frontends` frontends programmed; how
@@ -397,12 +369,10 @@ impl Bed {
     fn wait_frontends(&self, frontends: u64, limit: Duration) -> Option<Duration> {
         let t = Instant::now();
         while t.elapsed() < limit {
-            let n = self.http("/metrics").and_then(|m| {
-                m.lines()
-                    .find_map(|l| l.strip_prefix("mcs_frontends "))
-                    .and_then(|v| v.trim().parse::<u64>().ok())
-            });
-            if n == Some(frontends) {
+            let n = self
+                .http("/metrics")
+                .and_then(|m| metric(&m, "mcs_frontends"));
+            if n == Some(frontends as f64) {
                 return Some(t.elapsed());
             }
             std::thread::sleep(Duration::from_millis(10));
