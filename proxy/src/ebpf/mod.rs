@@ -448,41 +448,41 @@ impl SocketLb {
     }
 }
 
+/// Opens the pinned hash map `name` in `dir` (`lru`: an LRU hash map) without loading programs.
+fn open_pinned<K: aya::Pod, V: aya::Pod>(
+    dir: &Path,
+    name: &'static str,
+    lru: bool,
+) -> Result<HashMap<MapData, K, V>, Error> {
+    let err = |source| Error::Map { name, source };
+    let data = MapData::from_pin(dir.join(name)).map_err(err)?;
+    let map = if lru {
+        aya::maps::Map::LruHashMap(data)
+    } else {
+        aya::maps::Map::HashMap(data)
+    };
+    HashMap::try_from(map).map_err(err)
+}
+
 /// Entries of the reverse-NAT maps pinned in `pin_dir` (IPv4, IPv6).
 pub fn reverse_entries(pin_dir: &Path) -> Result<(usize, usize), Error> {
-    fn count<K: aya::Pod, V: aya::Pod>(dir: &Path, name: &'static str) -> Result<usize, Error> {
-        let err = |source| Error::Map { name, source };
-        let data = MapData::from_pin(dir.join(name)).map_err(err)?;
-        let map: HashMap<_, K, V> =
-            HashMap::try_from(aya::maps::Map::LruHashMap(data)).map_err(err)?;
-        Ok(map.keys().filter_map(Result::ok).count())
-    }
+    use mcs_ebpf_common::{
+        REVNAT4_MAP, REVNAT6_MAP, RevNat4Key, RevNat4Value, RevNat6Key, RevNat6Value,
+    };
+    let v4: HashMap<_, RevNat4Key, RevNat4Value> = open_pinned(pin_dir, REVNAT4_MAP, true)?;
+    let v6: HashMap<_, RevNat6Key, RevNat6Value> = open_pinned(pin_dir, REVNAT6_MAP, true)?;
     Ok((
-        count::<mcs_ebpf_common::RevNat4Key, mcs_ebpf_common::RevNat4Value>(
-            pin_dir,
-            mcs_ebpf_common::REVNAT4_MAP,
-        )?,
-        count::<mcs_ebpf_common::RevNat6Key, mcs_ebpf_common::RevNat6Value>(
-            pin_dir,
-            mcs_ebpf_common::REVNAT6_MAP,
-        )?,
+        v4.keys().filter_map(Result::ok).count(),
+        v6.keys().filter_map(Result::ok).count(),
     ))
 }
 
 /// Reads what the pinned maps in `pin_dir` hold (no program is loaded).
 pub fn read_pinned(pin_dir: &Path) -> Result<Programmed, Error> {
-    fn open<K: aya::Pod, V: aya::Pod>(
-        dir: &Path,
-        name: &'static str,
-    ) -> Result<HashMap<MapData, K, V>, Error> {
-        let err = |source| Error::Map { name, source };
-        let data = MapData::from_pin(dir.join(name)).map_err(err)?;
-        HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(err)
-    }
-    let svc4: HashMap<_, Svc4Key, SvcValue> = open(pin_dir, SVC4_MAP)?;
-    let be4: HashMap<_, u32, Backend4> = open(pin_dir, BE4_MAP)?;
-    let svc6: HashMap<_, Svc6Key, SvcValue> = open(pin_dir, SVC6_MAP)?;
-    let be6: HashMap<_, u32, Backend6> = open(pin_dir, BE6_MAP)?;
+    let svc4: HashMap<_, Svc4Key, SvcValue> = open_pinned(pin_dir, SVC4_MAP, false)?;
+    let be4: HashMap<_, u32, Backend4> = open_pinned(pin_dir, BE4_MAP, false)?;
+    let svc6: HashMap<_, Svc6Key, SvcValue> = open_pinned(pin_dir, SVC6_MAP, false)?;
+    let be6: HashMap<_, u32, Backend6> = open_pinned(pin_dir, BE6_MAP, false)?;
     // Frontend text → slot → backend text.
     let mut slots: BTreeMap<String, BTreeMap<u16, String>> = BTreeMap::new();
     let mut record =

@@ -93,12 +93,13 @@ impl SocketLb {
             return Err(e);
         }
         // 4. Delete what the previous version used beyond the new count; release its ids.
+        let kept: BTreeSet<u32> = ids.iter().copied().collect();
         let gone: Vec<u32> = self
             .programmed
             .get(&(vip, l4))
             .into_iter()
             .flatten()
-            .filter(|id| !ids.contains(id))
+            .filter(|id| !kept.contains(id))
             .copied()
             .collect();
         if let Some(&svc_id) = self.svc_ids.get(&(vip, l4)) {
@@ -230,15 +231,12 @@ impl SocketLb {
     /// backends' references.
     pub fn remove_service(&mut self, vip: SocketAddr, l4: L4) {
         self.delete_slot(vip, l4, 0);
-        if let (Some(&svc_id), Some(old)) = (
-            self.svc_ids.get(&(vip, l4)),
-            self.programmed.get(&(vip, l4)),
-        ) {
-            let old = old.clone();
+        let old = self.programmed.remove(&(vip, l4));
+        if let (Some(&svc_id), Some(old)) = (self.svc_ids.get(&(vip, l4)), &old) {
             self.drop_members(svc_id, old.iter());
         }
         self.drop_maglev(vip, l4);
-        if let Some(old) = self.programmed.remove(&(vip, l4)) {
+        if let Some(old) = old {
             for slot in 1..=old.len() {
                 self.delete_slot(vip, l4, slot as u16);
             }
