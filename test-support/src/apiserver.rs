@@ -456,27 +456,35 @@ async fn apply_crds(kubeconfig: PathBuf) -> anyhow::Result<()> {
         .with_context(|| format!("applying {}", path.display()))?;
         names.push(name);
     }
-    let deadline = Instant::now() + Duration::from_secs(30);
     for name in names {
-        loop {
-            let crd = crds.get(&name).await?;
-            let established = crd
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            if established {
-                break;
-            }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "CRD {name} not established in 30s"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_established(&crds, &name).await?;
     }
     Ok(())
+}
+
+/// Waits (up to 30 s) until the CRD `name` is Established.
+pub async fn wait_established(
+    crds: &Api<CustomResourceDefinition>,
+    name: &str,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let crd = crds.get(name).await?;
+        let established = crd
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True");
+        if established {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "CRD {name} not established in 30s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// `kube-apiserver`/`kubectl` from `MCS_KUBE_BIN_DIR`, else from PATH.

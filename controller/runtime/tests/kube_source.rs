@@ -594,23 +594,7 @@ async fn a_v1alpha1_only_cluster_is_served() {
     }))
     .unwrap();
     crds.create(&PostParams::default(), &crd).await.unwrap();
-    loop {
-        let c = crds.get(name).await.unwrap();
-        let established = c
-            .status
-            .and_then(|s| s.conditions)
-            .unwrap_or_default()
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True");
-        if established {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "CRD {name} not established"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    apiserver::wait_established(&crds, name).await.unwrap();
     let ns = api.fresh_namespace("alpha").await;
     let imports: Api<mcs_api::v1alpha1::ServiceImport> = Api::namespaced(client.clone(), &ns);
     let si: mcs_api::v1alpha1::ServiceImport = serde_json::from_value(serde_json::json!({
