@@ -56,6 +56,12 @@ pub struct SourceArgs {
     /// Kubeconfig for `--source kube` (default: KUBECONFIG, ~/.kube/config, in-cluster).
     #[arg(long)]
     pub kubeconfig: Option<PathBuf>,
+    /// Longest wait, in milliseconds, between two attempts of a failed watch (`--source
+    /// kube`): retries start at 100 ms and double up to this, jittered. While the API server
+    /// is away the dataplane keeps its last table; this bounds how late changes made
+    /// meanwhile arrive once it is back.
+    #[arg(long, default_value_t = 5000)]
+    pub watch_retry_max_ms: u64,
     #[command(flatten)]
     pub guard: GuardArgs,
 }

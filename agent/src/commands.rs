@@ -149,8 +149,11 @@ fn spawn_source(
         }
         SourceSpec::Kube => {
             if let Some(client) = client {
-                let watch_id = args.cluster_id.is_none();
-                tokio::spawn(mcs_controller::source::kube::run(client, tx, watch_id));
+                let options = mcs_controller::source::kube::Options {
+                    watch_cluster_id: args.cluster_id.is_none(),
+                    retry_max: Duration::from_millis(args.watch_retry_max_ms),
+                };
+                tokio::spawn(mcs_controller::source::kube::run(client, tx, options));
             }
         }
     }

@@ -240,6 +240,50 @@ fn a_table_left_by_a_crash_is_replaced_at_start() {
 }
 
 #[test]
+fn a_restarted_agent_keeps_its_frontends_intercepted_and_holds_connections_until_its_first_table() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&ALL);
+    sb.start_agent(&[]);
+    assert!(sb.tcp("198.18.100.10:80", "a").unwrap().ends_with(" a"));
+    // A crash: the table stays with its elements.
+    let mut crashed = sb.agent.take().unwrap();
+    crashed.kill().unwrap();
+    crashed.wait().unwrap();
+    // The next agent starts before its source has anything (its first table is empty, so no
+    // diff is applied and the previous run's frontends stay as they were).
+    let files = ["imports.yaml", "slices-c1.yaml", "slices-c2.yaml"];
+    let saved: Vec<String> = files.iter().map(|f| sb.read(f)).collect();
+    for f in files {
+        std::fs::remove_file(sb.dir.path().join(f)).unwrap();
+    }
+    sb.start_agent(&[]);
+    let table = sb.nft_table().unwrap();
+    assert!(
+        table.contains("198.18.100.10 . tcp . 80"),
+        "the previous run's frontend was not kept: {table}"
+    );
+    std::thread::scope(|s| {
+        // A connection now is intercepted and accepted, and waits for the first table...
+        let client = s.spawn(|| sb.tcp("198.18.100.10:80", "b"));
+        wait_until("the connection is accepted and waiting", || {
+            sb.http("/metrics").is_some_and(|(_, m)| {
+                m.lines()
+                    .any(|l| l.starts_with("mcs_proxy_active_connections ") && !l.ends_with(" 0"))
+            })
+        });
+        // ...which arrives: the connection is served, not reset.
+        for (f, text) in files.iter().zip(&saved) {
+            sb.write(f, text);
+        }
+        let reply = client.join().unwrap();
+        assert!(reply.as_ref().is_ok_and(|r| r.ends_with(" b")), "{reply:?}");
+    });
+    sb.stop_agent();
+}
+
+#[test]
 fn demo_runs_end_to_end_and_leaves_nothing_behind() {
     if !prerequisites() {
         return;
@@ -786,19 +830,6 @@ fn a_udp_flow_leaves_a_backend_that_is_no_longer_selected() {
     sb.stop_agent();
 }
 
-/// Pseudo-random bytes (xorshift), the same for a seed.
-fn payload(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
 /// Payloads of many sizes (1 B to 8 MiB, around the copy buffer and splice chunk sizes) sent
 /// through the forwarder and echoed back arrive byte for byte in both directions, with
 /// splice and with `--no-splice`.
@@ -807,41 +838,13 @@ fn random_payloads_arrive_byte_exact_both_ways_with_and_without_splice() {
     if !prerequisites() {
         return;
     }
-    let sizes: [usize; 12] = [
-        1,
-        7,
-        1_000,
-        16_383,
-        16_384,
-        16_385,
-        65_535,
-        65_537,
-        300_001,
-        1 << 20,
-        3_000_017,
-        8 << 20,
-    ];
+    let sizes = mcs_test_support::probe::PAYLOAD_SIZES;
     for flags in [&[][..], &["--no-splice"][..]] {
         let mut sb = Sandbox::new(&[]);
-        let _b = special_backends(&sb, |s| {
-            let _ = s.set_read_timeout(Some(IO_TIMEOUT));
-            let mut buf = vec![0u8; 65_536];
-            loop {
-                match (&s).read(&mut buf) {
-                    Ok(0) => break,
-                    Ok(n) => {
-                        if (&s).write_all(&buf[..n]).is_err() {
-                            return;
-                        }
-                    }
-                    Err(_) => return,
-                }
-            }
-            let _ = s.shutdown(std::net::Shutdown::Write);
-        });
+        let _b = special_backends(&sb, mcs_test_support::probe::echo_until_eof);
         sb.start_agent(flags);
         for (i, &len) in sizes.iter().enumerate() {
-            let data = payload(i as u64 + 1, len);
+            let data = mcs_test_support::probe::payload(i as u64 + 1, len);
             let sent = data.clone();
             let (got, end) = sb
                 .cli

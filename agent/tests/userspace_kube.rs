@@ -95,7 +95,11 @@ fn endpoint_changes_through_the_apiserver_reach_the_forwarder() {
     // Source on the host side; controller + forwarder inside the node namespace. Only this
     // test's namespace matters: other tests' objects use other VIPs, which are not routed here.
     let (tx, rx) = tokio::sync::mpsc::channel(1024);
-    host.spawn(mcs_controller::source::kube::run(client.clone(), tx, false));
+    host.spawn(mcs_controller::source::kube::run(
+        client.clone(),
+        tx,
+        Default::default(),
+    ));
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let health = Health::default();
     let h = health.clone();

@@ -136,7 +136,11 @@ fn main() {
         let (tx, rx) = tokio::sync::mpsc::channel(8192);
         let (_stop, stop_rx) = tokio::sync::watch::channel(false);
         let start = Instant::now();
-        tokio::spawn(mcs_controller::source::kube::run(client.clone(), tx, false));
+        tokio::spawn(mcs_controller::source::kube::run(
+            client.clone(),
+            tx,
+            Default::default(),
+        ));
         tokio::spawn(controller.run(rx, stop_rx));
         while !health.is_ready() {
             tokio::time::sleep(Duration::from_millis(5)).await;

@@ -30,6 +30,8 @@ use anyhow::{Context as _, bail};
 use mcs_sandbox::{cgroup::TestCgroup, netns::Netns, topology::TwoClusters};
 use serde::{Deserialize, Serialize};
 
+use mcs_test_support::apiserver::{ApiServer, PeerApiServer, User, find_kube_binary};
+
 use crate::harness::bed::{http_get, metric};
 
 /// The ClusterSetIP of the measured service.
@@ -247,8 +249,55 @@ impl Dataplane {
     }
 }
 
+/// The control plane of a kube-source run: etcd with two kube-apiservers, the agent watching
+/// the first (`api`), the scenario writing through the second (`peer`) while the first is down.
+/// The peer is declared first, so it stops before etcd does.
+struct ControlPlane {
+    peer: PeerApiServer,
+    api: ApiServer,
+    kubectl: PathBuf,
+}
+
+impl ControlPlane {
+    fn start() -> anyhow::Result<Self> {
+        mcs_test_support::apiserver::prerequisites().map_err(anyhow::Error::msg)?;
+        let kubectl = find_kube_binary("kubectl")
+            .context("kubectl not found (set MCS_KUBE_BIN_DIR or run `bash scripts/setup.sh`)")?;
+        let api = ApiServer::start()?;
+        let peer = api.start_peer()?;
+        Ok(Self { peer, api, kubectl })
+    }
+
+    /// `kubectl apply` of `yaml` through the peer API server (up all the time).
+    fn apply(&self, yaml: &str) -> anyhow::Result<()> {
+        let mut child = Command::new(&self.kubectl)
+            .arg("--kubeconfig")
+            .arg(self.peer.kubeconfig(User::Admin))
+            .args(["apply", "-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("running kubectl")?;
+        child
+            .stdin
+            .take()
+            .context("kubectl stdin")?
+            .write_all(yaml.as_bytes())?;
+        let out = child.wait_with_output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "kubectl apply: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+}
+
 /// The sandbox of one scenario run.
 struct Bed {
+    /// Set when the agent watches a real API server instead of a file source.
+    kube: Option<ControlPlane>,
     topo: TwoClusters,
     dir: tempfile::TempDir,
     cg: TestCgroup,
@@ -273,7 +322,25 @@ impl Drop for Bed {
 }
 
 impl Bed {
-    fn new(dataplane: Dataplane, agent_bin: &Path) -> anyhow::Result<Self> {
+    fn new(dataplane: Dataplane, agent_bin: &Path, kube: bool) -> anyhow::Result<Self> {
+        let kube = if kube {
+            // The userspace agent runs in the node's namespace, which cannot reach the API
+            // server on the host's loopback.
+            anyhow::ensure!(
+                dataplane == Dataplane::Ebpf,
+                "the kube-source scenarios run on the eBPF dataplane only (the userspace agent \
+                 runs in the node's network namespace, where the test API server on the host's \
+                 loopback is out of reach; the watch code is the same for both)"
+            );
+            let cp = ControlPlane::start().context("starting etcd and two kube-apiservers")?;
+            cp.apply(&format!(
+                "apiVersion: v1\nkind: Namespace\nmetadata: {{ name: shop }}\n---\n{}",
+                objects(&|_| true)
+            ))?;
+            Some(cp)
+        } else {
+            None
+        };
         let topo = TwoClusters::build().context("building the namespaces")?;
         // eBPF: packets go from the client pod straight to the backends, routed by the node.
         topo.node.enable_forwarding()?;
@@ -290,6 +357,7 @@ impl Bed {
         let pins = Path::new("/sys/fs/bpf").join(mcs_sandbox::unique_name("faults"));
         let metrics_port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let mut bed = Self {
+            kube,
             topo,
             dir,
             cg,
@@ -322,14 +390,20 @@ impl Bed {
                 "--metrics-addr",
                 &format!("127.0.0.1:{}", self.metrics_port),
             ])
-            .arg("--source")
-            .arg(format!("file:{}", self.dir.path().display()))
             .stdout(Stdio::null())
             .stderr(if std::env::var_os("MCS_FAULTS_AGENT_LOG").is_some() {
                 Stdio::inherit()
             } else {
                 Stdio::null()
             });
+        match &self.kube {
+            Some(cp) => cmd
+                .args(["--source", "kube", "--kubeconfig"])
+                .arg(cp.api.kubeconfig(User::Admin)),
+            None => cmd
+                .arg("--source")
+                .arg(format!("file:{}", self.dir.path().display())),
+        };
         if self.dataplane == Dataplane::Ebpf {
             cmd.arg("--cgroup-root")
                 .arg(self.cg.path())
@@ -424,15 +498,20 @@ pub enum Scenario {
     /// 10,000 other services (a tenth in smoke mode) are created a third into the run and
     /// deleted at two thirds.
     Burst,
+    /// The API server the agent watches stops a third into the run for a while (60 s by
+    /// default); meanwhile a new service is created through a second API server on the same
+    /// etcd; then the first comes back.
+    ApiServerDown,
 }
 
 impl Scenario {
     /// Every scenario.
-    pub const ALL: [Scenario; 4] = [
+    pub const ALL: [Scenario; 5] = [
         Scenario::AgentKill,
         Scenario::BackendKill,
         Scenario::Flap,
         Scenario::Burst,
+        Scenario::ApiServerDown,
     ];
 
     /// Its name on the command line.
@@ -442,6 +521,7 @@ impl Scenario {
             Scenario::BackendKill => "backend-kill",
             Scenario::Flap => "flap",
             Scenario::Burst => "burst",
+            Scenario::ApiServerDown => "apiserver-down",
         }
     }
 
@@ -458,7 +538,16 @@ impl Scenario {
             }
             Scenario::Flap => "one local endpoint's readiness flipping every 100 ms",
             Scenario::Burst => "other services created in a burst, then deleted",
+            Scenario::ApiServerDown => {
+                "the watched API server stopped, a service created meanwhile through another"
+            }
         }
+    }
+
+    /// Whether it runs on `dataplane` (the kube-source scenario needs the agent outside the
+    /// node's namespace, which only the eBPF agent is).
+    pub fn runs_on(self, dataplane: Dataplane) -> bool {
+        self != Scenario::ApiServerDown || dataplane == Dataplane::Ebpf
     }
 }
 
@@ -475,16 +564,35 @@ pub struct Outcome {
     pub note: String,
 }
 
-/// Runs `scenario` on `dataplane` for `seconds` (`burst`: services of the burst scenario).
+/// How long some scenarios last.
+#[derive(Clone, Copy, Debug)]
+pub struct Sizes {
+    /// Seconds of load (plus `apiserver_down` for that scenario).
+    pub seconds: f64,
+    /// Services of the burst scenario.
+    pub burst: u32,
+    /// Seconds the API server stays down.
+    pub apiserver_down: f64,
+}
+
+/// Runs `scenario` on `dataplane` at `sizes`.
 pub fn run(
     scenario: Scenario,
     dataplane: Dataplane,
-    seconds: f64,
-    burst: u32,
+    sizes: Sizes,
     agent: &Path,
 ) -> anyhow::Result<Outcome> {
-    let mut bed = Bed::new(dataplane, agent)?;
-    let load = bed.start_load(seconds)?;
+    let Sizes {
+        seconds,
+        burst,
+        apiserver_down,
+    } = sizes;
+    let mut bed = Bed::new(dataplane, agent, scenario == Scenario::ApiServerDown)?;
+    let load = bed.start_load(if scenario == Scenario::ApiServerDown {
+        seconds + apiserver_down
+    } else {
+        seconds
+    })?;
     let third = Duration::from_secs_f64(seconds / 3.0);
     let note = match scenario {
         Scenario::AgentKill => {
@@ -534,6 +642,31 @@ pub fn run(
                 "{burst} services programmed in {}, removed in {}",
                 ms(added),
                 ms(removed)
+            )
+        }
+        Scenario::ApiServerDown => {
+            std::thread::sleep(third);
+            let cp = bed.kube.as_mut().context("kube control plane")?;
+            cp.api.stop_apiserver();
+            let down = Instant::now();
+            cp.apply(
+                "apiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceImport\n\
+                 metadata: { name: web2, namespace: shop }\n\
+                 spec: { type: ClusterSetIP, ips: [\"198.18.100.11\"], ports: [{ name: http, protocol: TCP, port: 80 }] }\n",
+            )?;
+            std::thread::sleep(
+                Duration::from_secs_f64(apiserver_down).saturating_sub(down.elapsed()),
+            );
+            cp.api.restart()?;
+            let was_down = down.elapsed();
+            let arrived = bed.wait_frontends(2, Duration::from_secs(60));
+            format!(
+                "down {:.0} s; the service created meanwhile programmed {} after it was back",
+                was_down.as_secs_f64(),
+                arrived.map_or("not within 60 s".to_string(), |d| format!(
+                    "{:.0} ms",
+                    d.as_secs_f64() * 1e3
+                ))
             )
         }
     };

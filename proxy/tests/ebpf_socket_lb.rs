@@ -830,3 +830,32 @@ fn resets_and_clean_closes_pass_through_the_socket_lb() {
     assert_eq!(r.error, None, "{r:?}");
     assert_eq!(r.reply, format!("backend {} got hi", echo.port()));
 }
+
+/// Payloads of many sizes (1 B to 8 MiB) sent through the socket LB to an echoing backend come
+/// back byte for byte: the kernel's own connection carries them, the LB only chose its peer.
+#[test]
+fn random_payloads_arrive_byte_exact_both_ways_through_the_socket_lb() {
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let ns = Netns::new("bpf").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let echo = special_tcp_backend(&ns, mcs_test_support::probe::echo_until_eof);
+    let mut lb = SocketLb::open(&pins.0).unwrap();
+    lb.attach(cg.path()).unwrap();
+    lb.set_service("198.18.0.30:80".parse().unwrap(), L4::Tcp, &[echo])
+        .unwrap();
+    let sizes = mcs_test_support::probe::PAYLOAD_SIZES.to_vec();
+    let n = sizes.len() as u32;
+    let r = probe(
+        &cg,
+        &ns,
+        &Probe::TcpEchoPayloads {
+            to: "198.18.0.30:80".parse().unwrap(),
+            sizes,
+            seed: 7,
+        },
+    );
+    assert_eq!((r.ok, r.failed), (n, 0), "{:?}", r.error);
+}

@@ -238,7 +238,7 @@ impl ApiServer {
         for user in User::ALL {
             write(
                 &format!("kubeconfig-{}", user.short()),
-                &api.kubeconfig_yaml(user, &pki.ca_pem),
+                &kubeconfig_yaml(&api.url, user, &pki.ca_pem),
             )?;
         }
         api.wait_ready()?;
@@ -344,65 +344,57 @@ impl ApiServer {
         self.apiserver.stop();
     }
 
-    fn kubeconfig_yaml(&self, user: User, ca_pem: &str) -> String {
-        use std::fmt::Write as _;
-        let ca_b64 = base64(ca_pem.as_bytes());
-        let mut s = String::new();
-        let _ = write!(
-            s,
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {}\n    \
-             certificate-authority-data: {ca_b64}\nusers:\n- name: {u}\n  user:\n    token: {t}\n\
-             contexts:\n- name: test\n  context:\n    cluster: test\n    user: {u}\n\
-             current-context: test\n",
-            self.url,
-            u = user.short(),
-            t = user.token(),
-        );
-        s
-    }
-
     /// Polls `/readyz` until it answers ok and namespace `default` exists, with a deadline.
     fn wait_ready(&mut self) -> anyhow::Result<()> {
-        let deadline = Instant::now() + READY_TIMEOUT;
-        let kubeconfig = self.kubeconfig(User::Admin);
-        loop {
-            if !self.server_alive() {
-                bail!(
-                    "kube-apiserver exited during start-up; its log ends with:\n{}\n\
-                     etcd log ends with:\n{}",
-                    self.apiserver.log_tail(30),
-                    self.etcd.log_tail(10)
-                );
-            }
-            let kc = kubeconfig.clone();
-            let ready = self.block_on(async move {
-                let client = client_from(&kc).await?;
-                let req = http::Request::get("/readyz").body(Vec::new())?;
-                let body = client.request_text(req).await?;
-                anyhow::ensure!(body.trim() == "ok", "readyz: {body}");
-                let ns = Api::<Namespace>::all(client).get_opt("default").await?;
-                anyhow::ensure!(ns.is_some(), "namespace default not there yet");
-                Ok(())
-            });
-            match ready {
-                Ok(()) => return Ok(()),
-                Err(e) if Instant::now() > deadline => {
-                    bail!(
-                        "kube-apiserver not ready after {READY_TIMEOUT:?}: {e:#}\nlog ends with:\n{}",
-                        self.apiserver.log_tail(30)
-                    )
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(200)),
-            }
-        }
+        let etcd_tail = self.etcd.log_tail(10);
+        wait_ready(
+            &self.kubeconfig(User::Admin),
+            &mut self.apiserver,
+            &etcd_tail,
+        )
     }
 
-    fn server_alive(&mut self) -> bool {
-        self.apiserver.running()
-            && self
-                .apiserver
-                .pid()
-                .is_none_or(|p| crate::pid_alive(p as u32))
+    /// Starts a second kube-apiserver on the same etcd (another instance of an HA control
+    /// plane) on its own port and waits until it is ready. Stop it before this one is dropped.
+    pub fn start_peer(&self) -> anyhow::Result<PeerApiServer> {
+        let port = free_port()?;
+        let args: Vec<String> = self
+            .apiserver_args
+            .iter()
+            .map(|a| {
+                if a.starts_with("--secure-port=") {
+                    format!("--secure-port={port}")
+                } else {
+                    a.clone()
+                }
+            })
+            .collect();
+        let url = format!("https://127.0.0.1:{port}");
+        let ca_pem = std::fs::read_to_string(self.dir.join("ca.crt"))?;
+        let tag = format!("peer{port}");
+        for user in User::ALL {
+            std::fs::write(
+                self.dir.join(format!("kubeconfig-{tag}-{}", user.short())),
+                kubeconfig_yaml(&url, user, &ca_pem),
+            )?;
+        }
+        let mut apiserver = Supervised::spawn(
+            "kube-apiserver (peer)",
+            &self.apiserver_bin,
+            &args,
+            &self.dir.join(format!("kube-apiserver-{tag}.log")),
+            None,
+        )?;
+        let peer_kubeconfig = self
+            .dir
+            .join(format!("kubeconfig-{tag}-{}", User::Admin.short()));
+        wait_ready(&peer_kubeconfig, &mut apiserver, &self.etcd.log_tail(10))?;
+        Ok(PeerApiServer {
+            dir: self.dir.clone(),
+            tag,
+            url,
+            _apiserver: apiserver,
+        })
     }
 
     /// Runs a future on a private runtime in its own thread (callers may be inside a runtime).
@@ -410,14 +402,92 @@ impl ApiServer {
         &self,
         fut: impl std::future::Future<Output = anyhow::Result<T>> + Send + 'static,
     ) -> anyhow::Result<T> {
-        std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?
-                .block_on(fut)
-        })
-        .join()
-        .map_err(|_| anyhow::anyhow!("apiserver helper thread panicked"))?
+        block_on(fut)
+    }
+}
+
+/// Runs a future on a private runtime in its own thread (callers may be inside a runtime).
+fn block_on<T: Send + 'static>(
+    fut: impl std::future::Future<Output = anyhow::Result<T>> + Send + 'static,
+) -> anyhow::Result<T> {
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(fut)
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("apiserver helper thread panicked"))?
+}
+
+/// A second kube-apiserver on the etcd of an [`ApiServer`] (see [`ApiServer::start_peer`]);
+/// dropping it stops it.
+#[derive(Debug)]
+pub struct PeerApiServer {
+    dir: PathBuf,
+    tag: String,
+    url: String,
+    _apiserver: Supervised,
+}
+
+impl PeerApiServer {
+    /// `https://127.0.0.1:<port>`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Path of a kubeconfig for `user` on this instance.
+    pub fn kubeconfig(&self, user: User) -> PathBuf {
+        self.dir
+            .join(format!("kubeconfig-{}-{}", self.tag, user.short()))
+    }
+}
+
+fn kubeconfig_yaml(url: &str, user: User, ca_pem: &str) -> String {
+    let ca_b64 = base64(ca_pem.as_bytes());
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n    \
+         certificate-authority-data: {ca_b64}\nusers:\n- name: {u}\n  user:\n    token: {t}\n\
+         contexts:\n- name: test\n  context:\n    cluster: test\n    user: {u}\n\
+         current-context: test\n",
+        u = user.short(),
+        t = user.token(),
+    )
+}
+
+/// Polls `/readyz` of the apiserver run by `server` (through `kubeconfig`) until it answers ok
+/// and namespace `default` exists, with a deadline.
+fn wait_ready(kubeconfig: &Path, server: &mut Supervised, etcd_tail: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        let alive = server.running() && server.pid().is_none_or(|p| crate::pid_alive(p as u32));
+        if !alive {
+            bail!(
+                "kube-apiserver exited during start-up; its log ends with:\n{}\n\
+                 etcd log ends with:\n{etcd_tail}",
+                server.log_tail(30),
+            );
+        }
+        let kc = kubeconfig.to_path_buf();
+        let ready = block_on(async move {
+            let client = client_from(&kc).await?;
+            let req = http::Request::get("/readyz").body(Vec::new())?;
+            let body = client.request_text(req).await?;
+            anyhow::ensure!(body.trim() == "ok", "readyz: {body}");
+            let ns = Api::<Namespace>::all(client).get_opt("default").await?;
+            anyhow::ensure!(ns.is_some(), "namespace default not there yet");
+            Ok(())
+        });
+        match ready {
+            Ok(()) => return Ok(()),
+            Err(e) if Instant::now() > deadline => {
+                bail!(
+                    "kube-apiserver not ready after {READY_TIMEOUT:?}: {e:#}\nlog ends with:\n{}",
+                    server.log_tail(30)
+                )
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
     }
 }
 

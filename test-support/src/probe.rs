@@ -89,6 +89,18 @@ pub enum Probe {
         /// Sockets to churn.
         sockets: u32,
     },
+    /// One TCP connection per size in `sizes`: a pseudo-random payload of that size (from
+    /// `seed` and its index) is sent while the reply is read, then the write side half-closed;
+    /// an echoing backend must send it back byte for byte before EOF. `ok` counts payloads that
+    /// came back exact, `failed` the others (`error`: the first).
+    TcpEchoPayloads {
+        /// Destination.
+        to: SocketAddr,
+        /// Payload sizes, in bytes.
+        sizes: Vec<usize>,
+        /// Seed of the payloads.
+        seed: u64,
+    },
     /// `count` TCP request/response exchanges, one new connection each, `interval_ms` apart;
     /// counts successes and failures (bounded: count × (interval + timeout)).
     TcpLoop {
@@ -310,6 +322,26 @@ fn run(probe: &Probe) -> ProbeResult {
                 }
             }
         }
+        Probe::TcpEchoPayloads { to, sizes, seed } => {
+            for (i, &len) in sizes.iter().enumerate() {
+                let data = payload(seed.wrapping_add(i as u64), len);
+                match echo_once(to, &data) {
+                    Ok(got) if got == data => result.ok += 1,
+                    Ok(got) => {
+                        result.failed += 1;
+                        result.error.get_or_insert_with(|| {
+                            format!("a {len} B payload came back as {} B, changed", got.len())
+                        });
+                    }
+                    Err(e) => {
+                        result.failed += 1;
+                        result
+                            .error
+                            .get_or_insert_with(|| format!("a {len} B payload: {e}"));
+                    }
+                }
+            }
+        }
         Probe::TcpLoop {
             to,
             count,
@@ -347,4 +379,75 @@ fn wildcard(to: SocketAddr) -> SocketAddr {
     } else {
         (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
     }
+}
+
+/// Payload sizes of the byte-exact tests: 1 B to 8 MiB, around the copy buffer (16 KiB) and
+/// pipe (64 KiB) sizes.
+pub const PAYLOAD_SIZES: [usize; 12] = [
+    1,
+    7,
+    1_000,
+    16_383,
+    16_384,
+    16_385,
+    65_535,
+    65_537,
+    300_001,
+    1 << 20,
+    3_000_017,
+    8 << 20,
+];
+
+/// An echoing backend's connection: sends back everything it reads, then half-closes after
+/// the peer's EOF (5 s read timeout; any error ends it).
+pub fn echo_until_eof(s: TcpStream) {
+    let _ = s.set_read_timeout(Some(PROBE_TIMEOUT));
+    let mut buf = vec![0u8; 65_536];
+    loop {
+        match (&s).read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                if (&s).write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+            Err(_) => return,
+        }
+    }
+    let _ = s.shutdown(std::net::Shutdown::Write);
+}
+
+/// `len` pseudo-random bytes from `seed` (xorshift64).
+pub fn payload(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Sends `data` to `to` on a new connection while reading the reply (so neither side's
+/// buffers stall), half-closes, and returns everything read before EOF.
+fn echo_once(to: &SocketAddr, data: &[u8]) -> std::io::Result<Vec<u8>> {
+    let s = TcpStream::connect_timeout(to, PROBE_TIMEOUT)?;
+    s.set_read_timeout(Some(PROBE_TIMEOUT))?;
+    let w = s.try_clone()?;
+    std::thread::scope(|scope| {
+        let writer = scope.spawn(move || -> std::io::Result<()> {
+            (&w).write_all(data)?;
+            w.shutdown(std::net::Shutdown::Write)
+        });
+        let mut got = Vec::with_capacity(data.len());
+        let read = (&s).read_to_end(&mut got);
+        let wrote = writer
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("writer panicked")));
+        read?;
+        wrote?;
+        Ok(got)
+    })
 }

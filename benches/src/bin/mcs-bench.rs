@@ -80,7 +80,8 @@ enum Tool {
     /// The fault suite: steady load to a ClusterSetIP while a fault is injected, counting
     /// the connections the client saw fail or cut and the longest gap (as root).
     Faults {
-        /// Scenarios, comma-separated: agent-kill, backend-kill, flap, burst (default: all).
+        /// Scenarios, comma-separated: agent-kill, backend-kill, flap, burst, apiserver-down
+        /// (default: all; apiserver-down runs on ebpf only).
         #[arg(long, value_delimiter = ',')]
         scenarios: Vec<String>,
         /// Dataplanes, comma-separated: ebpf, userspace (default: both).
@@ -89,7 +90,12 @@ enum Tool {
         /// Seconds of load per scenario.
         #[arg(long, default_value_t = 30.0)]
         seconds: f64,
-        /// CI: 3 s per scenario; exits 1 if any reply was cut or nothing was served.
+        /// Seconds the API server stays down in apiserver-down (the load runs this much
+        /// longer).
+        #[arg(long, default_value_t = 60.0)]
+        apiserver_down_seconds: f64,
+        /// CI: 3 s per scenario (2 s of API server down); exits 1 if any reply was cut or
+        /// nothing was served.
         #[arg(long)]
         smoke: bool,
         /// The mcs-agent binary (default: next to this one).
@@ -161,10 +167,21 @@ fn main() -> ExitCode {
             scenarios,
             dataplanes,
             seconds,
+            apiserver_down_seconds,
             smoke,
             agent,
             out,
-        }) => return faults(&scenarios, &dataplanes, seconds, smoke, agent, &out),
+        }) => {
+            return faults(
+                &scenarios,
+                &dataplanes,
+                seconds,
+                apiserver_down_seconds,
+                smoke,
+                agent,
+                &out,
+            );
+        }
         None => return bench(cli.run),
     };
     match result {
@@ -180,11 +197,12 @@ fn faults(
     scenarios: &[String],
     dataplanes: &[String],
     seconds: f64,
+    apiserver_down: f64,
     smoke: bool,
     agent: Option<PathBuf>,
     out: &std::path::Path,
 ) -> ExitCode {
-    use mcs_bench::faults::{self, Dataplane, Scenario};
+    use mcs_bench::faults::{self, Dataplane, Scenario, Sizes};
     let scenarios: Result<Vec<Scenario>, String> = if scenarios.is_empty() {
         Ok(Scenario::ALL.to_vec())
     } else {
@@ -221,15 +239,27 @@ fn faults(
     });
     let mut outcomes = Vec::new();
     let mut bad = Vec::new();
+    let sizes = Sizes {
+        seconds,
+        burst: if smoke {
+            faults::BURST_SERVICES / 10
+        } else {
+            faults::BURST_SERVICES
+        },
+        apiserver_down: if smoke { 2.0 } else { apiserver_down.max(1.0) },
+    };
     for s in &scenarios {
         for d in &dataplanes {
+            if !s.runs_on(*d) {
+                eprintln!(
+                    "mcs-bench faults: {} does not run on {d:?} (the agent must reach the test \
+                     API server on the host's loopback)",
+                    s.name()
+                );
+                continue;
+            }
             eprintln!("mcs-bench faults: {} on {:?} for {seconds} s", s.name(), d);
-            let burst = if smoke {
-                faults::BURST_SERVICES / 10
-            } else {
-                faults::BURST_SERVICES
-            };
-            match faults::run(*s, *d, seconds, burst, &agent) {
+            match faults::run(*s, *d, sizes, &agent) {
                 Ok(o) => {
                     if o.load.incomplete > 0 {
                         bad.push(format!(

@@ -67,7 +67,10 @@ fn run_kube_source(client: Client, cluster_id: Option<&str>) -> common::Running 
     tokio::spawn(mcs_controller::source::kube::run(
         client,
         tx,
-        cluster_id.is_none(),
+        mcs_controller::source::kube::Options {
+            watch_cluster_id: cluster_id.is_none(),
+            ..Default::default()
+        },
     ));
     start(node, cluster_id.is_some(), rx)
 }

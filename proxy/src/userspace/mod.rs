@@ -124,6 +124,9 @@ pub struct Userspace {
     shared: Arc<Shared>,
     intercept: Interception,
     programmed: BTreeSet<SetElement>,
+    /// Elements a previous run left in the table (kept intercepted), until the first table:
+    /// those it does not have are removed then.
+    leftover: Option<BTreeSet<SetElement>>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     cap: Arc<Semaphore>,
@@ -179,6 +182,13 @@ impl Userspace {
             tracing::warn!(table = %config.intercept.table, "found an interception table left by a previous run; replacing it");
         }
         let intercept = Interception::install(config.intercept.clone())?;
+        let leftover: BTreeSet<SetElement> = intercept.kept().iter().copied().collect();
+        if !leftover.is_empty() {
+            tracing::info!(
+                frontends = leftover.len(),
+                "kept the previous run's frontends intercepted; connections wait for the first table"
+            );
+        }
         tracing::info!(
             port,
             splice = config.splice,
@@ -187,7 +197,8 @@ impl Userspace {
         Ok(Self {
             shared,
             intercept,
-            programmed: BTreeSet::new(),
+            programmed: leftover.clone(),
+            leftover: Some(leftover),
             shutdown,
             tasks,
             cap,
@@ -339,20 +350,32 @@ impl Dataplane for Userspace {
             .filter_map(element)
             .filter(|e| !self.programmed.contains(e))
             .collect();
-        let remove: Vec<SetElement> = diff
+        let mut remove: Vec<SetElement> = diff
             .remove
             .iter()
             .filter_map(element)
             .filter(|e| self.programmed.contains(e))
             .collect();
+        // The first diff is the whole table: what a previous run left beyond it goes.
+        let leftover = self.leftover.take();
+        if let Some(left) = &leftover {
+            let wanted: BTreeSet<SetElement> = diff.upsert.keys().filter_map(element).collect();
+            let stale: Vec<SetElement> = left
+                .difference(&wanted)
+                .filter(|e| !remove.contains(e))
+                .copied()
+                .collect();
+            remove.extend(stale);
+        }
         // Routes first, then the interception set: a new frontend's packets find a route; a
         // removed frontend stops being intercepted before its route goes.
         if !remove.is_empty() {
-            self.intercept
-                .update(&[], &remove)
-                .map_err(|e| DataplaneError {
+            if let Err(e) = self.intercept.update(&[], &remove) {
+                self.leftover = leftover;
+                return Err(DataplaneError {
                     message: e.to_string(),
-                })?;
+                });
+            }
             for e in &remove {
                 self.programmed.remove(e);
             }

@@ -1,7 +1,10 @@
 //! Interception owned by the agent: one nftables table (`inet mcs_dataplane` by default) with a
 //! set of frontends per family and TPROXY rules to the forwarder's port, plus the policy
 //! routing TPROXY needs (`ip rule fwmark MARK lookup TABLE`, `local default dev lo` in that
-//! table). Installing replaces a table left by a crash in one transaction; updates add and
+//! table). Installing replaces a table left by a crash in one transaction, keeping its set
+//! elements (so a restarting agent's frontends stay intercepted, and connections made before
+//! its first table wait for it instead of losing their SYN); the first full table then
+//! removes the elements that are no longer frontends ([`Interception::kept`]). Updates add and
 //! delete set elements only (O(change)); uninstalling removes exactly what was installed.
 //!
 //! Pod traffic arriving on the node hits `prerouting`; traffic of the node's own processes is
@@ -84,6 +87,7 @@ impl SetElement {
 #[derive(Debug)]
 pub struct Interception {
     cfg: InterceptConfig,
+    kept: Vec<SetElement>,
 }
 
 impl Interception {
@@ -91,7 +95,8 @@ impl Interception {
     pub fn install(cfg: InterceptConfig) -> Result<Self, NftError> {
         let t = &cfg.table;
         let (port, mark) = (cfg.port, cfg.mark);
-        let script = format!(
+        let kept = leftover_elements(t);
+        let mut script = format!(
             "table inet {t}\n\
              delete table inet {t}\n\
              table inet {t} {{\n\
@@ -116,8 +121,11 @@ impl Interception {
                }}\n\
              }}\n"
         );
+        for e in kept.iter().filter_map(SetElement::render) {
+            script.push_str(&format!("add element inet {t} {} {{ {} }}\n", e.0, e.1));
+        }
         nft(&script)?;
-        let this = Self { cfg };
+        let this = Self { cfg, kept };
         let (m, rt, prio) = (
             this.cfg.mark.to_string(),
             this.cfg.route_table.to_string(),
@@ -150,8 +158,19 @@ impl Interception {
                 ]);
             }
         }
-        tracing::info!(table = %this.cfg.table, port, mark, "interception installed");
+        tracing::info!(
+            table = %this.cfg.table,
+            port,
+            mark,
+            kept = this.kept.len(),
+            "interception installed"
+        );
         Ok(this)
+    }
+
+    /// The frontends a previous run left in the table, still intercepted after installing.
+    pub fn kept(&self) -> &[SetElement] {
+        &self.kept
     }
 
     /// Whether a table of this name exists (e.g. left by a crash).
@@ -206,6 +225,67 @@ impl Interception {
     pub fn config(&self) -> &InterceptConfig {
         &self.cfg
     }
+}
+
+/// The elements of both frontend sets of table `table`, if it exists (none when it does not or
+/// cannot be read: a fresh table is then as before).
+fn leftover_elements(table: &str) -> Vec<SetElement> {
+    let mut out = Vec::new();
+    for set in ["frontends4", "frontends6"] {
+        let Ok(o) = Command::new("nft")
+            .args(["-j", "list", "set", "inet", table, set])
+            .stderr(Stdio::null())
+            .output()
+        else {
+            continue;
+        };
+        if o.status.success() {
+            out.extend(parse_set_json(&o.stdout));
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Set elements from `nft -j list set` output (`{"concat": [addr, proto, port]}`); anything
+/// else is skipped.
+fn parse_set_json(json: &[u8]) -> Vec<SetElement> {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(json) else {
+        return Vec::new();
+    };
+    let sets = v["nftables"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let elems = sets
+        .iter()
+        .filter_map(|o| o["set"]["elem"].as_array())
+        .flatten();
+    elems
+        .filter_map(|e| {
+            let c = e["concat"].as_array()?;
+            let [addr, proto, port] = c.as_slice() else {
+                return None;
+            };
+            let vip: IpAddr = addr.as_str()?.parse().ok()?;
+            let protocol = match (proto.as_str(), proto.as_u64()) {
+                (Some("tcp"), _) | (_, Some(6)) => Protocol::Tcp,
+                (Some("udp"), _) | (_, Some(17)) => Protocol::Udp,
+                _ => return None,
+            };
+            let port = match (port.as_u64(), port.as_str()) {
+                (Some(p), _) => u16::try_from(p).ok()?,
+                (_, Some(p)) => p.parse().ok()?,
+                _ => return None,
+            };
+            Some(SetElement {
+                vip,
+                protocol,
+                port,
+            })
+        })
+        .collect()
 }
 
 fn nft(script: &str) -> Result<(), NftError> {
@@ -263,5 +343,36 @@ fn ip(args: &[&str]) -> Result<(), NftError> {
             command: format!("ip {}", args.join(" ")),
             message: String::from_utf8_lossy(&out.stderr).trim().to_string(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_elements_are_read_from_nft_json_and_anything_else_is_skipped() {
+        let json = br#"{"nftables": [{"metainfo": {"version": "1.0.6"}}, {"set": {"family": "inet",
+            "name": "frontends4", "table": "t", "elem": [
+              {"concat": ["198.18.100.11", "udp", 53]}, {"concat": ["198.18.100.10", "tcp", 80]},
+              {"concat": ["2001:2::10", 6, "443"]}, {"concat": ["198.18.100.12", "sctp", 9]},
+              {"concat": ["not-an-address", "tcp", 1]}, {"concat": ["198.18.100.13", "tcp", 70000]},
+              {"concat": ["198.18.100.14", "tcp"]}, "198.18.100.15"]}}]}"#;
+        let got = parse_set_json(json);
+        let e = |vip: &str, protocol, port| SetElement {
+            vip: vip.parse().unwrap(),
+            protocol,
+            port,
+        };
+        assert_eq!(
+            got,
+            vec![
+                e("198.18.100.11", Protocol::Udp, 53),
+                e("198.18.100.10", Protocol::Tcp, 80),
+                e("2001:2::10", Protocol::Tcp, 443),
+            ]
+        );
+        assert!(parse_set_json(b"not json").is_empty());
+        assert!(parse_set_json(br#"{"nftables": [{"set": {"name": "frontends4"}}]}"#).is_empty());
     }
 }

@@ -133,8 +133,21 @@ fn reset(stream: &TcpStream) {
     let _ = SockRef::from(stream).set_linger(Some(Duration::ZERO));
 }
 
+/// How long a connection accepted before the first table (a restarted agent's frontends stay
+/// intercepted) waits for it.
+const FIRST_TABLE_WAIT: Duration = Duration::from_secs(3);
+
 async fn handle(client_stream: TcpStream, client: SocketAddr, dst: SocketAddr, shared: &Shared) {
-    let Some(route) = shared.routes.load().get(dst, Protocol::Tcp).cloned() else {
+    let mut route = shared.routes.load().get(dst, Protocol::Tcp).cloned();
+    if route.is_none() {
+        let mut generation = shared.routes.subscribe();
+        if *generation.borrow_and_update() == 0 {
+            // No table yet: wait for the first one (bounded), then look again.
+            let _ = tokio::time::timeout(FIRST_TABLE_WAIT, generation.changed()).await;
+            route = shared.routes.load().get(dst, Protocol::Tcp).cloned();
+        }
+    }
+    let Some(route) = route else {
         tracing::debug!(%dst, "no route (frontend removed?)");
         reset(&client_stream);
         return;

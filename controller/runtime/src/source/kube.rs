@@ -1,5 +1,11 @@
-//! The kube source: watchers (list + watch, with kube-rs's backoff) on ServiceImports,
-//! EndpointSlices carrying the MCS service-name label, and the cluster-id ClusterProperty.
+//! The kube source: watchers (list + watch) on ServiceImports, EndpointSlices carrying the MCS
+//! service-name label, and the cluster-id ClusterProperty.
+//!
+//! A failed watch is retried with [`WatchRetry`]: exponential from 100 ms, capped at
+//! [`Options::retry_max`] (default 5 s, jittered down to half), reset on the first event; a `410 Gone` re-lists at once. kube-rs's
+//! default caps at 30 s (jitter up to twice that), so after an API server outage of a minute
+//! changes made meanwhile could arrive half a minute late; the dataplane keeps serving its
+//! last table all the while.
 //!
 //! The ServiceImport version is discovered, not assumed: the group's preferred version when
 //! the agent reads it, else the other one it reads (`v1beta1`, `v1alpha1`), so a cluster whose
@@ -17,14 +23,12 @@ use std::{
         Arc,
         atomic::{AtomicUsize, Ordering},
     },
+    time::Duration,
 };
 
 use futures::StreamExt as _;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::{
-    Api, Client, Resource, ResourceExt as _,
-    runtime::{WatchStreamExt as _, watcher},
-};
+use kube::{Api, Client, Resource, ResourceExt as _, runtime::watcher};
 use mcs_api::{ClusterProperty, LABEL_SERVICE_NAME, v1alpha1, v1beta1};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
@@ -77,10 +81,82 @@ pub async fn discover_import_version(client: &Client) -> Result<&'static str, St
     })
 }
 
+/// How the kube source runs.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// Watch the `cluster.clusterset.k8s.io` ClusterProperty too (skip it when `--cluster-id`
+    /// is given).
+    pub watch_cluster_id: bool,
+    /// The longest wait between two attempts of a failed watch.
+    pub retry_max: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            watch_cluster_id: false,
+            retry_max: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The retry delays of a failed watch: 100 ms doubling up to `max`, each drawn in
+/// `[delay / 2, delay]` so that a DaemonSet's agents do not retry in step; reset on the
+/// watch's first good event.
+#[derive(Debug)]
+pub struct WatchRetry {
+    max: Duration,
+    next: Duration,
+    seed: u64,
+}
+
+impl WatchRetry {
+    /// The first delay.
+    pub const MIN: Duration = Duration::from_millis(100);
+
+    /// Delays capped at `max` (at least [`WatchRetry::MIN`]).
+    pub fn new(max: Duration) -> Self {
+        use std::hash::{BuildHasher as _, Hasher as _};
+        let seed = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        Self {
+            max: max.max(Self::MIN),
+            next: Self::MIN,
+            seed: seed | 1,
+        }
+    }
+}
+
+impl Iterator for WatchRetry {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        // xorshift64: cheap, good enough to spread retries.
+        self.seed ^= self.seed << 13;
+        self.seed ^= self.seed >> 7;
+        self.seed ^= self.seed << 17;
+        let delay = self.next;
+        self.next = (self.next * 2).min(self.max);
+        let half = delay / 2;
+        let frac = (self.seed >> 11) as f64 / (1u64 << 53) as f64;
+        Some(half + half.mul_f64(frac))
+    }
+}
+
+impl kube::runtime::utils::Backoff for WatchRetry {
+    fn reset(&mut self) {
+        self.next = Self::MIN;
+    }
+}
+
 /// Runs the watchers until the receiver is dropped. Sends `Synced` once every watcher has
-/// listed. With `watch_cluster_id`, the `cluster.clusterset.k8s.io` ClusterProperty is watched
-/// too (skip it when `--cluster-id` is given).
-pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, watch_cluster_id: bool) {
+/// listed.
+pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options) {
+    let Options {
+        watch_cluster_id,
+        retry_max,
+    } = options;
     let mut retry = std::time::Duration::from_secs(1);
     let version = loop {
         match discover_import_version(&client).await {
@@ -91,7 +167,7 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, watch_cluster_id
                     () = tokio::time::sleep(retry) => {}
                     () = tx.closed() => return,
                 }
-                retry = (retry * 2).min(std::time::Duration::from_secs(30));
+                retry = (retry * 2).min(retry_max.max(std::time::Duration::from_secs(1)));
             }
         }
     };
@@ -105,6 +181,7 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, watch_cluster_id
             watch(
                 Api::<v1alpha1::ServiceImport>::all(import_client),
                 watcher::Config::default(),
+                retry_max,
                 import_tx,
                 import_remaining,
                 |si| Some(SourceEvent::Import(convert::import(&si.to_v1beta1()))),
@@ -115,6 +192,7 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, watch_cluster_id
             watch(
                 Api::<v1beta1::ServiceImport>::all(import_client),
                 watcher::Config::default(),
+                retry_max,
                 import_tx,
                 import_remaining,
                 |si| Some(SourceEvent::Import(convert::import(si))),
@@ -126,6 +204,7 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, watch_cluster_id
     let slices = watch(
         Api::<EndpointSlice>::all(client.clone()),
         watcher::Config::default().labels(LABEL_SERVICE_NAME),
+        retry_max,
         tx.clone(),
         remaining.clone(),
         |es| Some(SourceEvent::Slice(convert::slice(es))),
@@ -136,6 +215,7 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, watch_cluster_id
             Api::<ClusterProperty>::all(client),
             watcher::Config::default()
                 .fields(&format!("metadata.name={}", mcs_api::CLUSTER_ID_PROPERTY)),
+            retry_max,
             tx,
             remaining,
             |cp| Some(SourceEvent::ClusterId(cp.spec.value.clone())),
@@ -221,6 +301,7 @@ impl Relister {
 async fn watch<K>(
     api: Api<K>,
     config: watcher::Config,
+    retry_max: Duration,
     tx: mpsc::Sender<SourceEvent>,
     remaining: Arc<AtomicUsize>,
     upsert: impl Fn(&K) -> Option<SourceEvent>,
@@ -231,7 +312,8 @@ async fn watch<K>(
 {
     let kind = K::kind(&K::DynamicType::default()).to_string();
     let mut state = Relister::default();
-    let mut stream = watcher(api, config).default_backoff().boxed();
+    let mut retry = WatchRetry::new(retry_max);
+    let mut stream = watcher(api, config).boxed();
     let send = |ev: Option<SourceEvent>| {
         let tx = tx.clone();
         async move {
@@ -246,9 +328,28 @@ async fn watch<K>(
         () = tx.closed() => None,
     } {
         let step = match item {
-            Ok(ev) => state.on(ev),
+            Ok(ev) => {
+                kube::runtime::utils::Backoff::reset(&mut retry);
+                state.on(ev)
+            }
+            // 410 Gone: the resource version is too old (an API server restarted, history
+            // compacted). Not a failure: the watcher re-lists next, at once.
+            Err(watcher::Error::WatchError(status)) if status.code == 410 => {
+                tracing::info!(kind, reason = %status.message, "watch expired; re-listing");
+                continue;
+            }
             Err(e) => {
-                tracing::warn!(kind, error = %e, "watch failed; retrying with backoff");
+                let delay = retry.next().unwrap_or(retry_max);
+                tracing::warn!(
+                    kind,
+                    error = %e,
+                    retry_ms = delay.as_millis() as u64,
+                    "watch failed; retrying"
+                );
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = tx.closed() => return,
+                }
                 continue;
             }
         };
@@ -301,6 +402,29 @@ mod tests {
 
     fn k(name: &str) -> (String, String) {
         ("ns".into(), name.into())
+    }
+
+    #[test]
+    fn watch_retry_doubles_to_its_cap_jittered_down_to_half_and_resets() {
+        use kube::runtime::utils::Backoff as _;
+        let max = Duration::from_secs(5);
+        let mut r = WatchRetry::new(max);
+        let mut nominal = WatchRetry::MIN;
+        for _ in 0..20 {
+            let d = r.next().unwrap();
+            assert!(
+                d >= nominal / 2 && d <= nominal,
+                "{d:?} outside [{nominal:?}/2, {nominal:?}]"
+            );
+            nominal = (nominal * 2).min(max);
+        }
+        assert_eq!(nominal, max, "the cap is reached");
+        r.reset();
+        let d = r.next().unwrap();
+        assert!(d <= WatchRetry::MIN, "after a reset it starts over: {d:?}");
+        // A cap below the first delay is raised to it.
+        let mut tiny = WatchRetry::new(Duration::ZERO);
+        assert!(tiny.nth(5).unwrap() <= WatchRetry::MIN);
     }
 
     #[test]
