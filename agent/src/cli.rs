@@ -6,8 +6,8 @@ use std::{
 };
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use mcs_controller::source::SourceSpec;
 use mcs_model::Limits;
+use mcs_sync::source::SourceSpec;
 
 /// The mcs-dataplane node agent: makes Kubernetes Multi-Cluster Services ClusterSetIPs
 /// reachable from every pod of the node, with an eBPF socket load balancer or a userspace
@@ -109,7 +109,7 @@ pub struct GuardArgs {
     #[arg(long, default_value_t = Limits::default().backends)]
     pub max_backends: usize,
     /// Largest file `--source file:DIR` reads, in bytes.
-    #[arg(long, default_value_t = mcs_controller::source::file::FileLimits::default().max_file_bytes)]
+    #[arg(long, default_value_t = mcs_sync::source::file::FileLimits::default().max_file_bytes)]
     pub max_file_bytes: u64,
 }
 

@@ -3,8 +3,13 @@
 use std::{process::ExitCode, sync::Arc, time::Duration};
 
 use anyhow::{Context as _, bail};
-use mcs_controller::{
-    Controller, ControllerConfig, LogDataplane, SourceEvent,
+use mcs_model::{Dataplane, Index, NodeConfig, render};
+use mcs_proxy::ebpf::{SocketLb, read_pinned};
+use mcs_proxy::userspace::{
+    Userspace, UserspaceConfig, metrics::ProxyMetrics, nft::InterceptConfig,
+};
+use mcs_sync::{
+    LogDataplane, SourceEvent, SyncConfig, SyncLoop,
     events::EventSink,
     http::{self, Health},
     metrics::Metrics,
@@ -12,11 +17,6 @@ use mcs_controller::{
         self, SourceSpec,
         file::{FileLimits, FileSource},
     },
-};
-use mcs_model::{Dataplane, Index, NodeConfig, render};
-use mcs_proxy::ebpf::{SocketLb, read_pinned};
-use mcs_proxy::userspace::{
-    Userspace, UserspaceConfig, metrics::ProxyMetrics, nft::InterceptConfig,
 };
 use tokio::sync::{mpsc, watch};
 
@@ -149,11 +149,11 @@ fn spawn_source(
         }
         SourceSpec::Kube => {
             if let Some(client) = client {
-                let options = mcs_controller::source::kube::Options {
+                let options = mcs_sync::source::kube::Options {
                     watch_cluster_id: args.cluster_id.is_none(),
                     retry_max: Duration::from_millis(args.watch_retry_max_ms),
                 };
-                tokio::spawn(mcs_controller::source::kube::run(client, tx, options));
+                tokio::spawn(mcs_sync::source::kube::run(client, tx, options));
             }
         }
     }
@@ -304,11 +304,11 @@ async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
         tx,
         Duration::from_millis(args.file_poll_ms),
     );
-    let config = ControllerConfig {
+    let config = SyncConfig {
         cluster_id_fixed: args.source.cluster_id.is_some(),
         ..Default::default()
     };
-    let controller = Controller::new(prepared.node, dataplane, config, metrics, health, events);
+    let controller = SyncLoop::new(prepared.node, dataplane, config, metrics, health, events);
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         shutdown_signal().await;

@@ -13,9 +13,9 @@ use kube::{
     Api,
     api::{DeleteParams, Patch, PatchParams, PostParams},
 };
-use mcs_controller::{Controller, ControllerConfig, http::Health, metrics::Metrics};
 use mcs_model::NodeConfig;
 use mcs_proxy::userspace::{Userspace, UserspaceConfig, metrics::ProxyMetrics};
+use mcs_sync::{SyncConfig, SyncLoop, http::Health, metrics::Metrics};
 use mcs_test_support::apiserver;
 
 fn slice_json(ns: &str, cluster: &str, addrs: &[&str], ready: bool) -> EndpointSlice {
@@ -95,7 +95,7 @@ fn endpoint_changes_through_the_apiserver_reach_the_forwarder() {
     // Source on the host side; controller + forwarder inside the node namespace. Only this
     // test's namespace matters: other tests' objects use other VIPs, which are not routed here.
     let (tx, rx) = tokio::sync::mpsc::channel(1024);
-    host.spawn(mcs_controller::source::kube::run(
+    host.spawn(mcs_sync::source::kube::run(
         client.clone(),
         tx,
         Default::default(),
@@ -108,14 +108,14 @@ fn endpoint_changes_through_the_apiserver_reach_the_forwarder() {
         let metrics = Arc::new(Metrics::new(&mut registry));
         let dataplane = Userspace::start(UserspaceConfig::default(), ProxyMetrics::default())
             .expect("forwarder");
-        let controller = Controller::new(
+        let controller = SyncLoop::new(
             NodeConfig {
                 cluster_id: "c1".into(),
                 zone: None,
                 ..Default::default()
             },
             dataplane,
-            ControllerConfig {
+            SyncConfig {
                 cluster_id_fixed: true,
                 ..Default::default()
             },

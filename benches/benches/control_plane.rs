@@ -23,8 +23,8 @@ use kube::{
     api::{Patch, PatchParams, PostParams},
 };
 use mcs_api::ServiceImport;
-use mcs_controller::{Controller, ControllerConfig, http::Health, metrics::Metrics};
 use mcs_model::{Dataplane, DataplaneError, NodeConfig, TableDiff};
+use mcs_sync::{SyncConfig, SyncLoop, http::Health, metrics::Metrics};
 use tokio::sync::Notify;
 
 /// Records when diffs arrive.
@@ -125,10 +125,10 @@ fn main() {
         let metrics = Arc::new(Metrics::new(&mut registry));
         let health = Health::default();
         let dp = Timed::default();
-        let controller = Controller::new(
+        let controller = SyncLoop::new(
             NodeConfig { cluster_id: "c0".into(), ..Default::default() },
             dp.clone(),
-            ControllerConfig { cluster_id_fixed: true, ..Default::default() },
+            SyncConfig { cluster_id_fixed: true, ..Default::default() },
             metrics,
             health.clone(),
             None,
@@ -136,7 +136,7 @@ fn main() {
         let (tx, rx) = tokio::sync::mpsc::channel(8192);
         let (_stop, stop_rx) = tokio::sync::watch::channel(false);
         let start = Instant::now();
-        tokio::spawn(mcs_controller::source::kube::run(
+        tokio::spawn(mcs_sync::source::kube::run(
             client.clone(),
             tx,
             Default::default(),

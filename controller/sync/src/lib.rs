@@ -4,24 +4,24 @@
 //!
 //! ```text
 //! source::kube (watchers + label selector) ─┐
-//! source::file (DIR of YAML, re-read)      ─┴─▶ mpsc<SourceEvent> ─▶ Controller ─▶ Dataplane
+//! source::file (DIR of YAML, re-read)      ─┴─▶ mpsc<SourceEvent> ─▶ SyncLoop ─▶ Dataplane
 //!                                                  (convert)        (Index, coalesce, flush,
 //!                                                                    metrics, events, /readyz)
 //! ```
 //!
 //! - [`convert`]: Kubernetes objects → `mcs_model::input` (field copies).
 //! - [`source`]: the [`source::SourceEvent`] stream of each source.
-//! - [`controller`]: the loop that coalesces bursts, flushes the index and applies diffs.
+//! - [`sync_loop`]: the loop that coalesces bursts, flushes the index and applies diffs.
 //! - [`metrics`], [`http`]: Prometheus metrics, `/healthz`, `/readyz`.
 //! - [`events`]: rate-limited Kubernetes Events for rejected objects.
 #![forbid(unsafe_code)]
 
-pub mod controller;
 pub mod convert;
 pub mod events;
 pub mod http;
 pub mod metrics;
 pub mod source;
+pub mod sync_loop;
 
-pub use controller::{Controller, ControllerConfig, LogDataplane};
 pub use source::SourceEvent;
+pub use sync_loop::{LogDataplane, SyncConfig, SyncLoop};

@@ -7,8 +7,8 @@ use std::{
     time::Duration,
 };
 
-use mcs_controller::{Controller, ControllerConfig, SourceEvent, http::Health, metrics::Metrics};
 use mcs_model::{Dataplane, DataplaneError, ForwardingTable, Frontend, NodeConfig, TableDiff};
+use mcs_sync::{SourceEvent, SyncConfig, SyncLoop, http::Health, metrics::Metrics};
 use tokio::sync::{Notify, mpsc, watch};
 
 /// What the recording dataplane saw.
@@ -107,10 +107,10 @@ pub fn start(node: NodeConfig, cluster_id_fixed: bool, rx: mpsc::Receiver<Source
     let metrics = Arc::new(Metrics::new(&mut registry));
     let health = Health::default();
     let dataplane = Recording::default();
-    let controller = Controller::new(
+    let controller = SyncLoop::new(
         node,
         dataplane.clone(),
-        ControllerConfig {
+        SyncConfig {
             cluster_id_fixed,
             ..Default::default()
         },

@@ -64,10 +64,10 @@ fn run_kube_source(client: Client, cluster_id: Option<&str>) -> common::Running 
         zone: None,
         ..Default::default()
     };
-    tokio::spawn(mcs_controller::source::kube::run(
+    tokio::spawn(mcs_sync::source::kube::run(
         client,
         tx,
-        mcs_controller::source::kube::Options {
+        mcs_sync::source::kube::Options {
             watch_cluster_id: cluster_id.is_none(),
             ..Default::default()
         },
@@ -430,7 +430,7 @@ async fn agent_works_under_exactly_the_deployed_cluster_role() {
     };
     let mut sinks: Vec<_> = ["node-a", "node-b", "node-c"]
         .into_iter()
-        .map(|n| mcs_controller::events::EventSink::new(agent.clone(), n))
+        .map(|n| mcs_sync::events::EventSink::new(agent.clone(), n))
         .collect();
     // A rejection only node-c makes (its own address) is its own Event.
     let own = mcs_model::Rejection {
@@ -617,7 +617,7 @@ async fn a_v1alpha1_only_cluster_is_served() {
         .unwrap();
 
     assert_eq!(
-        mcs_controller::source::kube::discover_import_version(&client).await,
+        mcs_sync::source::kube::discover_import_version(&client).await,
         Ok("v1alpha1")
     );
     let run = run_kube_source(client, Some("c1"));

@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::{fe, start};
-use mcs_controller::source::file::FileSource;
 use mcs_model::{NodeConfig, Protocol};
+use mcs_sync::source::file::FileSource;
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     sync::mpsc,
@@ -68,7 +68,7 @@ async fn file_edits_reach_the_dataplane_and_failover_to_the_remote_cluster() {
         ..Default::default()
     };
     let run = start(node, true, rx);
-    let addr = mcs_controller::http::spawn(
+    let addr = mcs_sync::http::spawn(
         "127.0.0.1:0".parse().unwrap(),
         run.registry.clone(),
         run.health.clone(),

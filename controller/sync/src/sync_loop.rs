@@ -1,7 +1,7 @@
 //! The controller loop: source events in, diffs out to the dataplane.
 //!
 //! Events are applied to the index as they come. A batch ends when the sources have been
-//! quiet for [`ControllerConfig::quiet`] or the batch is [`ControllerConfig::max_delay`] old;
+//! quiet for [`SyncConfig::quiet`] or the batch is [`SyncConfig::max_delay`] old;
 //! then the index is flushed and the diff applied. So a single change is applied after
 //! `quiet` (10 ms by default) and a burst of hundreds of changes becomes a few diffs.
 //! Nothing is flushed before the source's first full sync; `/readyz` turns ready after that
@@ -25,7 +25,7 @@ use crate::{
 
 /// Tuning of the loop.
 #[derive(Clone, Debug)]
-pub struct ControllerConfig {
+pub struct SyncConfig {
     /// A batch ends after this much quiet.
     pub quiet: Duration,
     /// A batch ends at this age, however busy the sources are.
@@ -34,7 +34,7 @@ pub struct ControllerConfig {
     pub cluster_id_fixed: bool,
 }
 
-impl Default for ControllerConfig {
+impl Default for SyncConfig {
     fn default() -> Self {
         Self {
             quiet: Duration::from_millis(10),
@@ -46,10 +46,10 @@ impl Default for ControllerConfig {
 
 /// The controller. See the module docs.
 #[derive(Debug)]
-pub struct Controller<D> {
+pub struct SyncLoop<D> {
     index: Index,
     dataplane: D,
-    config: ControllerConfig,
+    config: SyncConfig,
     metrics: Arc<Metrics>,
     health: Health,
     events: Option<EventSink>,
@@ -58,12 +58,12 @@ pub struct Controller<D> {
     pending_retry: Option<TableDiff>,
 }
 
-impl<D: Dataplane> Controller<D> {
+impl<D: Dataplane> SyncLoop<D> {
     /// A controller for a node.
     pub fn new(
         node: NodeConfig,
         dataplane: D,
-        config: ControllerConfig,
+        config: SyncConfig,
         metrics: Arc<Metrics>,
         health: Health,
         events: Option<EventSink>,
