@@ -6,7 +6,7 @@
 use std::{collections::BTreeSet, net::IpAddr};
 
 use anyhow::bail;
-use mcs_model::{Guard, IpCidr, Limits};
+use mcs_model::{Guard, Limits};
 
 use crate::cli::GuardArgs;
 
@@ -18,28 +18,10 @@ programs no VIP outside them, so that no object can redirect other traffic of th
 
 /// The guard of `args`, protecting also `apiserver` (the API server's addresses, if known).
 pub fn build(args: &GuardArgs, apiserver: &[IpAddr]) -> anyhow::Result<Guard> {
-    // Empty entries (an unset ConfigMap key) count as absent.
-    let cidrs: Vec<IpCidr> = args
-        .clusterset_ip_cidrs
-        .iter()
-        .map(|c| c.trim())
-        .filter(|c| !c.is_empty())
-        .map(|c| {
-            c.parse::<IpCidr>()
-                .map_err(|e| anyhow::anyhow!("--clusterset-ip-cidr: {e}"))
-        })
-        .collect::<anyhow::Result<_>>()?;
+    let cidrs = mcs_model::guard::parse_clusterset_ranges(&args.clusterset_ip_cidrs)
+        .map_err(anyhow::Error::msg)?;
     if cidrs.is_empty() {
         bail!(NO_CIDR);
-    }
-    for c in &cidrs {
-        let min = if c.addr().is_ipv4() { 8 } else { 32 };
-        if c.prefix_len() < min {
-            bail!(
-                "--clusterset-ip-cidr {c} is wider than /{min}: a ClusterSetIP range that covers \
-                 other networks lets any ServiceImport redirect their traffic"
-            );
-        }
     }
     let mut protected: BTreeSet<IpAddr> = node_addresses();
     protected.extend(apiserver.iter().copied());

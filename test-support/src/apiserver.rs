@@ -443,6 +443,38 @@ impl PeerApiServer {
     }
 }
 
+/// A kubeconfig whose contexts are `members` (cluster id, API server), each context, cluster
+/// and user named by the cluster id, all as `user`: what the MCS controller's
+/// `--clusterset-kubeconfig` and the conformance suite's `-contexts` read.
+pub fn clusterset_kubeconfig(members: &[(&str, &ApiServer)], user: User) -> anyhow::Result<String> {
+    use std::fmt::Write as _;
+    let mut clusters = String::new();
+    let mut users = String::new();
+    let mut contexts = String::new();
+    for (id, api) in members {
+        let ca = std::fs::read_to_string(api.dir.join("ca.crt"))?;
+        let _ = write!(
+            clusters,
+            "- name: {id}\n  cluster:\n    server: {}\n    certificate-authority-data: {}\n",
+            api.url,
+            base64(ca.as_bytes())
+        );
+        let _ = write!(
+            users,
+            "- name: {id}\n  user:\n    token: {}\n",
+            user.token()
+        );
+        let _ = write!(
+            contexts,
+            "- name: {id}\n  context:\n    cluster: {id}\n    user: {id}\n"
+        );
+    }
+    let current = members.first().map_or("", |m| m.0);
+    Ok(format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n{clusters}users:\n{users}contexts:\n{contexts}current-context: {current}\n"
+    ))
+}
+
 fn kubeconfig_yaml(url: &str, user: User, ca_pem: &str) -> String {
     let ca_b64 = base64(ca_pem.as_bytes());
     format!(

@@ -88,6 +88,32 @@ impl FromStr for IpCidr {
     }
 }
 
+/// Parses ClusterSetIP ranges as `--clusterset-ip-cidr` gives them (agent and MCS controller
+/// alike): empty entries (an unset ConfigMap key) are skipped; a range wider than /8 (IPv4) or
+/// /32 (IPv6) is refused, since a range that covers other networks lets any ServiceImport
+/// redirect their traffic.
+pub fn parse_clusterset_ranges<S: AsRef<str>>(values: &[S]) -> Result<Vec<IpCidr>, String> {
+    let mut out = Vec::new();
+    for v in values
+        .iter()
+        .map(|v| v.as_ref().trim())
+        .filter(|v| !v.is_empty())
+    {
+        let c: IpCidr = v
+            .parse()
+            .map_err(|e| format!("--clusterset-ip-cidr: {e}"))?;
+        let min = if c.addr().is_ipv4() { 8 } else { 32 };
+        if c.prefix_len() < min {
+            return Err(format!(
+                "--clusterset-ip-cidr {c} is wider than /{min}: a ClusterSetIP range that covers \
+                 other networks lets any ServiceImport redirect their traffic"
+            ));
+        }
+        out.push(c);
+    }
+    Ok(out)
+}
+
 /// Why an address is a second spelling of another one (IPv4 written as IPv6), if it is.
 /// Such forms are rejected, never normalised: one address has one spelling in the table, so
 /// conflicts and loops are decided on the real address.

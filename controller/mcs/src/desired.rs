@@ -1,0 +1,452 @@
+//! From what the members hold to what the local cluster should hold: the ServiceImports (with
+//! their ClusterSetIPs), the MCS EndpointSlices and the conditions of the local
+//! ServiceExports. A function of its inputs (including "now" for condition times), so it is
+//! tested without a cluster; the merge itself is `mcs-merge`'s.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::IpAddr,
+    sync::Arc,
+};
+
+use k8s_openapi::{
+    api::{
+        core::v1::{Namespace, Service},
+        discovery::v1::{Endpoint, EndpointPort, EndpointSlice},
+    },
+    apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time},
+};
+use mcs_api::{
+    ClientIpConfig, ClusterStatus, LABEL_MANAGED_BY, LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER,
+    ServiceExport, ServiceImport, ServiceImportSpec, ServiceImportStatus, ServiceImportType,
+    ServicePort, SessionAffinityConfig,
+};
+use mcs_merge::{
+    ClusterSetExports, Export, ExportConditions, ImportShape, Port, ServiceKey, ServiceKind,
+    ServiceShape, alloc::Allocator,
+};
+
+use crate::{MANAGED_LABEL, MANAGER, members::ObjKey};
+
+/// The label Kubernetes puts on a Service's own EndpointSlices.
+pub const LABEL_K8S_SERVICE_NAME: &str = "kubernetes.io/service-name";
+
+/// One member's objects, as the reconciler sees them.
+#[derive(Debug, Default)]
+pub struct MemberView {
+    /// Its cluster id.
+    pub id: String,
+    /// False when it has been unreachable past the member timeout: its endpoints are
+    /// withdrawn (its exports still count, from their last known state).
+    pub endpoints_count: bool,
+    /// ServiceExports.
+    pub exports: HashMap<ObjKey, Arc<ServiceExport>>,
+    /// Services.
+    pub services: HashMap<ObjKey, Arc<Service>>,
+    /// Service EndpointSlices.
+    pub slices: HashMap<ObjKey, Arc<EndpointSlice>>,
+}
+
+/// Everything the reconciler reads.
+#[derive(Debug)]
+pub struct Snapshot {
+    /// This cluster's id.
+    pub local: String,
+    /// Every member, this cluster included.
+    pub members: Vec<MemberView>,
+    /// Local namespaces.
+    pub namespaces: HashMap<ObjKey, Arc<Namespace>>,
+    /// Local ServiceImports (all, ours and others').
+    pub imports: HashMap<ObjKey, Arc<ServiceImport>>,
+    /// Now, for condition transition times.
+    pub now: Time,
+}
+
+/// What the local cluster should hold.
+#[derive(Debug, Default)]
+pub struct Desired {
+    /// ServiceImports by (namespace, name), with status.
+    pub imports: BTreeMap<ObjKey, ServiceImport>,
+    /// MCS EndpointSlices by (namespace, name).
+    pub slices: BTreeMap<ObjKey, EndpointSlice>,
+    /// Conditions of the local ServiceExports.
+    pub export_conditions: BTreeMap<ObjKey, Vec<Condition>>,
+    /// Why something is not as asked (logged by the reconciler).
+    pub problems: Vec<String>,
+}
+
+/// Computes the desired local state; `alloc`: a fresh allocator over the ClusterSetIP ranges.
+pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
+    let mut out = Desired::default();
+    let mut all: ClusterSetExports = BTreeMap::new();
+    for m in &s.members {
+        for ((ns, name), se) in &m.exports {
+            if se.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            let service = m
+                .services
+                .get(&(ns.clone(), name.clone()))
+                .map(|svc| shape(svc));
+            let spec = &se.spec;
+            all.entry(ServiceKey {
+                namespace: ns.clone(),
+                name: name.clone(),
+            })
+            .or_default()
+            .insert(
+                m.id.clone(),
+                Export {
+                    created: se
+                        .metadata
+                        .creation_timestamp
+                        .as_ref()
+                        .map_or(i64::MAX, |t| t.0.as_second()),
+                    service,
+                    labels: spec.exported_labels.clone().unwrap_or_default(),
+                    annotations: spec.exported_annotations.clone().unwrap_or_default(),
+                },
+            );
+        }
+    }
+    let merged = mcs_merge::merge_all(&all);
+
+    // Local export conditions.
+    if let Some(me) = s.members.iter().find(|m| m.id == s.local) {
+        for (k, se) in &me.exports {
+            if se.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            let key = ServiceKey {
+                namespace: k.0.clone(),
+                name: k.1.clone(),
+            };
+            if let Some(c) = merged.get(&key).and_then(|m| m.exports.get(&s.local)) {
+                out.export_conditions
+                    .insert(k.clone(), conditions(c, se, &s.now));
+            }
+        }
+    }
+
+    // Imports where the namespace exists (and is not going away).
+    let wanted: Vec<(&ServiceKey, &ImportShape)> = merged
+        .iter()
+        .filter_map(|(k, m)| m.import.as_ref().map(|i| (k, i)))
+        .filter(|(k, _)| {
+            s.namespaces
+                .get(&(String::new(), k.namespace.clone()))
+                .is_some_and(|n| n.metadata.deletion_timestamp.is_none())
+        })
+        .collect();
+
+    // ClusterSetIPs: reserve what imports hold (ours kept if still valid), then allocate.
+    let mut keep: HashMap<ObjKey, Vec<String>> = HashMap::new();
+    let mut existing: Vec<(&ObjKey, &Arc<ServiceImport>)> = s.imports.iter().collect();
+    existing.sort_by(|a, b| a.0.cmp(b.0));
+    for (_, si) in &existing {
+        if !ours(si) {
+            for ip in si.spec.ips.iter().filter_map(|i| i.parse::<IpAddr>().ok()) {
+                alloc.reserve(ip);
+            }
+        }
+    }
+    for (k, si) in &existing {
+        if !ours(si) {
+            continue;
+        }
+        let key = ServiceKey {
+            namespace: k.0.clone(),
+            name: k.1.clone(),
+        };
+        let Some(shape) = merged.get(&key).and_then(|m| m.import.as_ref()) else {
+            continue;
+        };
+        if shape.headless {
+            continue;
+        }
+        let ips: Vec<IpAddr> = si.spec.ips.iter().filter_map(|i| i.parse().ok()).collect();
+        let fits = ips.len() == si.spec.ips.len()
+            && ips.len() == shape.ip_families.len()
+            && ips
+                .iter()
+                .zip(&shape.ip_families)
+                .all(|(ip, f)| family(*ip) == f && alloc.allowed(*ip));
+        if fits && ips.iter().all(|ip| alloc.reserve(*ip)) {
+            keep.insert((*k).clone(), si.spec.ips.clone());
+        }
+    }
+
+    for (key, shape) in wanted {
+        let k: ObjKey = (key.namespace.clone(), key.name.clone());
+        if let Some(si) = s.imports.get(&k)
+            && !ours(si)
+        {
+            out.problems.push(format!(
+                "ServiceImport {key} exists and is not managed by {MANAGER}; leaving it alone"
+            ));
+            continue;
+        }
+        let (ips, families) = if shape.headless {
+            (Vec::new(), Vec::new())
+        } else if let Some(ips) = keep.get(&k) {
+            (ips.clone(), shape.ip_families.clone())
+        } else {
+            let mut ips = Vec::new();
+            let mut families = Vec::new();
+            for f in &shape.ip_families {
+                match alloc.allocate(f, &key.to_string()) {
+                    Some(ip) => {
+                        ips.push(ip.to_string());
+                        families.push(f.clone());
+                    }
+                    None => out.problems.push(format!(
+                        "no free {f} ClusterSetIP for {key} (none of --clusterset-ip-cidr is {f}, or it is full)"
+                    )),
+                }
+            }
+            (ips, families)
+        };
+        out.imports
+            .insert(k.clone(), import(key, shape, ips, families));
+
+        // Slices from every exporting cluster whose endpoints count.
+        for m in s
+            .members
+            .iter()
+            .filter(|m| m.endpoints_count && shape.clusters.contains(&m.id))
+        {
+            let svc = m.services.get(&k);
+            for es in m.slices.values() {
+                let labels = es.metadata.labels.as_ref();
+                let of_service = es.metadata.namespace.as_deref() == Some(&key.namespace)
+                    && labels
+                        .and_then(|l| l.get(LABEL_K8S_SERVICE_NAME))
+                        .is_some_and(|n| *n == key.name)
+                    && labels
+                        .and_then(|l| l.get(LABEL_MANAGED_BY))
+                        .is_none_or(|v| v != MANAGER);
+                if !of_service {
+                    continue;
+                }
+                if let Some(mcs) = mcs_slice(key, &m.id, es, svc.map(|s| &**s), shape) {
+                    out.slices.insert(
+                        (
+                            key.namespace.clone(),
+                            mcs.metadata.name.clone().unwrap_or_default(),
+                        ),
+                        mcs,
+                    );
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Whether this controller manages `si`.
+pub fn ours(si: &ServiceImport) -> bool {
+    si.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(MANAGED_LABEL))
+        .is_some_and(|v| v == MANAGER)
+}
+
+fn family(ip: IpAddr) -> &'static str {
+    if ip.is_ipv4() { "IPv4" } else { "IPv6" }
+}
+
+/// The parts of a Service the merge reads.
+pub fn shape(svc: &Service) -> ServiceShape {
+    let spec = svc.spec.clone().unwrap_or_default();
+    ServiceShape {
+        kind: Some(match spec.type_.as_deref() {
+            Some("NodePort") => ServiceKind::NodePort,
+            Some("LoadBalancer") => ServiceKind::LoadBalancer,
+            Some("ExternalName") => ServiceKind::ExternalName,
+            _ => ServiceKind::ClusterIp,
+        }),
+        headless: spec.cluster_ip.as_deref() == Some("None"),
+        ports: spec
+            .ports
+            .unwrap_or_default()
+            .into_iter()
+            .map(|p| Port {
+                name: p.name.unwrap_or_default(),
+                protocol: p.protocol.unwrap_or_else(|| "TCP".into()),
+                port: p.port,
+                app_protocol: p.app_protocol,
+            })
+            .collect(),
+        session_affinity: spec.session_affinity,
+        session_affinity_timeout: spec
+            .session_affinity_config
+            .map(|c| c.client_ip.and_then(|c| c.timeout_seconds)),
+        internal_traffic_policy: spec.internal_traffic_policy,
+        traffic_distribution: spec.traffic_distribution,
+        ip_families: spec.ip_families.unwrap_or_default(),
+    }
+}
+
+fn import(
+    key: &ServiceKey,
+    shape: &ImportShape,
+    ips: Vec<String>,
+    ip_families: Vec<String>,
+) -> ServiceImport {
+    let mut labels = shape.labels.clone();
+    labels.insert(MANAGED_LABEL.into(), MANAGER.into());
+    let mut si = ServiceImport::new(
+        &key.name,
+        ServiceImportSpec {
+            ports: shape
+                .ports
+                .iter()
+                .map(|p| ServicePort {
+                    name: (!p.name.is_empty()).then(|| p.name.clone()),
+                    protocol: Some(p.protocol.clone()),
+                    app_protocol: p.app_protocol.clone(),
+                    port: p.port,
+                })
+                .collect(),
+            ips,
+            type_: if shape.headless {
+                ServiceImportType::Headless
+            } else {
+                ServiceImportType::ClusterSetIP
+            },
+            session_affinity: shape.session_affinity.clone(),
+            session_affinity_config: shape.session_affinity_timeout.map(|t| {
+                SessionAffinityConfig {
+                    client_ip: Some(ClientIpConfig { timeout_seconds: t }),
+                }
+            }),
+            ip_families,
+            internal_traffic_policy: shape.internal_traffic_policy.clone(),
+            traffic_distribution: shape.traffic_distribution.clone(),
+        },
+    );
+    si.metadata.namespace = Some(key.namespace.clone());
+    si.metadata.labels = Some(labels);
+    if !shape.annotations.is_empty() {
+        si.metadata.annotations = Some(shape.annotations.clone());
+    }
+    si.status = Some(ServiceImportStatus {
+        clusters: shape
+            .clusters
+            .iter()
+            .map(|c| ClusterStatus { cluster: c.clone() })
+            .collect(),
+        conditions: Vec::new(),
+    });
+    si
+}
+
+/// The MCS slice for `es` of cluster `cluster`: its endpoints, and the ports the import has
+/// for that cluster (a port this cluster defines differently from the import is left out, so
+/// the conflicting definition gets no traffic). `None` when no port is left.
+fn mcs_slice(
+    key: &ServiceKey,
+    cluster: &str,
+    es: &EndpointSlice,
+    svc: Option<&Service>,
+    shape: &ImportShape,
+) -> Option<EndpointSlice> {
+    let svc_ports: Vec<Port> = svc.map(shape_ports).unwrap_or_default();
+    let src_ports = es.ports.clone().unwrap_or_default();
+    let ports: Vec<EndpointPort> = src_ports
+        .iter()
+        .filter(|p| {
+            let name = p.name.clone().unwrap_or_default();
+            svc_ports.iter().any(|sp| {
+                sp.name == name
+                    && shape.ports.iter().any(|ip| {
+                        ip.name == sp.name && ip.protocol == sp.protocol && ip.port == sp.port
+                    })
+            })
+        })
+        .cloned()
+        .collect();
+    if ports.is_empty() && !src_ports.is_empty() {
+        return None;
+    }
+    let src = es.metadata.name.clone().unwrap_or_default();
+    let hash = mcs_merge::alloc::fnv1a(format!("{cluster}/{src}").as_bytes());
+    let name = format!(
+        "{}-{}-{hash:08x}",
+        trim(&key.name, 40),
+        trim(cluster, 40),
+        hash = hash as u32
+    );
+    let labels = BTreeMap::from([
+        (LABEL_SERVICE_NAME.to_string(), key.name.clone()),
+        (LABEL_SOURCE_CLUSTER.to_string(), cluster.to_string()),
+        (LABEL_MANAGED_BY.to_string(), MANAGER.to_string()),
+    ]);
+    Some(EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some(name),
+            namespace: Some(key.namespace.clone()),
+            labels: Some(labels),
+            ..Default::default()
+        },
+        address_type: es.address_type.clone(),
+        endpoints: es.endpoints.as_ref().map(|eps| {
+            eps.iter()
+                .map(|e| Endpoint {
+                    addresses: e.addresses.clone(),
+                    conditions: e.conditions.clone(),
+                    hostname: e.hostname.clone(),
+                    node_name: e.node_name.clone(),
+                    zone: e.zone.clone(),
+                    hints: e.hints.clone(),
+                    ..Default::default()
+                })
+                .collect()
+        }),
+        ports: Some(ports),
+    })
+}
+
+fn shape_ports(svc: &Service) -> Vec<Port> {
+    shape(svc).ports
+}
+
+/// At most `n` bytes of a DNS label, without a trailing dash.
+fn trim(s: &str, n: usize) -> &str {
+    let mut end = s.len().min(n);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].trim_end_matches('-')
+}
+
+/// The conditions of a local export, keeping each one's transition time while its status
+/// stays.
+fn conditions(c: &ExportConditions, se: &ServiceExport, now: &Time) -> Vec<Condition> {
+    let old = se
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
+    let make = |type_: &str, m: &mcs_merge::Condition| {
+        let status = if m.status { "True" } else { "False" };
+        let since = old
+            .iter()
+            .find(|o| o.type_ == type_ && o.status == status)
+            .map_or_else(|| now.clone(), |o| o.last_transition_time.clone());
+        Condition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: m.reason.clone(),
+            message: m.message.clone(),
+            last_transition_time: since,
+            observed_generation: se.metadata.generation,
+        }
+    };
+    let mut v = vec![make("Valid", &c.valid), make("Ready", &c.ready)];
+    if let Some(k) = &c.conflict {
+        v.push(make("Conflict", k));
+    }
+    v
+}

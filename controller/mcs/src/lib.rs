@@ -1,0 +1,321 @@
+//! The MCS controller of mcs-dataplane (`mcs-controller`): every cluster of the ClusterSet
+//! runs one. It **reads** ServiceExports, Services and their EndpointSlices in every member
+//! cluster and **writes only into its own**: a ServiceImport per exported service whose
+//! namespace exists there (ClusterSetIPs allocated from `--clusterset-ip-cidr`), one MCS
+//! EndpointSlice per source slice of every exporting cluster, and the conditions of its own
+//! cluster's ServiceExports. Pull, not push: no cluster holds credentials to write into
+//! another. Every cluster computes the same merge (`mcs-merge`).
+//!
+//! # Layout
+//!
+//! - [`members`]: watched copies of each member's objects, and whether it answers.
+//! - [`desired`]: snapshot → the local cluster's desired imports, slices, conditions.
+//! - [`writer`]: writes the difference (server-side apply).
+//! - [`lease`]: one leader per cluster.
+//! - [`run`]: the loop: wake on any change (or every resync), snapshot, compute, write.
+#![forbid(unsafe_code)]
+
+pub mod desired;
+pub mod lease;
+pub mod members;
+pub mod writer;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicI64, AtomicU64},
+    },
+    time::{Duration, Instant},
+};
+
+use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
+use kube::Client;
+use mcs_merge::alloc::Allocator;
+use mcs_model::guard::IpCidr;
+use mcs_sync::http::Health;
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::Registry,
+};
+use tokio::sync::{Notify, watch};
+
+use crate::{
+    desired::{MemberView, Snapshot},
+    members::{Local, Member, MemberState},
+};
+
+/// `endpointslice.kubernetes.io/managed-by` of our slices, and the value of
+/// [`MANAGED_LABEL`] on our imports.
+pub const MANAGER: &str = "mcs-controller.mcs-dataplane";
+/// The label that marks the ServiceImports we manage.
+pub const MANAGED_LABEL: &str = "app.kubernetes.io/managed-by";
+
+/// Changes arriving within this window are handled in one pass.
+const DEBOUNCE: Duration = Duration::from_millis(20);
+
+/// How the controller runs.
+#[derive(Clone)]
+pub struct Config {
+    /// This cluster's id.
+    pub cluster_id: String,
+    /// Every member (this cluster included): id and client.
+    pub members: Vec<(String, Client)>,
+    /// ClusterSetIP ranges.
+    pub ranges: Vec<IpCidr>,
+    /// A member unreachable for longer has its endpoints withdrawn.
+    pub member_timeout: Duration,
+    /// Longest wait between two attempts of a failed watch.
+    pub retry_max: Duration,
+    /// Leader election (`None`: always lead, for a single replica).
+    pub lease: Option<lease::LeaseConfig>,
+    /// A full pass at least this often, even without changes.
+    pub resync: Duration,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("cluster_id", &self.cluster_id)
+            .field(
+                "members",
+                &self.members.iter().map(|m| &m.0).collect::<Vec<_>>(),
+            )
+            .field("ranges", &self.ranges)
+            .field("member_timeout", &self.member_timeout)
+            .field("lease", &self.lease)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClusterLabel {
+    cluster: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
+
+/// The controller's metrics.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    passes: Counter,
+    pass_seconds: Histogram,
+    writes: Family<KindLabel, Counter>,
+    write_errors: Counter,
+    imports: Gauge,
+    slices: Gauge,
+    member_up: Family<ClusterLabel, Gauge>,
+    leader: Gauge,
+    last_pass: Gauge<i64, AtomicI64>,
+    problems: Gauge<u64, AtomicU64>,
+}
+
+impl Metrics {
+    /// Registers under `mcs_controller_`.
+    pub fn new(r: &mut Registry) -> Self {
+        let m = Self {
+            passes: Counter::default(),
+            pass_seconds: Histogram::new([0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0]),
+            writes: Family::default(),
+            write_errors: Counter::default(),
+            imports: Gauge::default(),
+            slices: Gauge::default(),
+            member_up: Family::default(),
+            leader: Gauge::default(),
+            last_pass: Gauge::default(),
+            problems: Gauge::default(),
+        };
+        let r = r.sub_registry_with_prefix("mcs_controller");
+        r.register("passes", "Reconcile passes", m.passes.clone());
+        r.register(
+            "pass_seconds",
+            "Time of a reconcile pass (snapshot, merge, writes)",
+            m.pass_seconds.clone(),
+        );
+        r.register(
+            "writes",
+            "Objects written or deleted, by kind",
+            m.writes.clone(),
+        );
+        r.register(
+            "write_errors",
+            "Writes that failed (retried)",
+            m.write_errors.clone(),
+        );
+        r.register(
+            "imports",
+            "ServiceImports wanted in this cluster",
+            m.imports.clone(),
+        );
+        r.register(
+            "slices",
+            "MCS EndpointSlices wanted in this cluster",
+            m.slices.clone(),
+        );
+        r.register(
+            "member_up",
+            "1 when the member cluster answers and has listed, 0 otherwise",
+            m.member_up.clone(),
+        );
+        r.register("leader", "1 while this replica leads", m.leader.clone());
+        r.register(
+            "last_pass_timestamp_seconds",
+            "When the last pass finished",
+            m.last_pass.clone(),
+        );
+        r.register(
+            "problems",
+            "Things not done as asked in the last pass (see the log)",
+            m.problems.clone(),
+        );
+        m
+    }
+}
+
+/// Runs the controller until the process ends.
+pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Result<()> {
+    let wake = Arc::new(Notify::new());
+    let local = Arc::new(Local::default());
+    let local_client = cfg
+        .members
+        .iter()
+        .find(|(id, _)| *id == cfg.cluster_id)
+        .map(|(_, c)| c.clone())
+        .ok_or_else(|| anyhow::anyhow!("cluster {} is not a member", cfg.cluster_id))?;
+    let members: Vec<Arc<Member>> = cfg
+        .members
+        .iter()
+        .map(|(id, client)| {
+            members::start(
+                id.clone(),
+                client.clone(),
+                (*id == cfg.cluster_id).then(|| local.clone()),
+                wake.clone(),
+                cfg.retry_max,
+            )
+        })
+        .collect();
+    let (lead_tx, mut lead_rx) = watch::channel(cfg.lease.is_none());
+    if let Some(l) = cfg.lease.clone() {
+        tokio::spawn(lease::run(local_client.clone(), l, lead_tx));
+    }
+    let me = members
+        .iter()
+        .find(|m| m.id == cfg.cluster_id)
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("no local member"))?;
+    let mut waiting_logged = false;
+    loop {
+        tokio::select! {
+            () = wake.notified() => {}
+            _ = lead_rx.changed() => {}
+            () = tokio::time::sleep(cfg.resync) => {}
+        }
+        tokio::time::sleep(DEBOUNCE).await;
+        let leading = *lead_rx.borrow_and_update();
+        metrics.leader.set(i64::from(leading));
+        let states: Vec<MemberState> = members
+            .iter()
+            .map(|m| m.state(cfg.member_timeout))
+            .collect();
+        for (m, s) in members.iter().zip(&states) {
+            metrics
+                .member_up
+                .get_or_create(&ClusterLabel {
+                    cluster: m.id.clone(),
+                })
+                .set(i64::from(*s == MemberState::Up));
+        }
+        // Never write from a partial view: the local cluster listed, and every member listed
+        // once or given up on.
+        let complete = local.listed()
+            && members
+                .iter()
+                .zip(&states)
+                .all(|(m, s)| m.listed() || matches!(s, MemberState::Gone(_)));
+        if !complete {
+            if !waiting_logged {
+                tracing::info!("waiting for every member cluster's first list");
+                waiting_logged = true;
+            }
+            continue;
+        }
+        if !leading {
+            // A follower with a complete view is ready to take over.
+            health.set_ready();
+            continue;
+        }
+        let started = Instant::now();
+        let snapshot = Snapshot {
+            local: cfg.cluster_id.clone(),
+            members: members
+                .iter()
+                .zip(&states)
+                .map(|(m, s)| MemberView {
+                    id: m.id.clone(),
+                    endpoints_count: !matches!(s, MemberState::Gone(_)),
+                    exports: m.exports.snapshot(),
+                    services: m.services.snapshot(),
+                    slices: m.slices.snapshot(),
+                })
+                .collect(),
+            namespaces: local.namespaces.snapshot(),
+            imports: local.imports.snapshot(),
+            now: Time(Timestamp::now()),
+        };
+        let want = desired::desired(&snapshot, Allocator::new(cfg.ranges.clone()));
+        for p in &want.problems {
+            tracing::warn!("{p}");
+        }
+        let w = writer::sync(&local_client, &want, &local, &me).await;
+        metrics.passes.inc();
+        metrics
+            .pass_seconds
+            .observe(started.elapsed().as_secs_f64());
+        metrics.imports.set(want.imports.len() as i64);
+        metrics.slices.set(want.slices.len() as i64);
+        metrics.problems.set(want.problems.len() as u64);
+        for (kind, n) in [
+            ("ServiceImport", w.imports + w.imports_deleted),
+            ("EndpointSlice", w.slices + w.slices_deleted),
+            ("ServiceExportStatus", w.exports),
+        ] {
+            metrics
+                .writes
+                .get_or_create(&KindLabel { kind })
+                .inc_by(n as u64);
+        }
+        metrics.write_errors.inc_by(w.errors as u64);
+        metrics.last_pass.set(Timestamp::now().as_second());
+        if w.any() {
+            tracing::info!(
+                imports = w.imports,
+                imports_deleted = w.imports_deleted,
+                slices = w.slices,
+                slices_deleted = w.slices_deleted,
+                exports = w.exports,
+                errors = w.errors,
+                ms = started.elapsed().as_secs_f64() * 1e3,
+                "pass"
+            );
+        }
+        if w.errors > 0 {
+            // Retry soon rather than at the next resync.
+            let wake = wake.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                wake.notify_one();
+            });
+        } else if !health.is_ready() {
+            tracing::info!(
+                imports = want.imports.len(),
+                slices = want.slices.len(),
+                "first pass written; ready"
+            );
+            health.set_ready();
+        }
+    }
+}

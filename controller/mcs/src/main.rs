@@ -1,0 +1,214 @@
+//! `mcs-controller`: the MCS controller binary (see the library's docs).
+#![forbid(unsafe_code)]
+
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+
+/// The MCS controller of mcs-dataplane. Run one in every cluster of the ClusterSet: it reads
+/// ServiceExports (and the Services and EndpointSlices behind them) in every member cluster
+/// and writes ServiceImports, MCS EndpointSlices and ServiceExport conditions into its own.
+#[derive(Parser, Debug)]
+#[command(name = "mcs-controller", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Runs the controller.
+    Run(RunArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// This cluster's id (an RFC 1123 label, or labels joined by dots): the context of
+    /// --clusterset-kubeconfig that is this cluster.
+    #[arg(long, env = "MCS_CLUSTER_ID")]
+    cluster_id: String,
+    /// A kubeconfig whose contexts are the member clusters, each named by its cluster id
+    /// (this cluster's context may be absent: then the in-cluster config or KUBECONFIG is
+    /// used for it). Read-only access is enough for the others.
+    #[arg(long, env = "MCS_CLUSTERSET_KUBECONFIG")]
+    clusterset_kubeconfig: PathBuf,
+    /// A range ClusterSetIPs are allocated from (repeatable, IPv4 and IPv6; the agent's
+    /// `--clusterset-ip-cidr` must list the same). Required. Env: comma-separated.
+    #[arg(
+        long = "clusterset-ip-cidr",
+        value_name = "CIDR",
+        env = "MCS_CLUSTERSET_IP_CIDR",
+        value_delimiter = ','
+    )]
+    clusterset_ip_cidrs: Vec<String>,
+    /// Seconds a member cluster may stay unreachable before its endpoints are withdrawn
+    /// (they return when it answers again).
+    #[arg(long, default_value_t = 300)]
+    member_timeout_secs: u64,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, default_value = "0.0.0.0:9465")]
+    metrics_addr: SocketAddr,
+    /// Namespace of the leader-election Lease (default: this pod's, from POD_NAMESPACE).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    lease_namespace: String,
+    /// Name of the Lease.
+    #[arg(long, default_value = "mcs-controller")]
+    lease_name: String,
+    /// This replica's identity in the Lease (default: POD_NAME, else host name and pid).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// Seconds a Lease lasts without renewal (a standby takes over after this).
+    #[arg(long, default_value_t = 15)]
+    lease_secs: u64,
+    /// Do not elect a leader (a single replica).
+    #[arg(long)]
+    no_leader_election: bool,
+    /// Longest wait, in milliseconds, between two attempts of a failed watch.
+    #[arg(long, default_value_t = 5000)]
+    watch_retry_max_ms: u64,
+    /// Seconds between full passes without changes.
+    #[arg(long, default_value_t = 60)]
+    resync_secs: u64,
+}
+
+fn main() -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("MCS_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let Command::Run(args) = Cli::parse().command;
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("mcs-controller: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mcs-controller: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// A cluster id: DNS labels joined by dots (KEP-2149).
+fn valid_cluster_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 253
+        && id.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        })
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    if !valid_cluster_id(&args.cluster_id) {
+        bail!(
+            "--cluster-id {:?} is not a cluster id (lowercase DNS labels joined by dots)",
+            args.cluster_id
+        );
+    }
+    let ranges = mcs_model::guard::parse_clusterset_ranges(&args.clusterset_ip_cidrs)
+        .map_err(anyhow::Error::msg)?;
+    if ranges.is_empty() {
+        bail!(
+            "no ClusterSetIP range: pass --clusterset-ip-cidr (e.g. 198.18.100.0/24), the same \
+             ranges as the agents'"
+        );
+    }
+    let kc = Kubeconfig::read_from(&args.clusterset_kubeconfig).with_context(|| {
+        format!(
+            "reading --clusterset-kubeconfig {}",
+            args.clusterset_kubeconfig.display()
+        )
+    })?;
+    let mut members = Vec::new();
+    for ctx in &kc.contexts {
+        let id = ctx.name.clone();
+        if !valid_cluster_id(&id) {
+            bail!(
+                "context {id:?} of {} is not a cluster id: name each context by its cluster's id",
+                args.clusterset_kubeconfig.display()
+            );
+        }
+        let config = kube::Config::from_custom_kubeconfig(
+            kc.clone(),
+            &KubeConfigOptions {
+                context: Some(id.clone()),
+                ..Default::default()
+            },
+        )
+        .await
+        .with_context(|| format!("context {id}"))?;
+        members.push((id, kube::Client::try_from(config)?));
+    }
+    if !members.iter().any(|(id, _)| *id == args.cluster_id) {
+        let config = kube::Config::infer().await.with_context(|| {
+            format!(
+                "cluster {} has no context in {} and there is no in-cluster config or KUBECONFIG",
+                args.cluster_id,
+                args.clusterset_kubeconfig.display()
+            )
+        })?;
+        members.push((args.cluster_id.clone(), kube::Client::try_from(config)?));
+    }
+    tracing::info!(
+        cluster = %args.cluster_id,
+        members = ?members.iter().map(|m| m.0.clone()).collect::<Vec<_>>(),
+        ranges = ?ranges.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "mcs-controller starting"
+    );
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = mcs_controller::Metrics::new(&mut registry);
+    let health = mcs_sync::http::Health::default();
+    let addr = mcs_sync::http::spawn(args.metrics_addr, Arc::new(registry), health.clone())
+        .await
+        .with_context(|| format!("binding --metrics-addr {}", args.metrics_addr))?;
+    tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+    let identity = args.identity.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "mcs-controller".into());
+        format!("{host}-{}", std::process::id())
+    });
+    let cfg = mcs_controller::Config {
+        cluster_id: args.cluster_id.clone(),
+        members,
+        ranges,
+        member_timeout: Duration::from_secs(args.member_timeout_secs),
+        retry_max: Duration::from_millis(args.watch_retry_max_ms),
+        lease: (!args.no_leader_election).then(|| mcs_controller::lease::LeaseConfig {
+            namespace: args.lease_namespace.clone(),
+            name: args.lease_name.clone(),
+            identity,
+            duration: Duration::from_secs(args.lease_secs.max(3)),
+        }),
+        resync: Duration::from_secs(args.resync_secs.max(1)),
+    };
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        r = mcs_controller::run(cfg, health, metrics) => r,
+        _ = tokio::signal::ctrl_c() => {
+            tracing::info!("interrupted; stopping");
+            Ok(())
+        }
+        _ = term.recv() => {
+            tracing::info!("terminated; stopping");
+            Ok(())
+        }
+    }
+}

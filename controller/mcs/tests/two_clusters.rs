@@ -1,0 +1,368 @@
+//! The MCS controller as a real process in each of two clusters (two real kube-apiservers with
+//! their etcd), each reading both and writing only its own: export → import in both; the
+//! exporting cluster's EndpointSlices mirrored as MCS slices; conflicts on both exports; the
+//! ClusterSetIP kept across a restart with nothing rewritten; ExternalName refused;
+//! unexport → gone in both.
+//!
+//! There is no kube-controller-manager here, so the test writes a Service's EndpointSlice
+//! itself, labelled as the EndpointSlice controller labels them.
+
+use std::{
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use k8s_openapi::api::{
+    core::v1::{Namespace, Service},
+    discovery::v1::EndpointSlice,
+};
+use kube::{
+    Api, Client,
+    api::{DeleteParams, ListParams, PostParams},
+};
+use mcs_api::{ServiceExport, ServiceImport};
+use mcs_test_support::apiserver::{self, ApiServer, User};
+
+const WAIT: Duration = Duration::from_secs(30);
+const RANGE: &str = "198.18.100.0/24";
+
+/// A controller process, killed on drop.
+struct Controller(Child);
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_controller(id: &str, kubeconfig: &PathBuf) -> Controller {
+    let child = Command::new(env!("CARGO_BIN_EXE_mcs-controller"))
+        .args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
+        .args(["--no-leader-election", "--metrics-addr", "127.0.0.1:0"])
+        .args(["--watch-retry-max-ms", "500"])
+        .arg("--clusterset-kubeconfig")
+        .arg(kubeconfig)
+        .stdout(Stdio::null())
+        .stderr(if std::env::var_os("MCS_TEST_CONTROLLER_LOG").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        })
+        .spawn()
+        .expect("start mcs-controller");
+    Controller(child)
+}
+
+async fn until<T, F: std::future::Future<Output = Option<T>>>(
+    what: &str,
+    mut f: impl FnMut() -> F,
+) -> T {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn obj<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
+    serde_json::from_value(v).unwrap()
+}
+
+async fn create<K>(client: &Client, ns: &str, o: K)
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+    K::DynamicType: Default,
+{
+    Api::<K>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &o)
+        .await
+        .unwrap();
+}
+
+fn service(name: &str, ports: serde_json::Value) -> Service {
+    obj(serde_json::json!({
+        "metadata": { "name": name },
+        "spec": { "selector": { "app": name }, "ports": ports,
+                  "sessionAffinity": "ClientIP",
+                  "sessionAffinityConfig": { "clientIP": { "timeoutSeconds": 10 } } }
+    }))
+}
+
+fn export(name: &str) -> ServiceExport {
+    obj(serde_json::json!({
+        "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceExport",
+        "metadata": { "name": name }, "spec": {}
+    }))
+}
+
+fn condition(se: &ServiceExport, t: &str) -> Option<(String, String)> {
+    se.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == t)
+        .map(|c| (c.status.clone(), c.reason.clone()))
+}
+
+async fn get_import(c: &Client, ns: &str, name: &str) -> Option<ServiceImport> {
+    Api::<ServiceImport>::namespaced(c.clone(), ns)
+        .get_opt(name)
+        .await
+        .unwrap()
+}
+
+async fn mcs_slices(c: &Client, ns: &str, name: &str) -> Vec<EndpointSlice> {
+    Api::<EndpointSlice>::namespaced(c.clone(), ns)
+        .list(
+            &ListParams::default()
+                .labels(&format!("multicluster.kubernetes.io/service-name={name}")),
+        )
+        .await
+        .unwrap()
+        .items
+}
+
+#[test]
+fn two_clusters_export_import_conflict_restart_and_unexport() {
+    if !mcs_test_support::require(apiserver::prerequisites()) {
+        return;
+    }
+    let c1 = ApiServer::start().expect("c1");
+    let c2 = ApiServer::start().expect("c2");
+    let dir = tempfile::tempdir().unwrap();
+    let kc = dir.path().join("clusterset.kubeconfig");
+    std::fs::write(
+        &kc,
+        apiserver::clusterset_kubeconfig(&[("c1", &c1), ("c2", &c2)], User::Admin).unwrap(),
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (k1, k2) = (c1.client().await, c2.client().await);
+        let ns = "shop";
+        for k in [&k1, &k2] {
+            Api::<Namespace>::all(k.clone())
+                .create(
+                    &PostParams::default(),
+                    &obj(serde_json::json!({ "metadata": { "name": ns } })),
+                )
+                .await
+                .unwrap();
+        }
+        let mut ctl1 = start_controller("c1", &kc);
+        let _ctl2 = start_controller("c2", &kc);
+
+        // c2 exports web, with one EndpointSlice as the EndpointSlice controller writes it.
+        create(
+            &k2,
+            ns,
+            service(
+                "web",
+                serde_json::json!([{ "name": "http", "port": 80, "targetPort": 8080 }]),
+            ),
+        )
+        .await;
+        create(
+            &k2,
+            ns,
+            obj::<EndpointSlice>(serde_json::json!({
+                "metadata": { "name": "web-abcde", "labels": {
+                    "kubernetes.io/service-name": "web",
+                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io" } },
+                "addressType": "IPv4",
+                "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
+                "endpoints": [{ "addresses": ["198.18.2.2"], "conditions": { "ready": true } },
+                              { "addresses": ["198.18.2.3"], "conditions": { "ready": false } }]
+            })),
+        )
+        .await;
+        create(&k2, ns, export("web")).await;
+
+        // The import appears in both clusters, with a ClusterSetIP from the range.
+        for (cluster, k) in [("c1", &k1), ("c2", &k2)] {
+            let si = until(&format!("ServiceImport in {cluster}"), || async {
+                get_import(k, ns, "web")
+                    .await
+                    .filter(|si| !si.spec.ips.is_empty())
+            })
+            .await;
+            assert_eq!(si.spec.type_, mcs_api::ServiceImportType::ClusterSetIP);
+            assert_eq!(si.spec.ports.len(), 1);
+            assert_eq!(si.spec.ports[0].port, 80);
+            assert_eq!(si.spec.ports[0].name.as_deref(), Some("http"));
+            assert_eq!(si.spec.ports[0].app_protocol, None);
+            assert_eq!(si.spec.session_affinity.as_deref(), Some("ClientIP"));
+            assert_eq!(si.spec.ip_families, ["IPv4"]);
+            let ip: std::net::IpAddr = si.spec.ips[0].parse().unwrap();
+            assert!(ip.to_string().starts_with("198.18.100."), "{ip}");
+            assert_eq!(
+                si.status
+                    .as_ref()
+                    .unwrap()
+                    .clusters
+                    .iter()
+                    .map(|c| c.cluster.as_str())
+                    .collect::<Vec<_>>(),
+                ["c2"]
+            );
+        }
+        // The slice is mirrored into both clusters as c2's MCS slice.
+        for k in [&k1, &k2] {
+            let s = until("the MCS slice", || async {
+                mcs_slices(k, ns, "web").await.into_iter().next()
+            })
+            .await;
+            let labels = s.metadata.labels.clone().unwrap();
+            assert_eq!(labels["multicluster.kubernetes.io/source-cluster"], "c2");
+            assert_eq!(
+                labels["endpointslice.kubernetes.io/managed-by"],
+                mcs_controller::MANAGER
+            );
+            assert!(!labels.contains_key("kubernetes.io/service-name"));
+            let eps = s.endpoints.clone().unwrap();
+            assert_eq!(eps.len(), 2);
+            assert_eq!(eps[1].conditions.as_ref().unwrap().ready, Some(false));
+            assert_eq!(s.ports.as_ref().unwrap()[0].port, Some(8080));
+        }
+        let ses2: Api<ServiceExport> = Api::namespaced(k2.clone(), ns);
+        let se = until("c2's export conditions", || async {
+            ses2.get("web")
+                .await
+                .ok()
+                .filter(|se| condition(se, "Conflict").is_some())
+        })
+        .await;
+        assert_eq!(
+            condition(&se, "Valid").unwrap(),
+            ("True".into(), "Valid".into())
+        );
+        assert_eq!(
+            condition(&se, "Conflict").unwrap(),
+            ("False".into(), "NoConflicts".into())
+        );
+
+        // c1 exports it too, later, with another port: the union, and a conflict on both.
+        tokio::time::sleep(Duration::from_millis(1100)).await; // a later creationTimestamp (1 s)
+        create(
+            &k1,
+            ns,
+            service(
+                "web",
+                serde_json::json!([{ "name": "http", "port": 80, "targetPort": 8080 },
+                                   { "name": "admin", "port": 9000 }]),
+            ),
+        )
+        .await;
+        create(&k1, ns, export("web")).await;
+        let ses1: Api<ServiceExport> = Api::namespaced(k1.clone(), ns);
+        for (cluster, api) in [("c1", &ses1), ("c2", &ses2)] {
+            let se = until(&format!("Conflict on {cluster}"), || async {
+                api.get("web")
+                    .await
+                    .ok()
+                    .filter(|se| condition(se, "Conflict").is_some_and(|c| c.0 == "True"))
+            })
+            .await;
+            assert_eq!(condition(&se, "Conflict").unwrap().1, "PortConflict");
+        }
+        let si = until("the port union", || async {
+            get_import(&k1, ns, "web")
+                .await
+                .filter(|si| si.spec.ports.len() == 2)
+        })
+        .await;
+        let ip_before = si.spec.ips.clone();
+        assert_eq!(
+            si.status
+                .unwrap()
+                .clusters
+                .iter()
+                .map(|c| c.cluster.clone())
+                .collect::<Vec<_>>(),
+            ["c1", "c2"]
+        );
+
+        // A restart keeps the ClusterSetIP and rewrites nothing.
+        let rv = get_import(&k1, ns, "web")
+            .await
+            .unwrap()
+            .metadata
+            .resource_version;
+        drop(ctl1);
+        ctl1 = start_controller("c1", &kc);
+        // Poll with a deadline until the restarted controller has done a pass (its metrics
+        // are on a random port, so watch for the ready condition of a new export instead).
+        create(
+            &k1,
+            ns,
+            service("probe", serde_json::json!([{ "port": 7 }])),
+        )
+        .await;
+        create(&k1, ns, export("probe")).await;
+        until("the restarted controller's first pass", || async {
+            get_import(&k1, ns, "probe").await
+        })
+        .await;
+        let si = get_import(&k1, ns, "web").await.unwrap();
+        assert_eq!(
+            si.spec.ips, ip_before,
+            "the ClusterSetIP changed across a restart"
+        );
+        assert_eq!(
+            si.metadata.resource_version, rv,
+            "a restart rewrote an unchanged import"
+        );
+        // The two imports have different addresses.
+        let probe = get_import(&k1, ns, "probe").await.unwrap();
+        assert_ne!(probe.spec.ips, si.spec.ips);
+
+        // ExternalName: Valid=False and no import.
+        create(
+            &k1,
+            ns,
+            obj::<Service>(serde_json::json!({
+                "metadata": { "name": "ext" },
+                "spec": { "type": "ExternalName", "externalName": "example.invalid" }
+            })),
+        )
+        .await;
+        create(&k1, ns, export("ext")).await;
+        let se = until("ExternalName refused", || async {
+            ses1.get("ext")
+                .await
+                .ok()
+                .filter(|se| condition(se, "Valid").is_some())
+        })
+        .await;
+        assert_eq!(
+            condition(&se, "Valid").unwrap(),
+            ("False".into(), "InvalidServiceType".into())
+        );
+        assert!(get_import(&k1, ns, "ext").await.is_none());
+
+        // Unexport everywhere: gone in both clusters, slices too.
+        for api in [&ses1, &ses2] {
+            api.delete("web", &DeleteParams::default()).await.unwrap();
+        }
+        for k in [&k1, &k2] {
+            until("the import gone", || async {
+                get_import(k, ns, "web").await.is_none().then_some(())
+            })
+            .await;
+            until("the slices gone", || async {
+                mcs_slices(k, ns, "web").await.is_empty().then_some(())
+            })
+            .await;
+        }
+        drop(ctl1);
+    });
+}
