@@ -43,9 +43,17 @@ faults=$?
 set -e
 if ((faults == 0)); then echo "fault suite smoke: ok"; else echo "fault suite smoke: FAILED"; status=1; fi
 
+step "upstream MCS conformance suite (Required tests; two clusters, our controller in each)"
+set +e
+bash scripts/conformance.sh
+conformance=$?
+set -e
+if ((conformance == 0)); then echo "conformance: ok"; else echo "conformance: FAILED"; status=1; fi
+
 step "summary"
 # One closing line over all test binaries.
 awk '/^test result:/ { for (i=1;i<=NF;i++) { if ($(i+1) ~ /^passed;?$/) p+=$i; if ($(i+1) ~ /^failed;?$/) f+=$i; if ($(i+1) ~ /^ignored;?$/) ig+=$i } }
      END { printf "%d passed, %d failed, %d skipped\n", p, f, ig }' "${MCS_TEST_LOG:-/tmp/mcs-test.log}"
+grep -E 'Passed \| ' target/conformance/suite.log 2>/dev/null | sed 's/^/conformance: /' || true
 echo "total wall time: $(( $(date +%s) - t0 ))s (after set-up)"
 exit "$status"

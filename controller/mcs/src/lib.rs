@@ -208,11 +208,12 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
         .cloned()
         .ok_or_else(|| anyhow::anyhow!("no local member"))?;
     let mut waiting_logged = false;
+    let mut next_wait = cfg.resync;
     loop {
         tokio::select! {
             () = wake.notified() => {}
             _ = lead_rx.changed() => {}
-            () = tokio::time::sleep(cfg.resync) => {}
+            () = tokio::time::sleep(next_wait) => {}
         }
         tokio::time::sleep(DEBOUNCE).await;
         let leading = *lead_rx.borrow_and_update();
@@ -221,6 +222,13 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
             .iter()
             .map(|m| m.state(cfg.member_timeout))
             .collect();
+        // While a member is failing, look again every second: its timeout may pass without
+        // any event.
+        next_wait = if states.iter().any(|s| matches!(s, MemberState::Unsure(_))) {
+            cfg.resync.min(Duration::from_secs(1))
+        } else {
+            cfg.resync
+        };
         for (m, s) in members.iter().zip(&states) {
             metrics
                 .member_up

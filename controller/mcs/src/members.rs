@@ -304,6 +304,9 @@ async fn watch<K, W>(
             Err(e) => {
                 let msg = format!("{kind}: {e}");
                 ctx.member.failed(&msg);
+                // The reconciler keeps time while a member fails (its timeout may pass
+                // without any event).
+                ctx.wake.notify_one();
                 let delay = retry.next().unwrap_or(ctx.retry_max);
                 tokio::time::sleep(delay).await;
                 continue;

@@ -38,10 +38,15 @@ impl Drop for Controller {
 }
 
 fn start_controller(id: &str, kubeconfig: &PathBuf) -> Controller {
+    start_controller_with(id, kubeconfig, &["--no-leader-election"])
+}
+
+fn start_controller_with(id: &str, kubeconfig: &PathBuf, extra: &[&str]) -> Controller {
     let child = Command::new(env!("CARGO_BIN_EXE_mcs-controller"))
         .args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
-        .args(["--no-leader-election", "--metrics-addr", "127.0.0.1:0"])
+        .args(["--metrics-addr", "127.0.0.1:0"])
         .args(["--watch-retry-max-ms", "500"])
+        .args(extra)
         .arg("--clusterset-kubeconfig")
         .arg(kubeconfig)
         .stdout(Stdio::null())
@@ -365,4 +370,137 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
         }
         drop(ctl1);
     });
+}
+
+/// Writes c2's `web` (Service, one EndpointSlice, ServiceExport) in namespace `ns`.
+async fn export_web(k2: &Client, ns: &str, name: &str) {
+    create(
+        k2,
+        ns,
+        service(
+            name,
+            serde_json::json!([{ "name": "http", "port": 80, "targetPort": 8080 }]),
+        ),
+    )
+    .await;
+    create(
+        k2,
+        ns,
+        obj::<EndpointSlice>(serde_json::json!({
+            "metadata": { "name": format!("{name}-abcde"), "labels": {
+                "kubernetes.io/service-name": name } },
+            "addressType": "IPv4",
+            "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
+            "endpoints": [{ "addresses": ["198.18.2.2"], "conditions": { "ready": true } }]
+        })),
+    )
+    .await;
+    create(k2, ns, export(name)).await;
+}
+
+/// Two replicas in c1 elect one leader through a Lease; killing it hands over to the other.
+/// A member (c2) whose API server stays down past `--member-timeout-secs` has its endpoints
+/// withdrawn from c1 (the import stays, from its last known export) and restored when it is
+/// back.
+#[test]
+fn leader_failover_and_a_member_down_past_the_timeout() {
+    if !mcs_test_support::require(apiserver::prerequisites()) {
+        return;
+    }
+    let c1 = ApiServer::start().expect("c1");
+    let mut c2 = ApiServer::start().expect("c2");
+    let dir = tempfile::tempdir().unwrap();
+    let kc = dir.path().join("clusterset.kubeconfig");
+    std::fs::write(
+        &kc,
+        apiserver::clusterset_kubeconfig(&[("c1", &c1), ("c2", &c2)], User::Admin).unwrap(),
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (k1, k2) = rt.block_on(async { (c1.client().await, c2.client().await) });
+    let ns = "shop";
+    rt.block_on(async {
+        for k in [&k1, &k2] {
+            Api::<Namespace>::all(k.clone())
+                .create(
+                    &PostParams::default(),
+                    &obj(serde_json::json!({ "metadata": { "name": ns } })),
+                )
+                .await
+                .unwrap();
+        }
+    });
+    let replica = |identity: &str| {
+        start_controller_with(
+            "c1",
+            &kc,
+            &[
+                "--identity",
+                identity,
+                "--lease-namespace",
+                "default",
+                "--lease-secs",
+                "3",
+                "--member-timeout-secs",
+                "3",
+            ],
+        )
+    };
+    let mut replicas = vec![Some(replica("r1")), Some(replica("r2"))];
+    let _ctl2 = start_controller("c2", &kc);
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(k1.clone(), "default");
+    rt.block_on(async {
+        export_web(&k2, ns, "web").await;
+        until("web imported into c1", || async {
+            get_import(&k1, ns, "web").await
+        })
+        .await;
+        let holder = until("a lease holder", || async {
+            leases
+                .get_opt("mcs-controller")
+                .await
+                .ok()
+                .flatten()
+                .and_then(|l| l.spec?.holder_identity)
+        })
+        .await;
+        // Kill the leader; the other takes over and handles a new export.
+        let idx = if holder == "r1" { 0 } else { 1 };
+        replicas[idx] = None;
+        export_web(&k2, ns, "web2").await;
+        until("web2 imported by the new leader", || async {
+            get_import(&k1, ns, "web2").await
+        })
+        .await;
+        let now = leases.get("mcs-controller").await.unwrap();
+        let spec = now.spec.unwrap();
+        assert_ne!(spec.holder_identity.as_deref(), Some(holder.as_str()));
+        assert_eq!(spec.lease_transitions, Some(1));
+        until("c2's slices in c1", || async {
+            (mcs_slices(&k1, ns, "web").await.len() == 1).then_some(())
+        })
+        .await;
+    });
+
+    // c2's API server goes away: past the timeout its endpoints are withdrawn in c1.
+    c2.stop_apiserver();
+    rt.block_on(async {
+        until("c2's slices withdrawn", || async {
+            mcs_slices(&k1, ns, "web").await.is_empty().then_some(())
+        })
+        .await;
+        assert!(
+            get_import(&k1, ns, "web").await.is_some(),
+            "the import must stay while its exporter is unreachable"
+        );
+    });
+    c2.restart().unwrap();
+    rt.block_on(async {
+        until("c2's slices back", || async {
+            (mcs_slices(&k1, ns, "web").await.len() == 1).then_some(())
+        })
+        .await;
+    });
+    drop(replicas);
 }

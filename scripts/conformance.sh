@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The upstream MCS conformance suite (../shared/conformance/mcs-api, kubernetes-sigs/mcs-api
+# conformance/, unchanged) against our controller:
+#
+#   1. builds the suite from a copy (go test -c; the original is never touched);
+#   2. starts two clusters with `mcs-testbed` (etcd + kube-apiserver each, our CRDs; no kubelet:
+#      Pending pods are given phase Running and an address, which is all the Required tests
+#      wait for);
+#   3. runs `mcs-controller` in each (leader election on, as deployed);
+#   4. runs the suite with -contexts c1,c2 and the label filter (default Required).
+#
+# Reports: target/conformance/report.yaml (the suite's), junit.xml, suite.log, and the
+# controllers' and testbed's logs. Exits with the suite's status. Everything it starts is
+# stopped on exit, also on failure or Ctrl-C.
+#
+# Env: MCS_CONFORMANCE_LABELS (ginkgo label filter, default Required),
+#      MCS_CONFORMANCE_SUITE (suite directory, default ../shared/conformance/mcs-api).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+# shellcheck source=/dev/null
+. scripts/env.sh
+suite=${MCS_CONFORMANCE_SUITE:-$root/../shared/conformance/mcs-api}
+labels=${MCS_CONFORMANCE_LABELS:-Required}
+out=$root/target/conformance
+mkdir -p "$out"
+
+if [[ ! -f $suite/go.mod ]]; then
+    echo "conformance: no suite at $suite (set MCS_CONFORMANCE_SUITE)" >&2
+    exit 1
+fi
+command -v go >/dev/null || { echo "conformance: go not found" >&2; exit 1; }
+
+echo "conformance: building the suite (go test -c, from a copy of $suite)"
+rm -rf "$out/src"
+cp -r "$suite" "$out/src"
+chmod -R u+w "$out/src"
+(cd "$out/src" && go test -c -o "$out/conformance.test" .)
+
+echo "conformance: building mcs-controller and mcs-testbed"
+cargo build -q -p mcs-controller --bin mcs-controller
+cargo build -q -p mcs-test-support --bin mcs-testbed
+
+pids=()
+fifo=$(mktemp -u "${TMPDIR:-/tmp}/mcs-conformance.XXXXXX")
+mkfifo "$fifo"
+cleanup() {
+    local rc=$?
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    # Closing the testbed's stdin stops it; it stops the API servers and removes their data.
+    exec 3>&- 2>/dev/null || true
+    for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+    rm -f "$fifo"
+    exit "$rc"
+}
+trap cleanup EXIT INT TERM
+
+kubeconfig=$out/clusterset.kubeconfig
+rm -f "$kubeconfig" "$out/testbed.out"
+target/debug/mcs-testbed --clusters c1,c2 --kubeconfig-out "$kubeconfig" --pods-running \
+    <"$fifo" >"$out/testbed.out" 2>"$out/testbed.log" &
+pids+=($!)
+exec 3>"$fifo"
+deadline=$((SECONDS + 120))
+until grep -q '^KUBECONFIG=' "$out/testbed.out" 2>/dev/null; do
+    if ((SECONDS > deadline)) || ! kill -0 "${pids[0]}" 2>/dev/null; then
+        echo "conformance: the clusters did not come up; testbed log:" >&2
+        tail -30 "$out/testbed.log" >&2
+        exit 1
+    fi
+    sleep 0.2
+done
+echo "conformance: clusters c1, c2 up ($kubeconfig)"
+
+for c in c1 c2; do
+    MCS_LOG=info target/debug/mcs-controller run --cluster-id "$c" \
+        --clusterset-kubeconfig "$kubeconfig" \
+        --clusterset-ip-cidr 198.18.100.0/24 --clusterset-ip-cidr 2001:2::100:0/112 \
+        --metrics-addr 127.0.0.1:0 --lease-namespace default \
+        --watch-retry-max-ms 1000 >"$out/controller-$c.log" 2>&1 &
+    pids+=($!)
+done
+deadline=$((SECONDS + 60))
+for c in c1 c2; do
+    until grep -q 'first pass written; ready' "$out/controller-$c.log"; do
+        if ((SECONDS > deadline)); then
+            echo "conformance: mcs-controller in $c did not become ready; its log:" >&2
+            tail -30 "$out/controller-$c.log" >&2
+            exit 1
+        fi
+        sleep 0.2
+    done
+done
+echo "conformance: mcs-controller ready in c1 and c2"
+
+echo "conformance: running the suite (label filter: $labels)"
+set +e
+(cd "$out" && ./conformance.test -test.v -test.timeout 60m \
+    -kubeconfig "$kubeconfig" -contexts c1,c2 \
+    -ginkgo.label-filter="$labels" -ginkgo.junit-report="$out/junit.xml" \
+    -ginkgo.no-color) >"$out/suite.log" 2>&1
+rc=$?
+set -e
+grep -E '^(Ran|PASS|FAIL|ok|--- )' "$out/suite.log" | tail -5 || true
+if [[ -f $out/report.yaml ]]; then
+    echo "conformance: report in $out/report.yaml, JUnit in $out/junit.xml"
+fi
+if ((rc != 0)); then
+    echo "conformance: FAILED (exit $rc); failures:" >&2
+    grep -E '^\s*\[FAIL\]' "$out/suite.log" | sort -u >&2 || true
+fi
+exit "$rc"
