@@ -156,34 +156,31 @@ fn kustomize_base_and_helm_chart_render_the_same_objects() {
     assert_eq!(a.len(), b.len());
 }
 
+/// The admin kubeconfig of the shared API server and a kubectl runner with it, after the
+/// agent's namespace exists (namespaced objects can only be dry-run in an existing one).
+fn admin_kubectl() -> (PathBuf, impl Fn(&[&str], Option<&str>) -> String) {
+    let kc = apiserver::shared().unwrap().kubeconfig(User::Admin);
+    let kc2 = kc.clone();
+    let k = move |args: &[&str], stdin: Option<&str>| {
+        run(
+            Command::new(kubectl())
+                .arg("--kubeconfig")
+                .arg(&kc2)
+                .args(args),
+            stdin,
+        )
+    };
+    let ns = deploy().join("kustomize/base/namespace.yaml");
+    k(&["apply", "-f", &ns.display().to_string()], None);
+    (kc, k)
+}
+
 #[test]
 fn the_apiserver_accepts_crds_base_and_chart() {
     if !prerequisites() {
         return;
     }
-    let api = apiserver::shared().unwrap();
-    let kc = api.kubeconfig(User::Admin);
-    let k = |args: &[&str], stdin: Option<&str>| {
-        run(
-            Command::new(kubectl())
-                .arg("--kubeconfig")
-                .arg(&kc)
-                .args(args),
-            stdin,
-        )
-    };
-    // Namespaced objects can only be dry-run in an existing namespace.
-    k(
-        &[
-            "apply",
-            "-f",
-            &deploy()
-                .join("kustomize/base/namespace.yaml")
-                .display()
-                .to_string(),
-        ],
-        None,
-    );
+    let (_, k) = admin_kubectl();
     let out = k(
         &[
             "apply",
@@ -238,4 +235,161 @@ fn the_apiserver_accepts_crds_base_and_chart() {
     let out = k(&["apply", "--dry-run=server", "-f", "-"], Some(&custom));
     assert!(out.contains("(server dry run)"), "{out}");
     let _ = Path::new("/");
+}
+
+/// The objects with our MCS controller: `kustomize/with-controller` and the chart with
+/// `controller.enabled=true` render the same, the API server accepts them, and the
+/// controller's roles grant what it writes and nothing more (SubjectAccessReviews).
+#[test]
+fn with_the_controller_kustomize_and_helm_agree_and_its_roles_are_least_privilege() {
+    if !prerequisites() {
+        return;
+    }
+    let kustomized = run(
+        Command::new(kubectl())
+            .arg("kustomize")
+            .arg(deploy().join("kustomize/with-controller")),
+        None,
+    );
+    let helmed = helm_template(&["--set", "controller.enabled=true"]);
+    let (mut a, b) = (objects(&kustomized), objects(&helmed));
+    for o in &mut a {
+        if o["kind"] == "ConfigMap" {
+            o["data"]["MCS_CLUSTERSET_IP_CIDR"] = TEST_CIDRS.into();
+        }
+    }
+    assert_eq!(a.len(), b.len(), "object counts differ");
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(
+            x, y,
+            "kustomize and helm differ for {} {}",
+            x["kind"], x["metadata"]["name"]
+        );
+    }
+    assert!(
+        a.iter()
+            .any(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "mcs-controller")
+    );
+    // The default chart has no controller.
+    assert!(!helm_template(&[]).contains("mcs-controller"));
+
+    let (kc, k) = admin_kubectl();
+    let out = k(&["apply", "--dry-run=server", "-f", "-"], Some(&helmed));
+    assert!(
+        out.contains("deployment.apps/mcs-controller created (server dry run)"),
+        "{out}"
+    );
+    // Apply the roles for real and ask the API server what they allow.
+    for f in ["controller-rbac.yaml", "controller-reader.yaml"] {
+        k(
+            &[
+                "apply",
+                "-f",
+                &deploy()
+                    .join("kustomize/with-controller")
+                    .join(f)
+                    .display()
+                    .to_string(),
+            ],
+            None,
+        );
+    }
+    let can = |who: &str, verb: &str, resource: &str, ns: &str| -> bool {
+        let (resource, sub) = match resource.split_once('/') {
+            Some((r, s)) => (r, Some(s)),
+            None => (resource, None),
+        };
+        let mut args = vec![
+            "auth",
+            "can-i",
+            verb,
+            resource,
+            "--as",
+            who,
+            "--as-group",
+            "system:serviceaccounts",
+        ];
+        if !ns.is_empty() {
+            args.extend(["-n", ns]);
+        }
+        if let Some(sub) = sub {
+            args.extend(["--subresource", sub]);
+        }
+        let out = Command::new(kubectl())
+            .arg("--kubeconfig")
+            .arg(&kc)
+            .args(&args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim() == "yes"
+    };
+    let ctl = "system:serviceaccount:mcs-system:mcs-controller";
+    for (verb, res, ns, want) in [
+        (
+            "create",
+            "serviceimports.multicluster.x-k8s.io",
+            "shop",
+            true,
+        ),
+        (
+            "delete",
+            "serviceimports.multicluster.x-k8s.io",
+            "shop",
+            true,
+        ),
+        (
+            "patch",
+            "serviceimports.multicluster.x-k8s.io/status",
+            "shop",
+            true,
+        ),
+        (
+            "patch",
+            "serviceexports.multicluster.x-k8s.io/status",
+            "shop",
+            true,
+        ),
+        (
+            "watch",
+            "serviceexports.multicluster.x-k8s.io",
+            "shop",
+            true,
+        ),
+        (
+            "update",
+            "serviceexports.multicluster.x-k8s.io",
+            "shop",
+            false,
+        ),
+        ("create", "endpointslices.discovery.k8s.io", "shop", true),
+        ("watch", "services", "shop", true),
+        ("update", "services", "shop", false),
+        ("create", "pods", "shop", false),
+        ("get", "secrets", "mcs-system", false),
+        ("update", "leases.coordination.k8s.io", "mcs-system", true),
+        ("update", "leases.coordination.k8s.io", "kube-system", false),
+    ] {
+        assert_eq!(
+            can(ctl, verb, res, ns),
+            want,
+            "mcs-controller {verb} {res} in {ns}"
+        );
+    }
+    // Another cluster's controller reads here, and writes nothing.
+    let reader = "system:serviceaccount:mcs-system:mcs-controller-reader";
+    for (verb, res, want) in [
+        ("list", "serviceexports.multicluster.x-k8s.io", true),
+        ("watch", "services", true),
+        ("watch", "endpointslices.discovery.k8s.io", true),
+        ("create", "serviceimports.multicluster.x-k8s.io", false),
+        ("create", "endpointslices.discovery.k8s.io", false),
+        (
+            "patch",
+            "serviceexports.multicluster.x-k8s.io/status",
+            false,
+        ),
+        ("get", "secrets", false),
+    ] {
+        assert_eq!(can(reader, verb, res, "shop"), want, "reader {verb} {res}");
+    }
 }

@@ -26,9 +26,10 @@ enum Command {
 #[derive(clap::Args, Debug)]
 struct RunArgs {
     /// This cluster's id (an RFC 1123 label, or labels joined by dots): the context of
-    /// --clusterset-kubeconfig that is this cluster.
+    /// --clusterset-kubeconfig that is this cluster. Absent or empty: read from this
+    /// cluster's `cluster.clusterset.k8s.io` ClusterProperty.
     #[arg(long, env = "MCS_CLUSTER_ID")]
-    cluster_id: String,
+    cluster_id: Option<String>,
     /// A kubeconfig whose contexts are the member clusters, each named by its cluster id
     /// (this cluster's context may be absent: then the in-cluster config or KUBECONFIG is
     /// used for it). Read-only access is enough for the others.
@@ -115,11 +116,34 @@ fn valid_cluster_id(id: &str) -> bool {
         })
 }
 
-async fn run(args: RunArgs) -> anyhow::Result<()> {
-    if !valid_cluster_id(&args.cluster_id) {
+/// The cluster id from this cluster's ClusterProperty (in-cluster config or KUBECONFIG).
+async fn cluster_id_from_property() -> anyhow::Result<String> {
+    let config = kube::Config::infer().await.context(
+        "no --cluster-id, and no in-cluster config or KUBECONFIG to read the ClusterProperty",
+    )?;
+    let client = kube::Client::try_from(config)?;
+    let api: kube::Api<mcs_api::ClusterProperty> = kube::Api::all(client);
+    let cp = api
+        .get_opt(mcs_api::CLUSTER_ID_PROPERTY)
+        .await
+        .context("reading the cluster-id ClusterProperty")?
+        .with_context(|| {
+            format!(
+                "no --cluster-id and no ClusterProperty {}: set one of them",
+                mcs_api::CLUSTER_ID_PROPERTY
+            )
+        })?;
+    Ok(cp.spec.value)
+}
+
+async fn run(mut args: RunArgs) -> anyhow::Result<()> {
+    let cluster_id = match args.cluster_id.take().filter(|c| !c.is_empty()) {
+        Some(c) => c,
+        None => cluster_id_from_property().await?,
+    };
+    if !valid_cluster_id(&cluster_id) {
         bail!(
-            "--cluster-id {:?} is not a cluster id (lowercase DNS labels joined by dots)",
-            args.cluster_id
+            "cluster id {cluster_id:?} is not a cluster id (lowercase DNS labels joined by dots)"
         );
     }
     let ranges = mcs_model::guard::parse_clusterset_ranges(&args.clusterset_ip_cidrs)
@@ -156,18 +180,18 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         .with_context(|| format!("context {id}"))?;
         members.push((id, kube::Client::try_from(config)?));
     }
-    if !members.iter().any(|(id, _)| *id == args.cluster_id) {
+    if !members.iter().any(|(id, _)| *id == cluster_id) {
         let config = kube::Config::infer().await.with_context(|| {
             format!(
-                "cluster {} has no context in {} and there is no in-cluster config or KUBECONFIG",
-                args.cluster_id,
+                "cluster {cluster_id} has no context in {} and there is no in-cluster config or \
+                 KUBECONFIG",
                 args.clusterset_kubeconfig.display()
             )
         })?;
-        members.push((args.cluster_id.clone(), kube::Client::try_from(config)?));
+        members.push((cluster_id.clone(), kube::Client::try_from(config)?));
     }
     tracing::info!(
-        cluster = %args.cluster_id,
+        cluster = %cluster_id,
         members = ?members.iter().map(|m| m.0.clone()).collect::<Vec<_>>(),
         ranges = ?ranges.iter().map(ToString::to_string).collect::<Vec<_>>(),
         "mcs-controller starting"
@@ -186,7 +210,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         format!("{host}-{}", std::process::id())
     });
     let cfg = mcs_controller::Config {
-        cluster_id: args.cluster_id.clone(),
+        cluster_id: cluster_id.clone(),
         members,
         ranges,
         member_timeout: Duration::from_secs(args.member_timeout_secs),
