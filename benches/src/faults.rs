@@ -63,6 +63,9 @@ pub struct LoadResult {
     /// The slowest connection: how long it took and how it ended.
     #[serde(default)]
     pub slowest: Option<(f64, String)>,
+    /// Whole replies per backend (the address the backend names in its reply).
+    #[serde(default)]
+    pub by_backend: std::collections::BTreeMap<String, u64>,
 }
 
 /// `mcs-bench crr-loop`: new connections to `to` for `seconds` (at most `max` of them), each
@@ -98,6 +101,9 @@ pub fn crr_loop(to: SocketAddr, seconds: f64, max: u64) -> LoadResult {
         match outcome {
             Ok(out) if out.starts_with("backend ") && out.ends_with(&format!(" {req}\n")) => {
                 r.ok += 1;
+                if let Some(b) = out.split_whitespace().nth(1) {
+                    *r.by_backend.entry(b.to_string()).or_default() += 1;
+                }
                 let now = Instant::now();
                 let gap = now.duration_since(last_ok).as_secs_f64() * 1e3;
                 r.longest_gap_ms = r.longest_gap_ms.max(gap);
@@ -128,7 +134,7 @@ pub fn crr_loop(to: SocketAddr, seconds: f64, max: u64) -> LoadResult {
 }
 
 /// A backend: reads the whole request, answers `backend ADDR REQUEST\n`; stops when told.
-struct Backend {
+pub(crate) struct Backend {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
 }
@@ -139,7 +145,7 @@ impl Drop for Backend {
     }
 }
 
-fn start_backend(ns: &Netns, addr: SocketAddr) -> anyhow::Result<Backend> {
+pub(crate) fn start_backend(ns: &Netns, addr: SocketAddr) -> anyhow::Result<Backend> {
     let l = ns.run(|| TcpListener::bind(addr))??;
     l.set_nonblocking(true)?;
     let stop = Arc::new(AtomicBool::new(false));
@@ -476,7 +482,11 @@ impl Bed {
 }
 
 fn finish_load(child: Child) -> anyhow::Result<LoadResult> {
-    let out = child.wait_with_output()?;
+    load_result(&child.wait_with_output()?)
+}
+
+/// The load client's result: the last line of its output.
+pub(crate) fn load_result(out: &std::process::Output) -> anyhow::Result<LoadResult> {
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text
         .lines()

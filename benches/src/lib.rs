@@ -6,8 +6,10 @@
 //! - [`fixtures`]: synthetic ClusterSets of a given size, shared by the benches.
 //! - [`harness`]: the side-by-side harness behind the `mcs-bench` binary.
 //! - [`faults`]: the fault suite (`mcs-bench faults`).
+//! - [`export_demo`]: the export story (`mcs-bench export-demo`, part of `scripts/demo.sh`).
 #![forbid(unsafe_code)]
 
+pub mod export_demo;
 pub mod faults;
 pub mod harness;
 

@@ -105,6 +105,17 @@ enum Tool {
         #[arg(long, default_value = "target/mcs-bench")]
         out: PathBuf,
     },
+    /// The export story: a Service exported in cluster c2 reaches a client pod of cluster c1
+    /// through the ClusterSetIP our mcs-controller allocated and our mcs-agent programmed
+    /// (two real API servers, eBPF socket LB; as root). Exits 1 if a step fails.
+    ExportDemo {
+        /// The mcs-agent binary (default: next to this one).
+        #[arg(long)]
+        agent: Option<PathBuf>,
+        /// The mcs-controller binary (default: next to this one).
+        #[arg(long)]
+        controller: Option<PathBuf>,
+    },
     /// (internal) New-connection request loop; prints one JSON line.
     #[command(hide = true)]
     CrrLoop {
@@ -157,6 +168,9 @@ fn main() -> ExitCode {
             Ok(())
         }),
         Some(Tool::Check { http, udp }) => harness::tools::check(http, udp),
+        Some(Tool::ExportDemo { agent, controller }) => {
+            mcs_bench::export_demo::run(agent, controller)
+        }
         Some(Tool::CrrLoop { to, seconds, max }) => {
             let r = mcs_bench::faults::crr_loop(to, seconds, max);
             serde_json::to_string(&r)
