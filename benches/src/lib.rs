@@ -6,9 +6,11 @@
 //! - [`fixtures`]: synthetic ClusterSets of a given size, shared by the benches.
 //! - [`harness`]: the side-by-side harness behind the `mcs-bench` binary.
 //! - [`faults`]: the fault suite (`mcs-bench faults`).
+//! - [`controller_scale`]: the MCS controller at scale (`mcs-bench controller-scale`).
 //! - [`export_demo`]: the export story (`mcs-bench export-demo`, part of `scripts/demo.sh`).
 #![forbid(unsafe_code)]
 
+pub mod controller_scale;
 pub mod export_demo;
 pub mod faults;
 pub mod harness;

@@ -116,6 +116,26 @@ enum Tool {
         #[arg(long)]
         controller: Option<PathBuf>,
     },
+    /// The MCS controller at scale: N real clusters, mcs-controller in each, `--exports`
+    /// services exported across them; time to converge, export and endpoint-change latency
+    /// (p50/p99), controller RSS. Writes controller-scale.md/.json to --out.
+    ControllerScale {
+        /// Clusters.
+        #[arg(long, default_value_t = 3)]
+        clusters: usize,
+        /// Exported services (spread over the clusters).
+        #[arg(long, default_value_t = 1000)]
+        exports: usize,
+        /// One-at-a-time samples of each latency.
+        #[arg(long, default_value_t = 50)]
+        samples: usize,
+        /// The mcs-controller binary (default: next to this one).
+        #[arg(long)]
+        controller: Option<PathBuf>,
+        /// Output directory.
+        #[arg(long, default_value = "target/mcs-bench")]
+        out: PathBuf,
+    },
     /// (internal) New-connection request loop; prints one JSON line.
     #[command(hide = true)]
     CrrLoop {
@@ -168,6 +188,26 @@ fn main() -> ExitCode {
             Ok(())
         }),
         Some(Tool::Check { http, udp }) => harness::tools::check(http, udp),
+        Some(Tool::ControllerScale {
+            clusters,
+            exports,
+            samples,
+            controller,
+            out,
+        }) => {
+            mcs_bench::controller_scale::run(clusters, exports, samples, controller).and_then(|r| {
+                let command = std::env::args().collect::<Vec<_>>().join(" ");
+                let md = mcs_bench::controller_scale::markdown(&r, &command);
+                println!("{md}");
+                std::fs::create_dir_all(&out)?;
+                std::fs::write(out.join("controller-scale.md"), &md)?;
+                std::fs::write(
+                    out.join("controller-scale.json"),
+                    serde_json::to_string_pretty(&r)?,
+                )?;
+                Ok(())
+            })
+        }
         Some(Tool::ExportDemo { agent, controller }) => {
             mcs_bench::export_demo::run(agent, controller)
         }

@@ -1,0 +1,342 @@
+//! The MCS controller at scale (`mcs-bench controller-scale`): N real clusters (etcd +
+//! kube-apiserver each), `mcs-controller` in each, `exports` services exported across them
+//! (each by one cluster, with a Service and one EndpointSlice of two endpoints). Reports:
+//! the time to create them and for every cluster to hold every import and slice; then, one at
+//! a time, the time from a ServiceExport create to its ServiceImport in every cluster, and
+//! from an endpoint change in the exporting cluster to the MCS slice in another (p50, p99);
+//! and each controller's RSS. A bench: it asserts nothing about speed.
+
+use std::{
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+use futures::{StreamExt as _, TryStreamExt as _};
+use k8s_openapi::api::{
+    core::v1::{Namespace, Service},
+    discovery::v1::EndpointSlice,
+};
+use kube::{
+    Api, Client,
+    api::{ListParams, Patch, PatchParams, PostParams},
+};
+use mcs_api::{ServiceExport, ServiceImport};
+use mcs_test_support::apiserver::{self, ApiServer, User};
+use serde::Serialize;
+
+const NS: &str = "scale";
+const RANGE: &str = "198.18.64.0/18";
+const WAIT: Duration = Duration::from_secs(600);
+
+/// What was measured.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    /// Clusters.
+    pub clusters: usize,
+    /// Exported services.
+    pub exports: usize,
+    /// Seconds to write every Service, EndpointSlice and ServiceExport.
+    pub create_s: f64,
+    /// Seconds from the first write until every cluster held every import and slice.
+    pub converge_s: f64,
+    /// ServiceExport create → ServiceImport in every cluster, ms (p50, p99, samples).
+    pub export_ms: (f64, f64, usize),
+    /// Endpoint readiness change → the MCS slice in another cluster, ms (p50, p99, samples).
+    pub endpoint_ms: (f64, f64, usize),
+    /// Each controller's RSS at the end, MiB.
+    pub rss_mib: Vec<f64>,
+}
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn obj<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
+    serde_json::from_value(v).expect("object literal")
+}
+
+fn rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+/// Writes service `name` (Service, EndpointSlice, ServiceExport) into `k`.
+async fn export(k: &Client, name: &str, i: usize) -> anyhow::Result<()> {
+    let a = |n: usize| format!("198.19.{}.{}", (n / 250) % 250, n % 250 + 2);
+    let svc: Service = obj(serde_json::json!({
+        "metadata": { "name": name },
+        "spec": { "ports": [{ "name": "http", "port": 80, "targetPort": 8080 }] }
+    }));
+    Api::<Service>::namespaced(k.clone(), NS)
+        .create(&PostParams::default(), &svc)
+        .await?;
+    let es: EndpointSlice = obj(serde_json::json!({
+        "metadata": { "name": format!("{name}-a"), "labels": { "kubernetes.io/service-name": name } },
+        "addressType": "IPv4",
+        "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
+        "endpoints": [{ "addresses": [a(2 * i)], "conditions": { "ready": true } },
+                      { "addresses": [a(2 * i + 1)], "conditions": { "ready": true } }]
+    }));
+    Api::<EndpointSlice>::namespaced(k.clone(), NS)
+        .create(&PostParams::default(), &es)
+        .await?;
+    let se: ServiceExport = obj(serde_json::json!({
+        "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceExport",
+        "metadata": { "name": name }, "spec": {}
+    }));
+    Api::<ServiceExport>::namespaced(k.clone(), NS)
+        .create(&PostParams::default(), &se)
+        .await?;
+    Ok(())
+}
+
+async fn count_ready(k: &Client) -> anyhow::Result<(usize, usize)> {
+    let imports = Api::<ServiceImport>::namespaced(k.clone(), NS)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .filter(|s| !s.spec.ips.is_empty())
+        .count();
+    let slices = Api::<EndpointSlice>::namespaced(k.clone(), NS)
+        .list(&ListParams::default().labels("multicluster.kubernetes.io/service-name"))
+        .await?
+        .items
+        .len();
+    Ok((imports, slices))
+}
+
+/// Runs the bench with `clusters` clusters and `exports` services; `samples` one-at-a-time
+/// measurements of each latency.
+pub fn run(
+    clusters: usize,
+    exports: usize,
+    samples: usize,
+    controller: Option<PathBuf>,
+) -> anyhow::Result<Report> {
+    apiserver::prerequisites().map_err(anyhow::Error::msg)?;
+    anyhow::ensure!(clusters >= 2, "--clusters must be at least 2");
+    let controller = controller.unwrap_or_else(|| {
+        std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(|d| d.join("mcs-controller")))
+            .unwrap_or_else(|| "mcs-controller".into())
+    });
+    anyhow::ensure!(controller.is_file(), "{} not found", controller.display());
+    let ids: Vec<String> = (1..=clusters).map(|i| format!("c{i}")).collect();
+    let mut servers = Vec::new();
+    for id in &ids {
+        servers.push(ApiServer::start().with_context(|| format!("starting {id}"))?);
+    }
+    let dir = tempfile::tempdir()?;
+    let kc = dir.path().join("clusterset.kubeconfig");
+    let members: Vec<(&str, &ApiServer)> =
+        ids.iter().map(String::as_str).zip(servers.iter()).collect();
+    std::fs::write(
+        &kc,
+        apiserver::clusterset_kubeconfig(&members, User::Admin)?,
+    )?;
+    let rt = tokio::runtime::Runtime::new()?;
+    let clients: Vec<Client> = rt.block_on(async {
+        let mut v = Vec::new();
+        for s in &servers {
+            v.push(s.client().await);
+        }
+        v
+    });
+    rt.block_on(async {
+        for k in &clients {
+            Api::<Namespace>::all(k.clone())
+                .create(
+                    &PostParams::default(),
+                    &obj(serde_json::json!({ "metadata": { "name": NS } })),
+                )
+                .await?;
+        }
+        anyhow::Ok(())
+    })?;
+    let mut procs = Vec::new();
+    for id in &ids {
+        let child = Command::new(&controller)
+            .args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
+            .args(["--metrics-addr", "127.0.0.1:0", "--no-leader-election"])
+            .arg("--clusterset-kubeconfig")
+            .arg(&kc)
+            .stdout(Stdio::null())
+            .stderr(if std::env::var_os("MCS_BENCH_CONTROLLER_LOG").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .spawn()?;
+        procs.push(Proc(child));
+    }
+
+    // Bulk: every export, 32 writes in flight.
+    let t0 = Instant::now();
+    rt.block_on(async {
+        futures::stream::iter(0..exports)
+            .map(|i| {
+                let k = clients[i % clients.len()].clone();
+                async move { export(&k, &format!("s{i}"), i).await }
+            })
+            .buffer_unordered(32)
+            .try_collect::<Vec<()>>()
+            .await
+    })?;
+    let create_s = t0.elapsed().as_secs_f64();
+    eprintln!("controller-scale: {exports} exports written in {create_s:.1} s");
+    rt.block_on(async {
+        loop {
+            let mut all = true;
+            for k in &clients {
+                let (i, s) = count_ready(k).await?;
+                all &= i == exports && s == exports;
+            }
+            if all {
+                return anyhow::Ok(());
+            }
+            if t0.elapsed() > WAIT {
+                bail!("not converged after {WAIT:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })?;
+    let converge_s = t0.elapsed().as_secs_f64();
+    eprintln!(
+        "controller-scale: every cluster holds every import and slice after {converge_s:.1} s"
+    );
+
+    // One at a time: a new export until imported everywhere.
+    let mut export_ms = Vec::new();
+    for j in 0..samples {
+        let k = &clients[j % clients.len()];
+        let name = format!("x{j}");
+        let ms = rt.block_on(async {
+            export(k, &name, exports + j).await?;
+            let t = Instant::now();
+            for c in &clients {
+                let api: Api<ServiceImport> = Api::namespaced(c.clone(), NS);
+                loop {
+                    if api
+                        .get_opt(&name)
+                        .await?
+                        .is_some_and(|s| !s.spec.ips.is_empty())
+                    {
+                        break;
+                    }
+                    if t.elapsed() > WAIT {
+                        bail!("{name} not imported");
+                    }
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }
+            anyhow::Ok(t.elapsed().as_secs_f64() * 1e3)
+        })?;
+        export_ms.push(ms);
+    }
+
+    // One at a time: an endpoint goes not ready in the exporting cluster; seen in another.
+    let mut endpoint_ms = Vec::new();
+    for j in 0..samples.min(exports) {
+        let from = j % clients.len();
+        let to = (from + 1) % clients.len();
+        let name = format!("s{j}");
+        let ms = rt.block_on(async {
+            let src: Api<EndpointSlice> = Api::namespaced(clients[from].clone(), NS);
+            let mut es = src.get(&format!("{name}-a")).await?;
+            if let Some(eps) = es.endpoints.as_mut() {
+                eps[0].conditions = Some(obj(serde_json::json!({ "ready": false })));
+            }
+            es.metadata.managed_fields = None;
+            src.patch(
+                &format!("{name}-a"),
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "endpoints": es.endpoints })),
+            )
+            .await?;
+            let t = Instant::now();
+            let dst: Api<EndpointSlice> = Api::namespaced(clients[to].clone(), NS);
+            let lp = ListParams::default()
+                .labels(&format!("multicluster.kubernetes.io/service-name={name}"));
+            loop {
+                let seen = dst.list(&lp).await?.items.iter().any(|s| {
+                    s.endpoints.as_ref().is_some_and(|e| {
+                        e.first()
+                            .and_then(|e| e.conditions.as_ref())
+                            .and_then(|c| c.ready)
+                            == Some(false)
+                    })
+                });
+                if seen {
+                    break;
+                }
+                if t.elapsed() > WAIT {
+                    bail!("{name}'s endpoint change not seen");
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            anyhow::Ok(t.elapsed().as_secs_f64() * 1e3)
+        })?;
+        endpoint_ms.push(ms);
+    }
+    let rss: Vec<f64> = procs.iter().map(|p| rss_mib(p.0.id())).collect();
+    drop(procs);
+    let n_e = export_ms.len();
+    let n_p = endpoint_ms.len();
+    Ok(Report {
+        clusters,
+        exports,
+        create_s,
+        converge_s,
+        export_ms: (pct(&mut export_ms, 0.5), pct(&mut export_ms, 0.99), n_e),
+        endpoint_ms: (pct(&mut endpoint_ms, 0.5), pct(&mut endpoint_ms, 0.99), n_p),
+        rss_mib: rss,
+    })
+}
+
+/// The report as a markdown table row (with a header).
+pub fn markdown(r: &Report, command: &str) -> String {
+    format!(
+        "| clusters | exports | written in | converged (every import and slice everywhere) | export → imported everywhere p50 / p99 | endpoint change → other cluster p50 / p99 | controller RSS |\n\
+         |---|---|---|---|---|---|---|\n\
+         | {} | {} | {:.1} s | {:.1} s | {:.0} / {:.0} ms ({} samples) | {:.0} / {:.0} ms ({} samples) | {} MiB |\n\nCommand: `{command}`\n",
+        r.clusters,
+        r.exports,
+        r.create_s,
+        r.converge_s,
+        r.export_ms.0,
+        r.export_ms.1,
+        r.export_ms.2,
+        r.endpoint_ms.0,
+        r.endpoint_ms.1,
+        r.endpoint_ms.2,
+        r.rss_mib
+            .iter()
+            .map(|m| format!("{m:.0}"))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    )
+}
