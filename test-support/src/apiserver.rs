@@ -33,8 +33,9 @@ use kube::{
 
 use crate::{prereq, supervise::Supervised};
 
-/// Range for Service ClusterIPs: inside 198.18.0.0/15, away from the test hosts.
-pub const SERVICE_CLUSTER_IP_RANGE: &str = "198.19.255.0/24";
+/// Range for Service ClusterIPs: inside 198.18.0.0/15, away from the test hosts (8,190
+/// addresses: the controller bench creates thousands of Services per cluster).
+pub const SERVICE_CLUSTER_IP_RANGE: &str = "198.19.224.0/19";
 /// How long the apiserver may take to become ready.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 

@@ -176,6 +176,30 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
         }
     }
 
+    // Each member's Service slices by (namespace, service), once per pass.
+    let mut by_service: HashMap<&str, HashMap<ObjKey, Vec<&EndpointSlice>>> = HashMap::new();
+    for m in &s.members {
+        let idx = by_service.entry(m.id.as_str()).or_default();
+        for es in m.slices.values() {
+            let labels = es.metadata.labels.as_ref();
+            let Some(svc) = labels.and_then(|l| l.get(LABEL_K8S_SERVICE_NAME)) else {
+                continue;
+            };
+            if labels
+                .and_then(|l| l.get(LABEL_MANAGED_BY))
+                .is_some_and(|v| v == MANAGER)
+            {
+                continue;
+            }
+            idx.entry((
+                es.metadata.namespace.clone().unwrap_or_default(),
+                svc.clone(),
+            ))
+            .or_default()
+            .push(es);
+        }
+    }
+
     for (key, shape) in wanted {
         let k: ObjKey = (key.namespace.clone(), key.name.clone());
         if let Some(si) = s.imports.get(&k)
@@ -216,18 +240,10 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
             .filter(|m| m.endpoints_count && shape.clusters.contains(&m.id))
         {
             let svc = m.services.get(&k);
-            for es in m.slices.values() {
-                let labels = es.metadata.labels.as_ref();
-                let of_service = es.metadata.namespace.as_deref() == Some(&key.namespace)
-                    && labels
-                        .and_then(|l| l.get(LABEL_K8S_SERVICE_NAME))
-                        .is_some_and(|n| *n == key.name)
-                    && labels
-                        .and_then(|l| l.get(LABEL_MANAGED_BY))
-                        .is_none_or(|v| v != MANAGER);
-                if !of_service {
-                    continue;
-                }
+            let Some(of_service) = by_service.get(m.id.as_str()).and_then(|b| b.get(&k)) else {
+                continue;
+            };
+            for es in of_service {
                 if let Some(mcs) = mcs_slice(key, &m.id, es, svc.map(|s| &**s), shape) {
                     out.slices.insert(
                         (

@@ -275,6 +275,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
             now: Time(Timestamp::now()),
         };
         let want = desired::desired(&snapshot, Allocator::new(cfg.ranges.clone()));
+        let computed = started.elapsed();
         for p in &want.problems {
             tracing::warn!("{p}");
         }
@@ -306,6 +307,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
                 slices_deleted = w.slices_deleted,
                 exports = w.exports,
                 errors = w.errors,
+                compute_ms = computed.as_secs_f64() * 1e3,
                 ms = started.elapsed().as_secs_f64() * 1e3,
                 "pass"
             );
