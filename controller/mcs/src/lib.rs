@@ -51,8 +51,12 @@ pub const MANAGER: &str = "mcs-controller.mcs-dataplane";
 /// The label that marks the ServiceImports we manage.
 pub const MANAGED_LABEL: &str = "app.kubernetes.io/managed-by";
 
-/// Changes arriving within this window are handled in one pass.
+/// Changes arriving within this window are handled in one pass; under a burst the window
+/// grows to the last pass's duration (at most [`MAX_SETTLE`]), so passes never take all the
+/// CPU while objects keep arriving.
 const DEBOUNCE: Duration = Duration::from_millis(20);
+/// The longest settle window.
+const MAX_SETTLE: Duration = Duration::from_secs(1);
 
 /// How the controller runs.
 #[derive(Clone)]
@@ -209,13 +213,14 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
         .ok_or_else(|| anyhow::anyhow!("no local member"))?;
     let mut waiting_logged = false;
     let mut next_wait = cfg.resync;
+    let mut last_pass = Duration::ZERO;
     loop {
         tokio::select! {
             () = wake.notified() => {}
             _ = lead_rx.changed() => {}
             () = tokio::time::sleep(next_wait) => {}
         }
-        tokio::time::sleep(DEBOUNCE).await;
+        tokio::time::sleep(DEBOUNCE.max(last_pass.min(MAX_SETTLE))).await;
         let leading = *lead_rx.borrow_and_update();
         metrics.leader.set(i64::from(leading));
         let states: Vec<MemberState> = members
@@ -280,6 +285,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
             tracing::warn!("{p}");
         }
         let w = writer::sync(&local_client, &want, &local, &me).await;
+        last_pass = started.elapsed();
         metrics.passes.inc();
         metrics
             .pass_seconds
