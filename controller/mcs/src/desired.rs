@@ -230,8 +230,48 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
             }
             (ips, families)
         };
-        out.imports
-            .insert(k.clone(), import(key, shape, ips, families));
+        let missing: Vec<&String> = shape
+            .ip_families
+            .iter()
+            .filter(|f| !families.contains(f))
+            .collect();
+        let ready = if missing.is_empty() {
+            (
+                "True",
+                "Ready",
+                "the import's ClusterSetIPs are allocated".to_string(),
+            )
+        } else {
+            (
+                "False",
+                "IPFamilyNotSupported",
+                format!(
+                    "no ClusterSetIP of family {missing:?} could be allocated (no --clusterset-ip-cidr of that family, or it is full)"
+                ),
+            )
+        };
+        let mut si = import(key, shape, ips, families);
+        let since = s
+            .imports
+            .get(&k)
+            .and_then(|old| old.status.as_ref())
+            .and_then(|st| {
+                st.conditions
+                    .iter()
+                    .find(|c| c.type_ == "Ready" && c.status == ready.0)
+            })
+            .map_or_else(|| s.now.clone(), |c| c.last_transition_time.clone());
+        if let Some(st) = si.status.as_mut() {
+            st.conditions = vec![Condition {
+                type_: "Ready".into(),
+                status: ready.0.into(),
+                reason: ready.1.into(),
+                message: ready.2,
+                last_transition_time: since,
+                observed_generation: None,
+            }];
+        }
+        out.imports.insert(k.clone(), si);
 
         // Slices from every exporting cluster whose endpoints count.
         for m in s

@@ -61,7 +61,9 @@ fn import_same(have: &ServiceImport, want: &ServiceImport, with_status: bool) ->
         .flatten()
         .all(|(k, v)| have.metadata.labels.as_ref().and_then(|l| l.get(k)) == Some(v));
     let status_same = !with_status
-        || have.status.as_ref().map(|s| &s.clusters) == want.status.as_ref().map(|s| &s.clusters);
+        || (have.status.as_ref().map(|s| &s.clusters) == want.status.as_ref().map(|s| &s.clusters)
+            && conditions_view(have.status.as_ref().map_or(&[][..], |s| &s.conditions))
+                == conditions_view(want.status.as_ref().map_or(&[][..], |s| &s.conditions)));
     have.spec == want.spec
         && labels_same
         && have.metadata.annotations == want.metadata.annotations

@@ -209,15 +209,23 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
             assert_eq!(si.spec.ip_families, ["IPv4"]);
             let ip: std::net::IpAddr = si.spec.ips[0].parse().unwrap();
             assert!(ip.to_string().starts_with("198.18.100."), "{ip}");
+            let status = si.status.as_ref().unwrap();
             assert_eq!(
-                si.status
-                    .as_ref()
-                    .unwrap()
+                status
                     .clusters
                     .iter()
                     .map(|c| c.cluster.as_str())
                     .collect::<Vec<_>>(),
                 ["c2"]
+            );
+            let ready = status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Ready")
+                .expect("the import's Ready condition");
+            assert_eq!(
+                (ready.status.as_str(), ready.reason.as_str()),
+                ("True", "Ready")
             );
         }
         // The slice is mirrored into both clusters as c2's MCS slice.
