@@ -170,8 +170,12 @@ fn admin_kubectl() -> (PathBuf, impl Fn(&[&str], Option<&str>) -> String) {
             stdin,
         )
     };
-    let ns = deploy().join("kustomize/base/namespace.yaml");
-    k(&["apply", "-f", &ns.display().to_string()], None);
+    // Once per test binary: two tests applying it at once race to create it.
+    static NAMESPACE: std::sync::Once = std::sync::Once::new();
+    NAMESPACE.call_once(|| {
+        let ns = deploy().join("kustomize/base/namespace.yaml");
+        k(&["apply", "-f", &ns.display().to_string()], None);
+    });
     (kc, k)
 }
 

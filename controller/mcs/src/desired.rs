@@ -159,6 +159,11 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
             name: k.1.clone(),
         };
         let Some(shape) = merged.get(&key).and_then(|m| m.import.as_ref()) else {
+            // Going away in this pass: its addresses stay reserved until it is gone, so no
+            // new import gets one while the old one still holds it.
+            for ip in si.spec.ips.iter().filter_map(|i| i.parse::<IpAddr>().ok()) {
+                alloc.reserve(ip);
+            }
             continue;
         };
         if shape.headless {
