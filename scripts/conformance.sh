@@ -14,21 +14,30 @@
 # stopped on exit, also on failure or Ctrl-C.
 #
 # Env: MCS_CONFORMANCE_LABELS (ginkgo label filter, default Required),
-#      MCS_CONFORMANCE_SUITE (suite directory, default ../shared/conformance/mcs-api).
+#      MCS_CONFORMANCE_SUITE (suite directory; default ../shared/conformance/mcs-api beside the
+#      checkout, else /work/shared/conformance/mcs-api).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 # shellcheck source=/dev/null
 . scripts/env.sh
-suite=${MCS_CONFORMANCE_SUITE:-$root/../shared/conformance/mcs-api}
+# The suite: $MCS_CONFORMANCE_SUITE, else ../shared beside this checkout, else the machine's
+# /work/shared (a clone elsewhere on a machine of this kind).
+suite=${MCS_CONFORMANCE_SUITE:-}
+if [[ -z $suite ]]; then
+    for d in "$root/../shared/conformance/mcs-api" /work/shared/conformance/mcs-api; do
+        if [[ -f $d/go.mod ]]; then suite=$d; break; fi
+    done
+fi
 labels=${MCS_CONFORMANCE_LABELS:-Required}
 out=$root/target/conformance
 mkdir -p "$out"
 
-if [[ ! -f $suite/go.mod ]]; then
-    echo "conformance: no suite at $suite (set MCS_CONFORMANCE_SUITE)" >&2
+if [[ -z $suite || ! -f $suite/go.mod ]]; then
+    echo "conformance: the upstream suite is not at ../shared/conformance/mcs-api or /work/shared/conformance/mcs-api (set MCS_CONFORMANCE_SUITE)" >&2
     exit 1
 fi
+echo "conformance: suite from $suite"
 command -v go >/dev/null || { echo "conformance: go not found" >&2; exit 1; }
 
 echo "conformance: building the suite (go test -c, from a copy of $suite)"
