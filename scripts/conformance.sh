@@ -91,7 +91,7 @@ for c in c1 c2; do
 done
 deadline=$((SECONDS + 60))
 for c in c1 c2; do
-    until grep -q 'first pass written; ready' "$out/controller-$c.log"; do
+    until grep -q 'first pass written as leader' "$out/controller-$c.log"; do
         if ((SECONDS > deadline)); then
             echo "conformance: mcs-controller in $c did not become ready; its log:" >&2
             tail -30 "$out/controller-$c.log" >&2

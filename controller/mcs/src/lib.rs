@@ -214,6 +214,9 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
     let mut waiting_logged = false;
     let mut next_wait = cfg.resync;
     let mut last_pass = Duration::ZERO;
+    // Whether this replica has written a whole pass since it began to lead (a follower is
+    // ready with a complete view, but has written nothing).
+    let mut written_once = false;
     loop {
         tokio::select! {
             () = wake.notified() => {}
@@ -258,7 +261,11 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
         }
         if !leading {
             // A follower with a complete view is ready to take over.
+            if !health.is_ready() {
+                tracing::info!("complete view; ready (following: another replica leads)");
+            }
             health.set_ready();
+            written_once = false;
             continue;
         }
         let started = Instant::now();
@@ -325,11 +332,12 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 wake.notify_one();
             });
-        } else if !health.is_ready() {
+        } else if !written_once {
+            written_once = true;
             tracing::info!(
                 imports = want.imports.len(),
                 slices = want.slices.len(),
-                "first pass written; ready"
+                "first pass written as leader; ready"
             );
             health.set_ready();
         }
