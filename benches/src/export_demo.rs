@@ -302,8 +302,7 @@ pub fn run(agent: Option<PathBuf>, controller: Option<PathBuf>) -> anyhow::Resul
     drop(procs);
     if problems.is_empty() {
         println!(
-            "export story: every step did what it should (logs were in {})",
-            dir.path().display()
+            "export story: every step did what it should (MCS_DEMO_LOG=1 shows the controllers' and the agent's logs)"
         );
         Ok(())
     } else {
