@@ -256,11 +256,14 @@ pub async fn sync(client: &Client, want: &Desired, local: &Local, me: &Member) -
         if have == conditions_view(conds) {
             continue;
         }
-        if let Some(c) = conds.iter().find(|c| {
+        // A problem that is new (the conditions changed): a log line and an Event on the
+        // ServiceExport, once per change (not per pass).
+        for c in conds.iter().filter(|c| {
             (c.type_ == "Valid" && c.status == "False")
                 || (c.type_ == "Conflict" && c.status == "True")
         }) {
             tracing::warn!(export = %format!("{}/{}", key.0, key.1), condition = %c.type_, reason = %c.reason, "{}", c.message);
+            event(client, se, c);
         }
         writes.push(async move {
             match write_export_status(client, key, conds).await {
@@ -297,4 +300,52 @@ async fn write_export_status(
             Err(())
         }
     }
+}
+
+/// Publishes a Warning Event about `c` on `se` (in the background; a failure is logged at
+/// debug). Its name is derived from what it says, so a repeat of the same problem (e.g. after
+/// a restart) is one Event, not many.
+fn event(client: &Client, se: &ServiceExport, c: &Condition) {
+    use k8s_openapi::{
+        api::{core::v1::ObjectReference, events::v1::Event},
+        apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta},
+    };
+    let (Some(ns), Some(name)) = (se.metadata.namespace.clone(), se.metadata.name.clone()) else {
+        return;
+    };
+    let hash = mcs_merge::alloc::fnv1a(
+        format!("{ns}/{name}/{}/{}/{}", c.type_, c.reason, c.message).as_bytes(),
+    );
+    let base: String = name.chars().take(200).collect();
+    let ev = Event {
+        metadata: ObjectMeta {
+            name: Some(format!("{base}.mcs-{hash:016x}")),
+            namespace: Some(ns.clone()),
+            ..Default::default()
+        },
+        event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
+        type_: Some("Warning".into()),
+        reason: Some(c.reason.chars().take(128).collect()),
+        action: Some("Export".into()),
+        note: Some(c.message.chars().take(1024).collect()),
+        regarding: Some(ObjectReference {
+            api_version: Some("multicluster.x-k8s.io/v1beta1".into()),
+            kind: Some("ServiceExport".into()),
+            namespace: Some(ns.clone()),
+            name: Some(name),
+            uid: se.metadata.uid.clone(),
+            ..Default::default()
+        }),
+        reporting_controller: Some("mcs-dataplane.io/mcs-controller".into()),
+        reporting_instance: Some("mcs-controller".into()),
+        ..Default::default()
+    };
+    let api: Api<Event> = Api::namespaced(client.clone(), &ns);
+    tokio::spawn(async move {
+        match api.create(&kube::api::PostParams::default(), &ev).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => tracing::debug!(error = %e, "could not publish an Event"),
+        }
+    });
 }

@@ -361,6 +361,21 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
             ("False".into(), "InvalidServiceType".into())
         );
         assert!(get_import(&k1, ns, "ext").await.is_none());
+        // ...and an Event on the export says why.
+        let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(k1.clone(), ns);
+        let ev = until("a Warning Event on the ExternalName export", || async {
+            events
+                .list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("ext"))
+        })
+        .await;
+        assert_eq!(ev.reason.as_deref(), Some("InvalidServiceType"));
+        assert_eq!(ev.type_.as_deref(), Some("Warning"));
+        assert!(ev.note.unwrap_or_default().contains("ExternalName"));
 
         // Unexport everywhere: gone in both clusters, slices too.
         for api in [&ses1, &ses2] {
