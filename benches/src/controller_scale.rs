@@ -8,7 +8,7 @@
 
 use std::{
     path::PathBuf,
-    process::{Child, Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
@@ -25,6 +25,8 @@ use kube::{
 use mcs_api::{ServiceExport, ServiceImport};
 use mcs_test_support::apiserver::{self, ApiServer, User};
 use serde::Serialize;
+
+use crate::harness::procs::{Proc, catch_signals, interrupted, rss_mib, sibling};
 
 const NS: &str = "scale";
 const RANGE: &str = "198.18.64.0/18";
@@ -49,28 +51,8 @@ pub struct Report {
     pub rss_mib: Vec<f64>,
 }
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn obj<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
     serde_json::from_value(v).expect("object literal")
-}
-
-fn rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 fn pct(v: &mut [f64], p: f64) -> f64 {
@@ -138,12 +120,9 @@ pub fn run(
 ) -> anyhow::Result<Report> {
     apiserver::prerequisites().map_err(anyhow::Error::msg)?;
     anyhow::ensure!(clusters >= 2, "--clusters must be at least 2");
-    let controller = controller.unwrap_or_else(|| {
-        std::env::current_exe()
-            .ok()
-            .and_then(|p| p.parent().map(|d| d.join("mcs-controller")))
-            .unwrap_or_else(|| "mcs-controller".into())
-    });
+    // A stop signal ends the run through its clean-up (controllers, API servers).
+    catch_signals()?;
+    let controller = controller.unwrap_or_else(|| sibling("mcs-controller"));
     anyhow::ensure!(controller.is_file(), "{} not found", controller.display());
     let ids: Vec<String> = (1..=clusters).map(|i| format!("c{i}")).collect();
     let mut servers = Vec::new();
@@ -179,19 +158,13 @@ pub fn run(
     })?;
     let mut procs = Vec::new();
     for id in &ids {
-        let child = Command::new(&controller)
-            .args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
+        let mut cmd = Command::new(&controller);
+        cmd.args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
             .args(["--metrics-addr", "127.0.0.1:0", "--no-leader-election"])
             .arg("--clusterset-kubeconfig")
-            .arg(&kc)
-            .stdout(Stdio::null())
-            .stderr(if std::env::var_os("MCS_BENCH_CONTROLLER_LOG").is_some() {
-                Stdio::inherit()
-            } else {
-                Stdio::null()
-            })
-            .spawn()?;
-        procs.push(Proc(child));
+            .arg(&kc);
+        let log = dir.path().join(format!("controller-{id}.log"));
+        procs.push(Proc::spawn(&format!("mcs-controller {id}"), cmd, &log)?);
     }
 
     // Bulk: every export, 32 writes in flight.
@@ -203,6 +176,7 @@ pub fn run(
                 async move { export(&k, &format!("s{i}"), i).await }
             })
             .buffer_unordered(32)
+            .map(|r| r.and_then(|()| interrupted()))
             .try_collect::<Vec<()>>()
             .await
     })?;
@@ -221,6 +195,7 @@ pub fn run(
             if t0.elapsed() > WAIT {
                 bail!("not converged after {WAIT:?}");
             }
+            interrupted()?;
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     })?;
@@ -250,6 +225,7 @@ pub fn run(
                     if t.elapsed() > WAIT {
                         bail!("{name} not imported");
                     }
+                    interrupted()?;
                     tokio::time::sleep(Duration::from_millis(2)).await;
                 }
             }
@@ -296,13 +272,17 @@ pub fn run(
                 if t.elapsed() > WAIT {
                     bail!("{name}'s endpoint change not seen");
                 }
+                interrupted()?;
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
             anyhow::Ok(t.elapsed().as_secs_f64() * 1e3)
         })?;
         endpoint_ms.push(ms);
     }
-    let rss: Vec<f64> = procs.iter().map(|p| rss_mib(p.0.id())).collect();
+    let rss: Vec<f64> = procs
+        .iter()
+        .map(|p| rss_mib(p.pid()).unwrap_or(0.0))
+        .collect();
     drop(procs);
     let n_e = export_ms.len();
     let n_p = endpoint_ms.len();

@@ -14,7 +14,7 @@
 use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -33,32 +33,18 @@ use mcs_test_support::apiserver::{self, ApiServer, User};
 
 use crate::{
     faults::{LoadResult, load_result, start_backend},
-    harness::bed::http_get,
+    harness::{
+        bed::http_get,
+        procs::{Proc, catch_signals, interrupted, sibling, tail},
+    },
 };
 
 const RANGE: &str = "198.18.100.0/24";
 const NS: &str = "shop";
 const WAIT: Duration = Duration::from_secs(30);
 
-/// A child process, killed on drop.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn obj<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> anyhow::Result<T> {
     Ok(serde_json::from_value(v)?)
-}
-
-fn next_to_me(name: &str) -> PathBuf {
-    std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent().map(|d| d.join(name)))
-        .unwrap_or_else(|| PathBuf::from(name))
 }
 
 async fn poll<T, F: std::future::Future<Output = Option<T>>>(
@@ -73,6 +59,7 @@ async fn poll<T, F: std::future::Future<Output = Option<T>>>(
         if t.elapsed() > WAIT {
             bail!("timed out after {WAIT:?} waiting for {what}");
         }
+        interrupted()?;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -122,9 +109,38 @@ fn show(r: &LoadResult) -> String {
 
 /// Runs the story; `agent`/`controller`: the binaries (default: next to this one).
 pub fn run(agent: Option<PathBuf>, controller: Option<PathBuf>) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut logs = Vec::new();
+    let problems = match story(agent, controller, dir.path(), &mut logs) {
+        Ok(p) => p,
+        Err(e) => vec![format!("{e:#}")],
+    };
+    if problems.is_empty() {
+        println!("export story: every step did what it should");
+        return Ok(());
+    }
+    for p in &problems {
+        println!("FAILED: {p}");
+    }
+    for l in &logs {
+        println!("--- {} (last lines)\n{}", l.display(), tail(l, 15));
+    }
+    bail!("the export story failed ({} problems)", problems.len())
+}
+
+/// The steps; returns what went wrong in the steps that check themselves (a step that could
+/// not run at all is an error). The processes' logs go to `dir`, their paths into `logs`.
+fn story(
+    agent: Option<PathBuf>,
+    controller: Option<PathBuf>,
+    dir: &Path,
+    logs: &mut Vec<PathBuf>,
+) -> anyhow::Result<Vec<String>> {
     apiserver::prerequisites().map_err(anyhow::Error::msg)?;
-    let agent = agent.unwrap_or_else(|| next_to_me("mcs-agent"));
-    let controller = controller.unwrap_or_else(|| next_to_me("mcs-controller"));
+    // A stop signal ends the story through its clean-up (namespaces, pins, servers).
+    catch_signals()?;
+    let agent = agent.unwrap_or_else(|| sibling("mcs-agent"));
+    let controller = controller.unwrap_or_else(|| sibling("mcs-controller"));
     for b in [&agent, &controller] {
         anyhow::ensure!(b.is_file(), "{} not found (build it first)", b.display());
     }
@@ -139,8 +155,7 @@ pub fn run(agent: Option<PathBuf>, controller: Option<PathBuf>) -> anyhow::Resul
         start_backend(&topo.c2, "198.18.2.2:8080".parse()?)?,
         start_backend(&topo.c2, "198.18.2.3:8080".parse()?)?,
     ];
-    let dir = tempfile::tempdir()?;
-    let kc = dir.path().join("clusterset.kubeconfig");
+    let kc = dir.join("clusterset.kubeconfig");
     std::fs::write(
         &kc,
         apiserver::clusterset_kubeconfig(&[("c1", &c1), ("c2", &c2)], User::Admin)?,
@@ -171,16 +186,14 @@ pub fn run(agent: Option<PathBuf>, controller: Option<PathBuf>) -> anyhow::Resul
     println!("[3/5] mcs-controller in c1 and c2 (each reads both, writes only its own cluster)");
     let mut procs = Vec::new();
     for id in ["c1", "c2"] {
-        let child = Command::new(&controller)
-            .args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
+        let mut cmd = Command::new(&controller);
+        cmd.args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
             .args(["--metrics-addr", "127.0.0.1:0", "--no-leader-election"])
             .arg("--clusterset-kubeconfig")
-            .arg(&kc)
-            .stdout(Stdio::null())
-            .stderr(log_to(dir.path(), &format!("controller-{id}.log"))?)
-            .spawn()
-            .context("starting mcs-controller")?;
-        procs.push(Proc(child));
+            .arg(&kc);
+        let log = dir.join(format!("controller-{id}.log"));
+        procs.push(Proc::spawn(&format!("mcs-controller {id}"), cmd, &log)?);
+        logs.push(log);
     }
     let (import, took) = rt.block_on(poll("the ServiceImport in c1", || async {
         Api::<ServiceImport>::namespaced(k1.clone(), NS)
@@ -223,29 +236,27 @@ pub fn run(agent: Option<PathBuf>, controller: Option<PathBuf>) -> anyhow::Resul
     let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
-    let agent_child = Command::new(&agent)
-        .args([
-            "run",
-            "--dataplane",
-            "ebpf",
-            "--source",
-            "kube",
-            "--cluster-id",
-            "c1",
-        ])
-        .args(["--clusterset-ip-cidr", RANGE])
-        .arg("--kubeconfig")
-        .arg(c1.kubeconfig(User::Admin))
-        .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
-        .arg("--cgroup-root")
-        .arg(cg.path())
-        .arg("--bpf-pin-dir")
-        .arg(&pins)
-        .stdout(Stdio::null())
-        .stderr(log_to(dir.path(), "agent.log")?)
-        .spawn()
-        .context("starting mcs-agent")?;
-    let _agent = Proc(agent_child);
+    let mut cmd = Command::new(&agent);
+    cmd.args([
+        "run",
+        "--dataplane",
+        "ebpf",
+        "--source",
+        "kube",
+        "--cluster-id",
+        "c1",
+    ])
+    .args(["--clusterset-ip-cidr", RANGE])
+    .arg("--kubeconfig")
+    .arg(c1.kubeconfig(User::Admin))
+    .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+    .arg("--cgroup-root")
+    .arg(cg.path())
+    .arg("--bpf-pin-dir")
+    .arg(&pins);
+    let log = dir.join("agent.log");
+    let _agent = Proc::spawn("mcs-agent", cmd, &log)?;
+    logs.push(log);
     let _unpin = Unpin(agent.clone(), pins.clone());
     let metrics = SocketAddr::from(([127, 0, 0, 1], metrics_port));
     rt.block_on(poll("the agent's first table", || async {
@@ -300,17 +311,7 @@ pub fn run(agent: Option<PathBuf>, controller: Option<PathBuf>) -> anyhow::Resul
     }
 
     drop(procs);
-    if problems.is_empty() {
-        println!(
-            "export story: every step did what it should (MCS_DEMO_LOG=1 shows the controllers' and the agent's logs)"
-        );
-        Ok(())
-    } else {
-        for p in &problems {
-            println!("FAILED: {p}");
-        }
-        bail!("the export story failed ({} problems)", problems.len())
-    }
+    Ok(problems)
 }
 
 /// Detaches the agent's programs and removes its pins, also when the story fails.
@@ -323,13 +324,6 @@ impl Drop for Unpin {
             .arg(&self.1)
             .output();
     }
-}
-
-fn log_to(dir: &Path, name: &str) -> anyhow::Result<Stdio> {
-    if std::env::var_os("MCS_DEMO_LOG").is_some() {
-        return Ok(Stdio::inherit());
-    }
-    Ok(std::fs::File::create(dir.join(name))?.into())
 }
 
 async fn export_web(k2: &Client) -> anyhow::Result<()> {

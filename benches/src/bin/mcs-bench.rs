@@ -285,12 +285,7 @@ fn faults(
         }
     };
     let seconds = if smoke { 3.0 } else { seconds.max(1.0) };
-    let agent = agent.unwrap_or_else(|| {
-        std::env::current_exe()
-            .ok()
-            .and_then(|p| p.parent().map(|d| d.join("mcs-agent")))
-            .unwrap_or_else(|| PathBuf::from("mcs-agent"))
-    });
+    let agent = agent.unwrap_or_else(|| mcs_bench::harness::procs::sibling("mcs-agent"));
     let mut outcomes = Vec::new();
     let mut bad = Vec::new();
     let sizes = Sizes {
@@ -390,12 +385,9 @@ fn bench(mut a: RunArgs) -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    let agent = a.agent.unwrap_or_else(|| {
-        std::env::current_exe()
-            .ok()
-            .and_then(|p| p.parent().map(|d| d.join("mcs-agent")))
-            .unwrap_or_else(|| PathBuf::from("mcs-agent"))
-    });
+    let agent = a
+        .agent
+        .unwrap_or_else(|| mcs_bench::harness::procs::sibling("mcs-agent"));
     let opts = harness::Options {
         modes,
         workloads,

@@ -734,17 +734,7 @@ impl Bed {
 
     /// Resident memory of the agent of `mode` (MiB), if it has one.
     pub fn agent_rss_mib(&self, mode: Mode) -> Option<f64> {
-        let pid = self.agents.get(&mode)?;
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-        let kib: f64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))?
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()
-            .ok()?;
-        Some(kib / 1024.0)
+        super::procs::rss_mib(*self.agents.get(&mode)?)
     }
 
     /// The ready modes in report order.
