@@ -284,12 +284,26 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
             .iter()
             .filter(|m| m.endpoints_count && shape.clusters.contains(&m.id))
         {
-            let svc = m.services.get(&k);
+            // This cluster's ports that the import carries as it defines them (a port it
+            // defines differently gets no traffic from here), once per service.
+            let served: Vec<String> = m
+                .services
+                .get(&k)
+                .map(|svc| self::shape(svc).ports)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|sp| {
+                    shape.ports.iter().any(|ip| {
+                        ip.name == sp.name && ip.protocol == sp.protocol && ip.port == sp.port
+                    })
+                })
+                .map(|sp| sp.name)
+                .collect();
             let Some(of_service) = by_service.get(m.id.as_str()).and_then(|b| b.get(&k)) else {
                 continue;
             };
             for es in of_service {
-                if let Some(mcs) = mcs_slice(key, &m.id, es, svc.map(|s| &**s), shape) {
+                if let Some(mcs) = mcs_slice(key, &m.id, es, &served) {
                     out.slices.insert(
                         (
                             key.namespace.clone(),
@@ -410,22 +424,12 @@ fn mcs_slice(
     key: &ServiceKey,
     cluster: &str,
     es: &EndpointSlice,
-    svc: Option<&Service>,
-    shape: &ImportShape,
+    served: &[String],
 ) -> Option<EndpointSlice> {
-    let svc_ports: Vec<Port> = svc.map(shape_ports).unwrap_or_default();
-    let src_ports = es.ports.clone().unwrap_or_default();
+    let src_ports = es.ports.as_deref().unwrap_or_default();
     let ports: Vec<EndpointPort> = src_ports
         .iter()
-        .filter(|p| {
-            let name = p.name.clone().unwrap_or_default();
-            svc_ports.iter().any(|sp| {
-                sp.name == name
-                    && shape.ports.iter().any(|ip| {
-                        ip.name == sp.name && ip.protocol == sp.protocol && ip.port == sp.port
-                    })
-            })
-        })
+        .filter(|p| served.contains(&p.name.clone().unwrap_or_default()))
         .cloned()
         .collect();
     if ports.is_empty() && !src_ports.is_empty() {
@@ -467,10 +471,6 @@ fn mcs_slice(
         }),
         ports: Some(ports),
     })
-}
-
-fn shape_ports(svc: &Service) -> Vec<Port> {
-    shape(svc).ports
 }
 
 /// At most `n` bytes of a DNS label, without a trailing dash.

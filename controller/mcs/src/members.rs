@@ -8,7 +8,10 @@
 use std::{
     collections::HashMap,
     fmt::Debug,
-    sync::{Arc, Mutex, RwLock},
+    sync::{
+        Arc, Mutex, RwLock,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -33,29 +36,28 @@ pub type ObjKey = (String, String);
 #[derive(Debug)]
 pub struct Store<K> {
     map: RwLock<HashMap<ObjKey, Arc<K>>>,
+    /// Set once its watcher has completed a first list.
+    listed: AtomicBool,
 }
 
 impl<K> Default for Store<K> {
     fn default() -> Self {
         Self {
             map: RwLock::new(HashMap::new()),
+            listed: AtomicBool::new(false),
         }
     }
 }
 
 impl<K> Store<K> {
+    /// Whether its watcher has listed once.
+    pub fn listed(&self) -> bool {
+        self.listed.load(Ordering::Acquire)
+    }
+
     /// Every object now.
     pub fn snapshot(&self) -> HashMap<ObjKey, Arc<K>> {
         self.map.read().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
-    /// One object.
-    pub fn get(&self, ns: &str, name: &str) -> Option<Arc<K>> {
-        self.map
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&(ns.to_string(), name.to_string()))
-            .cloned()
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<ObjKey, Arc<K>>> {
@@ -66,8 +68,6 @@ impl<K> Store<K> {
 /// Whether a member answers.
 #[derive(Debug, Default)]
 struct Health {
-    /// Watchers that have completed their first list.
-    listed: usize,
     /// When the first of the current run of failures happened (none: healthy).
     failing_since: Option<Instant>,
     /// The last error, for logs and status.
@@ -80,13 +80,12 @@ pub struct Member {
     /// Its cluster id (the kubeconfig context's name).
     pub id: String,
     /// ServiceExports.
-    pub exports: Store<ServiceExport>,
+    pub exports: Arc<Store<ServiceExport>>,
     /// Services.
-    pub services: Store<Service>,
+    pub services: Arc<Store<Service>>,
     /// EndpointSlices of Services (label `kubernetes.io/service-name`).
-    pub slices: Store<EndpointSlice>,
+    pub slices: Arc<Store<EndpointSlice>>,
     health: Mutex<Health>,
-    watchers: usize,
     started: Instant,
 }
 
@@ -94,18 +93,17 @@ pub struct Member {
 #[derive(Debug, Default)]
 pub struct Local {
     /// Namespaces.
-    pub namespaces: Store<Namespace>,
+    pub namespaces: Arc<Store<Namespace>>,
     /// ServiceImports (all; ours carry [`crate::MANAGED_LABEL`]).
-    pub imports: Store<ServiceImport>,
+    pub imports: Arc<Store<ServiceImport>>,
     /// MCS EndpointSlices this controller wrote (`managed-by` = ours).
-    pub slices: Store<EndpointSlice>,
-    listed: Mutex<usize>,
+    pub slices: Arc<Store<EndpointSlice>>,
 }
 
 impl Local {
     /// Whether every local watcher has listed.
     pub fn listed(&self) -> bool {
-        *self.listed.lock().unwrap_or_else(|p| p.into_inner()) >= 3
+        self.namespaces.listed() && self.imports.listed() && self.slices.listed()
     }
 }
 
@@ -126,11 +124,10 @@ impl Member {
     fn new(id: String) -> Self {
         Self {
             id,
-            exports: Store::default(),
-            services: Store::default(),
-            slices: Store::default(),
+            exports: Arc::default(),
+            services: Arc::default(),
+            slices: Arc::default(),
             health: Mutex::new(Health::default()),
-            watchers: 3,
             started: Instant::now(),
         }
     }
@@ -145,7 +142,7 @@ impl Member {
         match h.failing_since {
             Some(t) if t.elapsed() > timeout => MemberState::Gone(error),
             Some(_) => MemberState::Unsure(error),
-            None if h.listed < self.watchers => {
+            None if !self.listed() => {
                 if self.started.elapsed() > timeout {
                     MemberState::Gone(error)
                 } else {
@@ -158,7 +155,7 @@ impl Member {
 
     /// Whether every watcher has listed once.
     pub fn listed(&self) -> bool {
-        self.health.lock().unwrap_or_else(|p| p.into_inner()).listed >= self.watchers
+        self.exports.listed() && self.services.listed() && self.slices.listed()
     }
 
     fn ok(&self) {
@@ -176,10 +173,6 @@ impl Member {
         }
         h.last_error = Some(e.to_string());
     }
-
-    fn first_list(&self) {
-        self.health.lock().unwrap_or_else(|p| p.into_inner()).listed += 1;
-    }
 }
 
 /// Starts the watchers of member `id` (and, with `local`, the local cluster's extra ones);
@@ -192,79 +185,49 @@ pub fn start(
     retry_max: Duration,
 ) -> Arc<Member> {
     let m = Arc::new(Member::new(id));
-    let listed = {
-        let m = m.clone();
-        move || m.first_list()
-    };
-    let ctx = |m: &Arc<Member>| Ctx {
+    let ctx = || Ctx {
         member: m.clone(),
         wake: wake.clone(),
         retry_max,
     };
-    {
-        let (c, m2) = (ctx(&m), m.clone());
-        let l = listed.clone();
-        tokio::spawn(watch(
-            Api::<ServiceExport>::all(client.clone()),
-            watcher::Config::default(),
-            c,
-            move |f| f(&m2.exports),
-            l,
-        ));
-    }
-    {
-        let (c, m2) = (ctx(&m), m.clone());
-        let l = listed.clone();
-        tokio::spawn(watch(
-            Api::<Service>::all(client.clone()),
-            watcher::Config::default(),
-            c,
-            move |f| f(&m2.services),
-            l,
-        ));
-    }
-    {
-        let (c, m2) = (ctx(&m), m.clone());
-        tokio::spawn(watch(
-            Api::<EndpointSlice>::all(client.clone()),
-            watcher::Config::default().labels("kubernetes.io/service-name"),
-            c,
-            move |f| f(&m2.slices),
-            listed,
-        ));
-    }
+    let all = watcher::Config::default;
+    tokio::spawn(watch(
+        Api::<ServiceExport>::all(client.clone()),
+        all(),
+        ctx(),
+        m.exports.clone(),
+    ));
+    tokio::spawn(watch(
+        Api::<Service>::all(client.clone()),
+        all(),
+        ctx(),
+        m.services.clone(),
+    ));
+    tokio::spawn(watch(
+        Api::<EndpointSlice>::all(client.clone()),
+        all().labels(crate::desired::LABEL_K8S_SERVICE_NAME),
+        ctx(),
+        m.slices.clone(),
+    ));
     if let Some(local) = local {
-        let count = |l: &Arc<Local>| {
-            let l = l.clone();
-            move || *l.listed.lock().unwrap_or_else(|p| p.into_inner()) += 1
-        };
-        let l2 = local.clone();
         tokio::spawn(watch(
             Api::<Namespace>::all(client.clone()),
-            watcher::Config::default(),
-            ctx(&m),
-            move |f| f(&l2.namespaces),
-            count(&local),
+            all(),
+            ctx(),
+            local.namespaces.clone(),
         ));
-        let l2 = local.clone();
         tokio::spawn(watch(
             Api::<ServiceImport>::all(client.clone()),
-            watcher::Config::default(),
-            ctx(&m),
-            move |f| f(&l2.imports),
-            count(&local),
+            all(),
+            ctx(),
+            local.imports.clone(),
         ));
-        let l2 = local.clone();
+        let ours = format!("{}={}", mcs_api::LABEL_MANAGED_BY, crate::MANAGER);
         tokio::spawn(watch(
             Api::<EndpointSlice>::all(client),
-            watcher::Config::default().labels(&format!(
-                "{}={}",
-                mcs_api::LABEL_MANAGED_BY,
-                crate::MANAGER
-            )),
-            ctx(&m),
-            move |f| f(&l2.slices),
-            count(&local),
+            all().labels(&ours),
+            ctx(),
+            local.slices.clone(),
         ));
     }
     m
@@ -276,23 +239,16 @@ struct Ctx {
     retry_max: Duration,
 }
 
-/// Keeps `store` (reached through `with`) equal to the cluster's objects.
-async fn watch<K, W>(
-    api: Api<K>,
-    config: watcher::Config,
-    ctx: Ctx,
-    with: W,
-    first_list: impl Fn() + Send + 'static,
-) where
+/// Keeps `store` equal to the cluster's objects of kind `K`.
+async fn watch<K>(api: Api<K>, config: watcher::Config, ctx: Ctx, store: Arc<Store<K>>)
+where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default,
-    W: Fn(&dyn Fn(&Store<K>)) + Send + 'static,
 {
     let kind = K::kind(&K::DynamicType::default()).to_string();
     let mut retry = WatchRetry::new(ctx.retry_max);
     let mut stream = watcher(api, config).boxed();
     let mut pending: Option<HashMap<ObjKey, Arc<K>>> = None;
-    let mut listed = false;
     while let Some(item) = stream.next().await {
         let ev = match item {
             Ok(ev) => {
@@ -322,27 +278,19 @@ async fn watch<K, W>(
             }
             watcher::Event::InitDone => {
                 let fresh = pending.take().unwrap_or_default();
-                with(&|s: &Store<K>| *s.write() = fresh.clone());
-                if !listed {
-                    listed = true;
-                    first_list();
-                    tracing::info!(cluster = %ctx.member.id, kind, objects = fresh.len(), "listed");
+                let objects = fresh.len();
+                *store.write() = fresh;
+                if !store.listed.swap(true, Ordering::AcqRel) {
+                    tracing::info!(cluster = %ctx.member.id, kind, objects, "listed");
                 }
                 ctx.wake.notify_one();
             }
             watcher::Event::Apply(o) => {
-                let k = key(&o);
-                let o = Arc::new(o);
-                with(&|s: &Store<K>| {
-                    s.write().insert(k.clone(), o.clone());
-                });
+                store.write().insert(key(&o), Arc::new(o));
                 ctx.wake.notify_one();
             }
             watcher::Event::Delete(o) => {
-                let k = key(&o);
-                with(&|s: &Store<K>| {
-                    s.write().remove(&k);
-                });
+                store.write().remove(&key(&o));
                 ctx.wake.notify_one();
             }
         }
