@@ -26,6 +26,7 @@ use mcs_test_support::apiserver::{self, ApiServer, User};
 
 const WAIT: Duration = Duration::from_secs(30);
 const RANGE: &str = "198.18.100.0/24";
+const NS: &str = "shop";
 
 /// A controller process, killed on drop.
 struct Controller(Child);
@@ -136,39 +137,76 @@ async fn mcs_slices(c: &Client, ns: &str, name: &str) -> Vec<EndpointSlice> {
         .items
 }
 
+/// Two clusters (etcd + kube-apiserver each), a clusterset kubeconfig of both (contexts c1,
+/// c2) and namespace [`NS`] in each, with admin clients.
+struct Pair {
+    /// Kept running for the test (only c2 is stopped and restarted by a test).
+    _c1: ApiServer,
+    c2: ApiServer,
+    _dir: tempfile::TempDir,
+    kubeconfig: PathBuf,
+    rt: tokio::runtime::Runtime,
+    k1: Client,
+    k2: Client,
+}
+
+impl Pair {
+    fn start() -> Self {
+        let c1 = ApiServer::start().expect("c1");
+        let c2 = ApiServer::start().expect("c2");
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("clusterset.kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            apiserver::clusterset_kubeconfig(&[("c1", &c1), ("c2", &c2)], User::Admin).unwrap(),
+        )
+        .unwrap();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let (k1, k2) = rt.block_on(async {
+            let (k1, k2) = (c1.client().await, c2.client().await);
+            for k in [&k1, &k2] {
+                Api::<Namespace>::all(k.clone())
+                    .create(
+                        &PostParams::default(),
+                        &obj(serde_json::json!({ "metadata": { "name": NS } })),
+                    )
+                    .await
+                    .unwrap();
+            }
+            (k1, k2)
+        });
+        Self {
+            _c1: c1,
+            c2,
+            _dir: dir,
+            kubeconfig,
+            rt,
+            k1,
+            k2,
+        }
+    }
+}
+
 #[test]
 fn two_clusters_export_import_conflict_restart_and_unexport() {
     if !mcs_test_support::require(apiserver::prerequisites()) {
         return;
     }
-    let c1 = ApiServer::start().expect("c1");
-    let c2 = ApiServer::start().expect("c2");
-    let dir = tempfile::tempdir().unwrap();
-    let kc = dir.path().join("clusterset.kubeconfig");
-    std::fs::write(
-        &kc,
-        apiserver::clusterset_kubeconfig(&[("c1", &c1), ("c2", &c2)], User::Admin).unwrap(),
-    )
-    .unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let Pair {
+        kubeconfig: kc,
+        rt,
+        k1,
+        k2,
+        ..
+    } = &Pair::start();
     rt.block_on(async {
-        let (k1, k2) = (c1.client().await, c2.client().await);
-        let ns = "shop";
-        for k in [&k1, &k2] {
-            Api::<Namespace>::all(k.clone())
-                .create(
-                    &PostParams::default(),
-                    &obj(serde_json::json!({ "metadata": { "name": ns } })),
-                )
-                .await
-                .unwrap();
-        }
-        let mut ctl1 = start_controller("c1", &kc);
-        let _ctl2 = start_controller("c2", &kc);
+        let ns = NS;
+        let mut ctl1 = start_controller("c1", kc);
+        let _ctl2 = start_controller("c2", kc);
 
         // c2 exports web, with one EndpointSlice as the EndpointSlice controller writes it.
         create(
-            &k2,
+            k2,
             ns,
             service(
                 "web",
@@ -177,7 +215,7 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
         )
         .await;
         create(
-            &k2,
+            k2,
             ns,
             obj::<EndpointSlice>(serde_json::json!({
                 "metadata": { "name": "web-abcde", "labels": {
@@ -190,7 +228,7 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
             })),
         )
         .await;
-        create(&k2, ns, export("web")).await;
+        create(k2, ns, export("web")).await;
 
         // The import appears in both clusters, with a ClusterSetIP from the range.
         for (cluster, k) in [("c1", &k1), ("c2", &k2)] {
@@ -266,7 +304,7 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
         // c1 exports it too, later, with another port: the union, and a conflict on both.
         tokio::time::sleep(Duration::from_millis(1100)).await; // a later creationTimestamp (1 s)
         create(
-            &k1,
+            k1,
             ns,
             service(
                 "web",
@@ -275,7 +313,7 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
             ),
         )
         .await;
-        create(&k1, ns, export("web")).await;
+        create(k1, ns, export("web")).await;
         let ses1: Api<ServiceExport> = Api::namespaced(k1.clone(), ns);
         for (cluster, api) in [("c1", &ses1), ("c2", &ses2)] {
             let se = until(&format!("Conflict on {cluster}"), || async {
@@ -288,7 +326,7 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
             assert_eq!(condition(&se, "Conflict").unwrap().1, "PortConflict");
         }
         let si = until("the port union", || async {
-            get_import(&k1, ns, "web")
+            get_import(k1, ns, "web")
                 .await
                 .filter(|si| si.spec.ports.len() == 2)
         })
@@ -305,27 +343,22 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
         );
 
         // A restart keeps the ClusterSetIP and rewrites nothing.
-        let rv = get_import(&k1, ns, "web")
+        let rv = get_import(k1, ns, "web")
             .await
             .unwrap()
             .metadata
             .resource_version;
         drop(ctl1);
-        ctl1 = start_controller("c1", &kc);
+        ctl1 = start_controller("c1", kc);
         // Poll with a deadline until the restarted controller has done a pass (its metrics
         // are on a random port, so watch for the ready condition of a new export instead).
-        create(
-            &k1,
-            ns,
-            service("probe", serde_json::json!([{ "port": 7 }])),
-        )
-        .await;
-        create(&k1, ns, export("probe")).await;
+        create(k1, ns, service("probe", serde_json::json!([{ "port": 7 }]))).await;
+        create(k1, ns, export("probe")).await;
         until("the restarted controller's first pass", || async {
-            get_import(&k1, ns, "probe").await
+            get_import(k1, ns, "probe").await
         })
         .await;
-        let si = get_import(&k1, ns, "web").await.unwrap();
+        let si = get_import(k1, ns, "web").await.unwrap();
         assert_eq!(
             si.spec.ips, ip_before,
             "the ClusterSetIP changed across a restart"
@@ -335,12 +368,12 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
             "a restart rewrote an unchanged import"
         );
         // The two imports have different addresses.
-        let probe = get_import(&k1, ns, "probe").await.unwrap();
+        let probe = get_import(k1, ns, "probe").await.unwrap();
         assert_ne!(probe.spec.ips, si.spec.ips);
 
         // ExternalName: Valid=False and no import.
         create(
-            &k1,
+            k1,
             ns,
             obj::<Service>(serde_json::json!({
                 "metadata": { "name": "ext" },
@@ -348,7 +381,7 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
             })),
         )
         .await;
-        create(&k1, ns, export("ext")).await;
+        create(k1, ns, export("ext")).await;
         let se = until("ExternalName refused", || async {
             ses1.get("ext")
                 .await
@@ -360,7 +393,7 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
             condition(&se, "Valid").unwrap(),
             ("False".into(), "InvalidServiceType".into())
         );
-        assert!(get_import(&k1, ns, "ext").await.is_none());
+        assert!(get_import(k1, ns, "ext").await.is_none());
         // ...and an Event on the export says why.
         let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(k1.clone(), ns);
         let ev = until("a Warning Event on the ExternalName export", || async {
@@ -430,29 +463,10 @@ fn leader_failover_and_a_member_down_past_the_timeout() {
     if !mcs_test_support::require(apiserver::prerequisites()) {
         return;
     }
-    let c1 = ApiServer::start().expect("c1");
-    let mut c2 = ApiServer::start().expect("c2");
-    let dir = tempfile::tempdir().unwrap();
-    let kc = dir.path().join("clusterset.kubeconfig");
-    std::fs::write(
-        &kc,
-        apiserver::clusterset_kubeconfig(&[("c1", &c1), ("c2", &c2)], User::Admin).unwrap(),
-    )
-    .unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let (k1, k2) = rt.block_on(async { (c1.client().await, c2.client().await) });
-    let ns = "shop";
-    rt.block_on(async {
-        for k in [&k1, &k2] {
-            Api::<Namespace>::all(k.clone())
-                .create(
-                    &PostParams::default(),
-                    &obj(serde_json::json!({ "metadata": { "name": ns } })),
-                )
-                .await
-                .unwrap();
-        }
-    });
+    let mut pair = Pair::start();
+    let (kc, ns) = (pair.kubeconfig.clone(), NS);
+    let (k1, k2) = (pair.k1.clone(), pair.k2.clone());
+    let rt = &pair.rt;
     let replica = |identity: &str| {
         start_controller_with(
             "c1",
@@ -507,7 +521,7 @@ fn leader_failover_and_a_member_down_past_the_timeout() {
     });
 
     // c2's API server goes away: past the timeout its endpoints are withdrawn in c1.
-    c2.stop_apiserver();
+    pair.c2.stop_apiserver();
     rt.block_on(async {
         until("c2's slices withdrawn", || async {
             mcs_slices(&k1, ns, "web").await.is_empty().then_some(())
@@ -518,7 +532,7 @@ fn leader_failover_and_a_member_down_past_the_timeout() {
             "the import must stay while its exporter is unreachable"
         );
     });
-    c2.restart().unwrap();
+    pair.c2.restart().unwrap();
     rt.block_on(async {
         until("c2's slices back", || async {
             (mcs_slices(&k1, ns, "web").await.len() == 1).then_some(())
