@@ -243,7 +243,7 @@ impl ApiServer {
             )?;
         }
         api.wait_ready()?;
-        api.block_on(apply_crds(api.kubeconfig(User::Admin)))?;
+        block_on(apply_crds(api.kubeconfig(User::Admin)))?;
         eprintln!(
             "mcs-test-support: kube-apiserver ready at {} in {:.1}s (logs in {})",
             api.url,
@@ -396,14 +396,6 @@ impl ApiServer {
             url,
             _apiserver: apiserver,
         })
-    }
-
-    /// Runs a future on a private runtime in its own thread (callers may be inside a runtime).
-    fn block_on<T: Send + 'static>(
-        &self,
-        fut: impl std::future::Future<Output = anyhow::Result<T>> + Send + 'static,
-    ) -> anyhow::Result<T> {
-        block_on(fut)
     }
 }
 

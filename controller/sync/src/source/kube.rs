@@ -157,17 +157,17 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
         watch_cluster_id,
         retry_max,
     } = options;
-    let mut retry = std::time::Duration::from_secs(1);
+    let mut retry = WatchRetry::new(retry_max);
     let version = loop {
         match discover_import_version(&client).await {
             Ok(v) => break v,
             Err(e) => {
-                tracing::warn!(error = %e, retry_s = retry.as_secs(), "cannot watch ServiceImports yet");
+                let delay = retry.next().unwrap_or(retry_max);
+                tracing::warn!(error = %e, retry_ms = delay.as_millis() as u64, "cannot watch ServiceImports yet");
                 tokio::select! {
-                    () = tokio::time::sleep(retry) => {}
+                    () = tokio::time::sleep(delay) => {}
                     () = tx.closed() => return,
                 }
-                retry = (retry * 2).min(retry_max.max(std::time::Duration::from_secs(1)));
             }
         }
     };
