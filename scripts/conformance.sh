@@ -3,9 +3,9 @@
 # conformance/, unchanged) against our controller:
 #
 #   1. builds the suite from a copy (go test -c; the original is never touched);
-#   2. starts two clusters with `mcs-testbed` (etcd + kube-apiserver each, our CRDs; no kubelet:
-#      Pending pods are given phase Running and an address, which is all the Required tests
-#      wait for);
+#   2. starts two clusters with `mcs-testbed` (etcd + kube-apiserver + kube-controller-manager
+#      each, our CRDs; no scheduler or kubelet: Pending pods are bound to the cluster's Node and
+#      reported Running and Ready with an address, so Services get real EndpointSlices);
 #   3. runs `mcs-controller` in each (leader election on, as deployed);
 #   4. runs the suite with -contexts c1,c2 and the label filter (default Required).
 #

@@ -6,7 +6,8 @@
 #   - the pinned stable toolchain (rust-toolchain.toml) and the pinned nightly with rust-src
 #     that builds the kernel-side eBPF crate
 #   - bpf-linker 0.13.0 linked against the stable toolchain's own LLVM 22
-#   - kube-apiserver + kubectl, built from the Go module proxy with the machine's Go
+#   - kube-apiserver, kube-controller-manager and kubectl, built from the Go module proxy with the
+#     machine's Go
 #   - helm v3, built from the Go module proxy (renders the chart in CI)
 #
 # Prints the environment to use afterwards as `export` lines on fd 3 when asked:
@@ -68,7 +69,7 @@ if [[ ! -x "$MCS_TOOLS/bin/bpf-linker" ]] || ! "$MCS_TOOLS/bin/bpf-linker" --ver
 fi
 log "bpf-linker $("$MCS_TOOLS/bin/bpf-linker" --version | awk '{print $2}')"
 
-# --- kube-apiserver + kubectl ------------------------------------------------------------------
+# --- kube-apiserver, kube-controller-manager, kubectl ------------------------------------------
 KUBE_VERSION="$KUBE_VERSION" MCS_CACHE="$MCS_CACHE" bash "$HERE/build-kube-apiserver.sh"
 
 # --- helm (renders deploy/helm in CI), built from the Go module proxy ---------------------------

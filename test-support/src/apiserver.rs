@@ -5,9 +5,10 @@
 //! the apiserver starts its own with [`ApiServer::start`]. The processes run under a supervisor
 //! that stops them and removes their data when the test process exits, however it exits.
 //!
-//! No controller-manager, scheduler or kubelet run: namespaces never finish deleting, owner
-//! references are not garbage collected, Services get no EndpointSlices. Tests create what they
-//! need.
+//! By default no controller-manager, scheduler or kubelet run: namespaces never finish
+//! deleting, owner references are not garbage collected, Services get no EndpointSlices. Tests
+//! create what they need, or start kube-controller-manager
+//! ([`ApiServer::start_controller_manager`]) and a node stand-in ([`crate::node`]).
 //!
 //! Identities ([`User`]) come from a static token file: an admin in `system:masters`, the
 //! agent's ServiceAccount identity (`system:serviceaccount:mcs-system:mcs-agent`) with no
@@ -101,6 +102,20 @@ pub fn prerequisites() -> Result<(), String> {
     ])
 }
 
+/// What a test needs for a cluster with kube-controller-manager: the API server's
+/// prerequisites and the controller-manager binary.
+pub fn controller_manager_prerequisites() -> Result<(), String> {
+    prereq::all([
+        prerequisites(),
+        find_kube_binary("kube-controller-manager")
+            .map(|_| ())
+            .ok_or_else(|| {
+                "kube-controller-manager not found (set MCS_KUBE_BIN_DIR or run `bash scripts/setup.sh`)"
+                    .to_string()
+            }),
+    ])
+}
+
 /// The apiserver shared by the tests of this test binary, started on first use. `None` (after
 /// printing why) when a prerequisite is missing on a laptop; panics in CI or when it fails to
 /// start.
@@ -119,6 +134,8 @@ pub fn shared() -> Option<&'static ApiServer> {
 /// A running etcd + kube-apiserver.
 #[derive(Debug)]
 pub struct ApiServer {
+    /// Declared first: dropped (stopped) before the API server it talks to.
+    controller_manager: Option<Supervised>,
     dir: PathBuf,
     url: String,
     etcd_url: String,
@@ -228,6 +245,7 @@ impl ApiServer {
         )?;
         let url = format!("https://127.0.0.1:{port}");
         let mut api = ApiServer {
+            controller_manager: None,
             etcd_url: etcd_url.clone(),
             dir: dir.clone(),
             url,
@@ -338,6 +356,59 @@ impl ApiServer {
             String::from_utf8_lossy(&out.stderr)
         );
         Ok(String::from_utf8_lossy(&out.stdout).to_string())
+    }
+
+    /// Starts kube-controller-manager against this API server, with the controllers that a
+    /// cluster without nodes can use: EndpointSlices of Services and their mirroring,
+    /// Deployments and ReplicaSets, namespace deletion and garbage collection. Waits until the
+    /// EndpointSlice controller's workers run (its log says so), with a deadline. Stopped when
+    /// the server is dropped. Log: `kube-controller-manager.log` in the server's directory.
+    pub fn start_controller_manager(&mut self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.controller_manager.is_none(),
+            "kube-controller-manager already runs"
+        );
+        let bin = find_kube_binary("kube-controller-manager").context(
+            "kube-controller-manager not found (set MCS_KUBE_BIN_DIR or run `bash scripts/setup.sh`)",
+        )?;
+        let log = self.dir.join("kube-controller-manager.log");
+        let args = vec![
+            format!("--kubeconfig={}", self.kubeconfig(User::Admin).display()),
+            "--controllers=endpointslice,endpointslicemirroring,deployment,replicaset,namespace,garbagecollector".into(),
+            "--leader-elect=false".into(),
+            // No serving port: nothing here scrapes it, and it needs no certificate.
+            "--secure-port=0".into(),
+            // Tests create hundreds of objects at once; the default 20 requests/s would make
+            // the controller-manager, not the code under test, what they measure.
+            "--kube-api-qps=200".into(),
+            "--kube-api-burst=400".into(),
+            "--concurrent-service-endpoint-syncs=10".into(),
+            "--v=2".into(),
+        ];
+        let mut kcm = Supervised::spawn("kube-controller-manager", &bin, &args, &log, None)?;
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            // Logged once its caches are synced and its workers run.
+            if text.contains("\"Starting service queue worker threads\"") {
+                break;
+            }
+            if !(kcm.running() && kcm.pid().is_none_or(|p| crate::pid_alive(p as u32))) {
+                bail!(
+                    "kube-controller-manager exited while starting:\n{}",
+                    kcm.log_tail(20)
+                );
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "kube-controller-manager did not start its EndpointSlice controller within {READY_TIMEOUT:?}:\n{}",
+                    kcm.log_tail(20)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        self.controller_manager = Some(kcm);
+        Ok(())
     }
 
     /// Stops kube-apiserver only (etcd keeps running), until [`ApiServer::restart`].

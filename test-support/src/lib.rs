@@ -8,6 +8,8 @@
 //!   ([`apiserver::shared`]) or per test ([`apiserver::ApiServer::start`]), with an admin
 //!   kubeconfig, non-admin test identities, the project's CRDs applied, a fresh namespace per
 //!   test, and teardown when the test process exits, also on panic or kill.
+//! - [`node`]: a node stand-in (a Node object; pods bound to it and reported Running with an
+//!   address) for clusters with kube-controller-manager but no kubelet.
 //! - [`netns`], [`cgroup`]: re-exported from `mcs-sandbox` (namespaces, veth pairs, addresses
 //!   from 198.18.0.0/15 and 2001:2::/48 only, cgroups; removed on drop).
 //! - [`probe`]: a client that runs as a child process (inside a netns and a cgroup) and
@@ -18,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 pub mod apiserver;
+pub mod node;
 pub mod prereq;
 pub mod probe;
 mod supervise;

@@ -2,203 +2,33 @@
 //! their etcd), each reading both and writing only its own: export → import in both; the
 //! exporting cluster's EndpointSlices mirrored as MCS slices; conflicts on both exports; the
 //! ClusterSetIP kept across a restart with nothing rewritten; ExternalName refused;
-//! unexport → gone in both.
+//! unexport → gone in both; leader failover; a member down past the timeout.
 //!
-//! There is no kube-controller-manager here, so the test writes a Service's EndpointSlice
-//! itself, labelled as the EndpointSlice controller labels them.
+//! These clusters run no kube-controller-manager, so the tests write a Service's EndpointSlice
+//! themselves, labelled as the EndpointSlice controller labels them, to control every field
+//! (`three_clusters.rs` uses the EndpointSlice controller's own slices of real pods).
 
-use std::{
-    path::PathBuf,
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
-};
+mod common;
 
-use k8s_openapi::api::{
-    core::v1::{Namespace, Service},
-    discovery::v1::EndpointSlice,
-};
+use std::time::Duration;
+
+use common::*;
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use kube::{
     Api, Client,
-    api::{DeleteParams, ListParams, PostParams},
+    api::{DeleteParams, ListParams},
 };
-use mcs_api::{ServiceExport, ServiceImport};
-use mcs_test_support::apiserver::{self, ApiServer, User};
-
-const WAIT: Duration = Duration::from_secs(30);
-const RANGE: &str = "198.18.100.0/24";
-const NS: &str = "shop";
-
-/// A controller process, killed on drop.
-struct Controller(Child);
-
-impl Drop for Controller {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_controller(id: &str, kubeconfig: &PathBuf) -> Controller {
-    start_controller_with(id, kubeconfig, &["--no-leader-election"])
-}
-
-fn start_controller_with(id: &str, kubeconfig: &PathBuf, extra: &[&str]) -> Controller {
-    let child = Command::new(env!("CARGO_BIN_EXE_mcs-controller"))
-        .args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
-        .args(["--metrics-addr", "127.0.0.1:0"])
-        .args(["--watch-retry-max-ms", "500"])
-        .args(extra)
-        .arg("--clusterset-kubeconfig")
-        .arg(kubeconfig)
-        .stdout(Stdio::null())
-        .stderr(if std::env::var_os("MCS_TEST_CONTROLLER_LOG").is_some() {
-            Stdio::inherit()
-        } else {
-            Stdio::null()
-        })
-        .spawn()
-        .expect("start mcs-controller");
-    Controller(child)
-}
-
-async fn until<T, F: std::future::Future<Output = Option<T>>>(
-    what: &str,
-    mut f: impl FnMut() -> F,
-) -> T {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-fn obj<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
-    serde_json::from_value(v).unwrap()
-}
-
-async fn create<K>(client: &Client, ns: &str, o: K)
-where
-    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
-        + Clone
-        + serde::Serialize
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug,
-    K::DynamicType: Default,
-{
-    Api::<K>::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &o)
-        .await
-        .unwrap();
-}
-
-fn service(name: &str, ports: serde_json::Value) -> Service {
-    obj(serde_json::json!({
-        "metadata": { "name": name },
-        "spec": { "selector": { "app": name }, "ports": ports,
-                  "sessionAffinity": "ClientIP",
-                  "sessionAffinityConfig": { "clientIP": { "timeoutSeconds": 10 } } }
-    }))
-}
-
-fn export(name: &str) -> ServiceExport {
-    obj(serde_json::json!({
-        "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceExport",
-        "metadata": { "name": name }, "spec": {}
-    }))
-}
-
-fn condition(se: &ServiceExport, t: &str) -> Option<(String, String)> {
-    se.status
-        .as_ref()?
-        .conditions
-        .iter()
-        .find(|c| c.type_ == t)
-        .map(|c| (c.status.clone(), c.reason.clone()))
-}
-
-async fn get_import(c: &Client, ns: &str, name: &str) -> Option<ServiceImport> {
-    Api::<ServiceImport>::namespaced(c.clone(), ns)
-        .get_opt(name)
-        .await
-        .unwrap()
-}
-
-async fn mcs_slices(c: &Client, ns: &str, name: &str) -> Vec<EndpointSlice> {
-    Api::<EndpointSlice>::namespaced(c.clone(), ns)
-        .list(
-            &ListParams::default()
-                .labels(&format!("multicluster.kubernetes.io/service-name={name}")),
-        )
-        .await
-        .unwrap()
-        .items
-}
-
-/// Two clusters (etcd + kube-apiserver each), a clusterset kubeconfig of both (contexts c1,
-/// c2) and namespace [`NS`] in each, with admin clients.
-struct Pair {
-    /// Kept running for the test (only c2 is stopped and restarted by a test).
-    _c1: ApiServer,
-    c2: ApiServer,
-    _dir: tempfile::TempDir,
-    kubeconfig: PathBuf,
-    rt: tokio::runtime::Runtime,
-    k1: Client,
-    k2: Client,
-}
-
-impl Pair {
-    fn start() -> Self {
-        let c1 = ApiServer::start().expect("c1");
-        let c2 = ApiServer::start().expect("c2");
-        let dir = tempfile::tempdir().unwrap();
-        let kubeconfig = dir.path().join("clusterset.kubeconfig");
-        std::fs::write(
-            &kubeconfig,
-            apiserver::clusterset_kubeconfig(&[("c1", &c1), ("c2", &c2)], User::Admin).unwrap(),
-        )
-        .unwrap();
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        let (k1, k2) = rt.block_on(async {
-            let (k1, k2) = (c1.client().await, c2.client().await);
-            for k in [&k1, &k2] {
-                Api::<Namespace>::all(k.clone())
-                    .create(
-                        &PostParams::default(),
-                        &obj(serde_json::json!({ "metadata": { "name": NS } })),
-                    )
-                    .await
-                    .unwrap();
-            }
-            (k1, k2)
-        });
-        Self {
-            _c1: c1,
-            c2,
-            _dir: dir,
-            kubeconfig,
-            rt,
-            k1,
-            k2,
-        }
-    }
-}
+use mcs_api::ServiceExport;
+use mcs_test_support::apiserver;
 
 #[test]
 fn two_clusters_export_import_conflict_restart_and_unexport() {
     if !mcs_test_support::require(apiserver::prerequisites()) {
         return;
     }
-    let Pair {
-        kubeconfig: kc,
-        rt,
-        k1,
-        k2,
-        ..
-    } = &Pair::start();
+    let set = ClusterSet::start(&["c1", "c2"], false);
+    let (kc, rt) = (&set.kubeconfig, &set.rt);
+    let (k1, k2) = (&set.clients[0], &set.clients[1]);
     rt.block_on(async {
         let ns = NS;
         let mut ctl1 = start_controller("c1", kc);
@@ -463,10 +293,9 @@ fn leader_failover_and_a_member_down_past_the_timeout() {
     if !mcs_test_support::require(apiserver::prerequisites()) {
         return;
     }
-    let mut pair = Pair::start();
-    let (kc, ns) = (pair.kubeconfig.clone(), NS);
-    let (k1, k2) = (pair.k1.clone(), pair.k2.clone());
-    let rt = &pair.rt;
+    let mut set = ClusterSet::start(&["c1", "c2"], false);
+    let (kc, ns) = (set.kubeconfig.clone(), NS);
+    let (k1, k2) = (set.clients[0].clone(), set.clients[1].clone());
     let replica = |identity: &str| {
         start_controller_with(
             "c1",
@@ -487,7 +316,7 @@ fn leader_failover_and_a_member_down_past_the_timeout() {
     let _ctl2 = start_controller("c2", &kc);
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(k1.clone(), "default");
-    rt.block_on(async {
+    set.rt.block_on(async {
         export_web(&k2, ns, "web").await;
         until("web imported into c1", || async {
             get_import(&k1, ns, "web").await
@@ -521,8 +350,8 @@ fn leader_failover_and_a_member_down_past_the_timeout() {
     });
 
     // c2's API server goes away: past the timeout its endpoints are withdrawn in c1.
-    pair.c2.stop_apiserver();
-    rt.block_on(async {
+    set.servers[1].stop_apiserver();
+    set.rt.block_on(async {
         until("c2's slices withdrawn", || async {
             mcs_slices(&k1, ns, "web").await.is_empty().then_some(())
         })
@@ -532,8 +361,8 @@ fn leader_failover_and_a_member_down_past_the_timeout() {
             "the import must stay while its exporter is unreachable"
         );
     });
-    pair.c2.restart().unwrap();
-    rt.block_on(async {
+    set.servers[1].restart().unwrap();
+    set.rt.block_on(async {
         until("c2's slices back", || async {
             (mcs_slices(&k1, ns, "web").await.len() == 1).then_some(())
         })

@@ -2,9 +2,12 @@
 //! conformance run), until it is stopped (SIGTERM, SIGINT, or its stdin closing); then they
 //! are stopped and their directories removed.
 //!
-//! It writes one kubeconfig with a context per cluster (named by the cluster id) and, with
-//! `--pods-running`, stands in for kubelets that do not exist here: every pod that is
-//! Pending is given phase Running and a pod IP from 198.18.(64+i).0/24 (no container runs).
+//! Each cluster runs kube-controller-manager too (EndpointSlices of Services, Deployments,
+//! ReplicaSets, namespace deletion, garbage collection). It writes one kubeconfig with a
+//! context per cluster (named by the cluster id) and, with `--pods-running`, stands in for the
+//! scheduler and kubelets that do not exist here (`mcs_test_support::node`): every Pending pod
+//! is bound to the cluster's one Node and reported Running and Ready with an address from
+//! 198.18.64.0/18 (no container runs).
 
 use std::{
     io::Read as _,
@@ -17,14 +20,10 @@ use std::{
 };
 
 use anyhow::Context as _;
-use futures::StreamExt as _;
-use k8s_openapi::api::core::v1::Pod;
-use kube::{
-    Api, ResourceExt as _,
-    api::{Patch, PatchParams},
-    runtime::watcher,
+use mcs_test_support::{
+    apiserver::{self, ApiServer, User},
+    node,
 };
-use mcs_test_support::apiserver::{self, ApiServer, User};
 
 const USAGE: &str = "usage: mcs-testbed --clusters c1,c2 --kubeconfig-out FILE [--pods-running]";
 
@@ -82,7 +81,9 @@ fn run() -> anyhow::Result<()> {
 
     let mut servers = Vec::new();
     for c in &clusters {
-        let api = ApiServer::start().with_context(|| format!("starting cluster {c}"))?;
+        let mut api = ApiServer::start().with_context(|| format!("starting cluster {c}"))?;
+        api.start_controller_manager()
+            .with_context(|| format!("starting cluster {c}'s kube-controller-manager"))?;
         eprintln!("mcs-testbed: cluster {c} at {}", api.url());
         servers.push(api);
     }
@@ -100,11 +101,16 @@ fn run() -> anyhow::Result<()> {
 
     let rt = tokio::runtime::Runtime::new()?;
     if pods_running {
-        for (i, api) in servers.iter().enumerate() {
+        for (i, (api, c)) in servers.iter().zip(&clusters).enumerate() {
             let kubeconfig = api.kubeconfig(User::Admin);
+            let node_name = format!("{c}-node");
             rt.spawn(async move {
-                if let Err(e) = keep_pods_running(&kubeconfig, i).await {
-                    eprintln!("mcs-testbed: pod keeper of cluster {i}: {e:#}");
+                let r = async {
+                    let client = apiserver::client_from(&kubeconfig).await?;
+                    node::keep_pods_running(client, &node_name, i as u8).await
+                };
+                if let Err(e) = r.await {
+                    eprintln!("mcs-testbed: node stand-in of cluster {i}: {e:#}");
                 }
             });
         }
@@ -116,55 +122,5 @@ fn run() -> anyhow::Result<()> {
     drop(rt);
     drop(servers);
     let _ = std::fs::remove_file(&out);
-    Ok(())
-}
-
-/// Gives every Pending pod of the cluster phase Running and an address (198.18.(64+i).n).
-async fn keep_pods_running(kubeconfig: &std::path::Path, i: usize) -> anyhow::Result<()> {
-    let client = apiserver::client_from(kubeconfig).await?;
-    let pods: Api<Pod> = Api::all(client.clone());
-    let mut n: u32 = 0;
-    let mut stream = watcher(
-        pods,
-        watcher::Config::default().fields("status.phase=Pending"),
-    )
-    .boxed();
-    while let Some(ev) = stream.next().await {
-        let pod = match ev {
-            Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => p,
-            Ok(_) => continue,
-            Err(e) => {
-                eprintln!("mcs-testbed: pod watch: {e}");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
-        };
-        let ns = pod.namespace().unwrap_or_default();
-        n += 1;
-        let ip = format!("198.18.{}.{}", 64 + i, 2 + n % 250);
-        let now = k8s_openapi::jiff::Timestamp::now().to_string();
-        let status = serde_json::json!({
-            "status": {
-                "phase": "Running",
-                "podIP": ip, "podIPs": [{ "ip": ip }],
-                "startTime": now,
-                "conditions": [
-                    { "type": "PodScheduled", "status": "True", "lastTransitionTime": now },
-                    { "type": "Ready", "status": "True", "lastTransitionTime": now }
-                ]
-            }
-        });
-        let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
-        if let Err(e) = api
-            .patch_status(
-                &pod.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(&status),
-            )
-            .await
-        {
-            eprintln!("mcs-testbed: marking {ns}/{} Running: {e}", pod.name_any());
-        }
-    }
     Ok(())
 }

@@ -1,0 +1,237 @@
+//! What the controller's multi-cluster tests share: a ClusterSet of real API servers (with or
+//! without kube-controller-manager and a node stand-in), the controller as a real process, and
+//! small object helpers. Each test file uses part of it.
+#![allow(
+    dead_code,
+    reason = "each test binary uses a different part of this module"
+)]
+
+use std::{
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use k8s_openapi::api::{
+    core::v1::{Namespace, Service},
+    discovery::v1::EndpointSlice,
+};
+use kube::{
+    Api, Client,
+    api::{ListParams, PostParams},
+};
+use mcs_api::{ServiceExport, ServiceImport};
+use mcs_test_support::apiserver::{self, ApiServer, User};
+
+/// How long a test waits for one expected state.
+pub const WAIT: Duration = Duration::from_secs(30);
+/// The ClusterSetIP range every controller of the tests is given.
+pub const RANGE: &str = "198.18.100.0/24";
+/// The namespace the tests' objects live in (created in every cluster).
+pub const NS: &str = "shop";
+
+/// A controller process, killed on drop.
+pub struct Controller(Child);
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The controller of cluster `id`, a single replica (no leader election).
+pub fn start_controller(id: &str, kubeconfig: &PathBuf) -> Controller {
+    start_controller_with(id, kubeconfig, &["--no-leader-election"])
+}
+
+/// The controller of cluster `id` with `extra` arguments. Its log goes to the test's stderr
+/// with `MCS_TEST_CONTROLLER_LOG` set.
+pub fn start_controller_with(id: &str, kubeconfig: &PathBuf, extra: &[&str]) -> Controller {
+    let child = Command::new(env!("CARGO_BIN_EXE_mcs-controller"))
+        .args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
+        .args(["--metrics-addr", "127.0.0.1:0"])
+        .args(["--watch-retry-max-ms", "500"])
+        .args(extra)
+        .arg("--clusterset-kubeconfig")
+        .arg(kubeconfig)
+        .stdout(Stdio::null())
+        .stderr(if std::env::var_os("MCS_TEST_CONTROLLER_LOG").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        })
+        .spawn()
+        .expect("start mcs-controller");
+    Controller(child)
+}
+
+/// Polls `f` every 100 ms until it returns `Some`, for at most [`WAIT`].
+pub async fn until<T, F: std::future::Future<Output = Option<T>>>(
+    what: &str,
+    f: impl FnMut() -> F,
+) -> T {
+    until_within(what, WAIT, f).await
+}
+
+/// Polls `f` every 100 ms until it returns `Some`, for at most `wait`.
+pub async fn until_within<T, F: std::future::Future<Output = Option<T>>>(
+    what: &str,
+    wait: Duration,
+    mut f: impl FnMut() -> F,
+) -> T {
+    let deadline = Instant::now() + wait;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {wait:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A typed object from JSON.
+pub fn obj<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
+    serde_json::from_value(v).unwrap()
+}
+
+/// Creates `o` in namespace `ns`.
+pub async fn create<K>(client: &Client, ns: &str, o: K)
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+    K::DynamicType: Default,
+{
+    Api::<K>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &o)
+        .await
+        .unwrap();
+}
+
+/// A ClusterIP Service `name` selecting `app: name`, with ClientIP affinity.
+pub fn service(name: &str, ports: serde_json::Value) -> Service {
+    obj(serde_json::json!({
+        "metadata": { "name": name },
+        "spec": { "selector": { "app": name }, "ports": ports,
+                  "sessionAffinity": "ClientIP",
+                  "sessionAffinityConfig": { "clientIP": { "timeoutSeconds": 10 } } }
+    }))
+}
+
+/// A ServiceExport of `name`.
+pub fn export(name: &str) -> ServiceExport {
+    obj(serde_json::json!({
+        "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceExport",
+        "metadata": { "name": name }, "spec": {}
+    }))
+}
+
+/// (status, reason) of the export's condition of type `t`.
+pub fn condition(se: &ServiceExport, t: &str) -> Option<(String, String)> {
+    se.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == t)
+        .map(|c| (c.status.clone(), c.reason.clone()))
+}
+
+/// The ServiceImport `ns/name`, if it exists.
+pub async fn get_import(c: &Client, ns: &str, name: &str) -> Option<ServiceImport> {
+    Api::<ServiceImport>::namespaced(c.clone(), ns)
+        .get_opt(name)
+        .await
+        .unwrap()
+}
+
+/// The MCS EndpointSlices of service `ns/name`.
+pub async fn mcs_slices(c: &Client, ns: &str, name: &str) -> Vec<EndpointSlice> {
+    Api::<EndpointSlice>::namespaced(c.clone(), ns)
+        .list(
+            &ListParams::default()
+                .labels(&format!("multicluster.kubernetes.io/service-name={name}")),
+        )
+        .await
+        .unwrap()
+        .items
+}
+
+/// Clusters (etcd + kube-apiserver each, optionally kube-controller-manager and a node
+/// stand-in), a clusterset kubeconfig of all (contexts named by cluster id) and namespace
+/// [`NS`] in each, with admin clients. Everything stops when it is dropped.
+pub struct ClusterSet {
+    /// Admin clients, in the order of the ids.
+    pub clients: Vec<Client>,
+    /// The runtime the tests' async parts (and the node stand-ins) run on; dropped (its
+    /// tasks stopped) before the servers.
+    pub rt: tokio::runtime::Runtime,
+    /// The API servers, in the order of the ids (a test may stop and restart one).
+    pub servers: Vec<ApiServer>,
+    /// The clusterset kubeconfig (every controller's `--clusterset-kubeconfig`).
+    pub kubeconfig: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl ClusterSet {
+    /// Starts a cluster per id. With `nodes`, each cluster also runs kube-controller-manager
+    /// and a node stand-in (`<id>-node`), so Deployments get pods and Services get the
+    /// EndpointSlice controller's slices.
+    pub fn start(ids: &[&str], nodes: bool) -> Self {
+        let mut servers = Vec::new();
+        for id in ids {
+            let mut s = ApiServer::start().unwrap_or_else(|e| panic!("cluster {id}: {e:#}"));
+            if nodes {
+                s.start_controller_manager()
+                    .unwrap_or_else(|e| panic!("cluster {id}: {e:#}"));
+            }
+            servers.push(s);
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("clusterset.kubeconfig");
+        let members: Vec<(&str, &ApiServer)> = ids.iter().copied().zip(&servers).collect();
+        std::fs::write(
+            &kubeconfig,
+            apiserver::clusterset_kubeconfig(&members, User::Admin).unwrap(),
+        )
+        .unwrap();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let clients = rt.block_on(async {
+            let mut clients = Vec::new();
+            for (i, s) in servers.iter().enumerate() {
+                let k = s.client().await;
+                Api::<Namespace>::all(k.clone())
+                    .create(
+                        &PostParams::default(),
+                        &obj(serde_json::json!({ "metadata": { "name": NS } })),
+                    )
+                    .await
+                    .unwrap();
+                if nodes {
+                    let (k, node) = (k.clone(), format!("{}-node", ids[i]));
+                    tokio::spawn(async move {
+                        if let Err(e) =
+                            mcs_test_support::node::keep_pods_running(k, &node, i as u8).await
+                        {
+                            panic!("node stand-in {node}: {e:#}");
+                        }
+                    });
+                }
+                clients.push(k);
+            }
+            clients
+        });
+        Self {
+            servers,
+            _dir: dir,
+            kubeconfig,
+            rt,
+            clients,
+        }
+    }
+}
