@@ -19,6 +19,7 @@ use std::{
 
 use crate::{
     Backend, ForwardingTable, Frontend, Protocol, Service, TableDiff,
+    dns::{DnsEndpoint, DnsPort, ServiceRecords},
     guard::Guard,
     input::{ImportInput, ServiceRef, SliceInput},
     select,
@@ -73,6 +74,9 @@ pub struct Index {
     over_capacity: BTreeMap<ServiceRef, Rejection>,
     table: ForwardingTable,
     dirty: BTreeSet<ServiceRef>,
+    /// Services whose DNS records may have changed since [`Index::take_dns_changes`]
+    /// (`None`: DNS is not tracked).
+    dns_changed: Option<BTreeSet<ServiceRef>>,
 }
 
 impl Index {
@@ -197,6 +201,9 @@ impl Index {
     /// Recomputes what changed since the last flush and returns the minimal diff.
     pub fn flush(&mut self) -> TableDiff {
         let dirty = std::mem::take(&mut self.dirty);
+        if let Some(d) = self.dns_changed.as_mut() {
+            d.extend(dirty.iter().cloned());
+        }
         let mut touched: BTreeSet<IpAddr> = BTreeSet::new();
         for svc in dirty {
             let new = self.derive(&svc);
@@ -237,8 +244,23 @@ impl Index {
                 if let Some(d) = self.derived.get(svc) {
                     touched.extend(d.vips.iter().copied());
                 }
+                if let Some(d) = self.dns_changed.as_mut() {
+                    d.insert(svc.clone());
+                }
             }
             self.over_capacity = over;
+        }
+        // Whoever claims a touched VIP may have won or lost it: its A/AAAA records follow.
+        if let Some(d) = self.dns_changed.as_mut() {
+            for vip in &touched {
+                d.extend(
+                    self.claims
+                        .get(vip)
+                        .into_iter()
+                        .flatten()
+                        .map(|a| a.2.clone()),
+                );
+            }
         }
         let mut diff = TableDiff::default();
         for vip in touched {
@@ -503,6 +525,95 @@ impl Index {
         all.sort();
         all.dedup();
         all
+    }
+
+    /// Starts tracking which services' DNS records change (every import counts as changed
+    /// once); see [`Index::take_dns_changes`].
+    pub fn track_dns(&mut self) {
+        self.dns_changed = Some(self.imports.keys().cloned().collect());
+    }
+
+    /// The services whose DNS records may have changed since the last call (as of the last
+    /// flush), each with its records now (`None`: no name). Empty unless
+    /// [`Index::track_dns`] was called.
+    pub fn take_dns_changes(&mut self) -> Vec<(ServiceRef, Option<ServiceRecords>)> {
+        let Some(changed) = self.dns_changed.as_mut().map(std::mem::take) else {
+            return Vec::new();
+        };
+        changed
+            .into_iter()
+            .map(|svc| {
+                let r = self.dns_records(&svc);
+                (svc, r)
+            })
+            .collect()
+    }
+
+    /// The DNS records of a service, as of the last flush: for a ClusterSetIP import the
+    /// VIPs this node programs for it (none: no name), for a headless one its ready
+    /// endpoints of clusters that are not stale.
+    pub fn dns_records(&self, svc: &ServiceRef) -> Option<ServiceRecords> {
+        let (_, Some(import), _) = self.imports.get(svc)? else {
+            return None;
+        };
+        if self.over_capacity.contains_key(svc) {
+            return None;
+        }
+        let port = |(name, protocol, port): &(Option<String>, Protocol, u16)| DnsPort {
+            name: name.clone(),
+            protocol: *protocol,
+            port: *port,
+        };
+        let ports: Vec<DnsPort> = import.ports.iter().map(port).collect();
+        if !import.headless {
+            let ips: Vec<IpAddr> = import
+                .vips
+                .iter()
+                .copied()
+                .filter(|vip| {
+                    self.claims
+                        .get(vip)
+                        .and_then(|set| set.iter().next())
+                        .is_some_and(|owner| &owner.2 == svc)
+                })
+                .collect();
+            return (!ips.is_empty()).then_some(ServiceRecords {
+                headless: false,
+                ips,
+                ports,
+                endpoints: Vec::new(),
+            });
+        }
+        let mut endpoints: Vec<DnsEndpoint> = self
+            .slices_by_service
+            .get(svc)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.slices.get(k).and_then(|(_, v, _)| v.as_ref()))
+            .filter(|s| !self.stale.contains(&s.cluster))
+            .flat_map(|s| {
+                s.endpoints
+                    .iter()
+                    .filter(|e| e.ready)
+                    .map(move |e| DnsEndpoint {
+                        cluster: s.cluster.clone(),
+                        hostname: e
+                            .hostname
+                            .clone()
+                            .unwrap_or_else(|| crate::dns::dashed(e.address)),
+                        address: e.address,
+                        ports: s.ports.iter().map(port).collect(),
+                    })
+            })
+            .collect();
+        endpoints.sort();
+        endpoints.dedup_by(|a, b| a.cluster == b.cluster && a.address == b.address);
+        Some(ServiceRecords {
+            headless: true,
+            ips: Vec::new(),
+            ports,
+            endpoints,
+        })
     }
 
     /// Number of ServiceImports and EndpointSlices held.

@@ -512,6 +512,7 @@ fn arb_endpoint() -> impl Strategy<Value = EndpointInput> {
             terminating,
             node_name: zone.as_ref().map(|z| format!("node-{z}")),
             zone,
+            hostname: None,
         })
 }
 
@@ -540,23 +541,28 @@ fn arb_op() -> impl Strategy<Value = Op> {
         0u8..3,
         any::<bool>(),
         any::<bool>(),
-        (0u8..3, any::<bool>()),
+        (0u8..3, any::<bool>(), 0u8..5),
     )
-        .prop_map(|(n, ips, ports, age, affinity, close, (uid, local))| {
-            let mut i = mk_import(&n, &ips, &ports);
-            i.created = Some(format!("2026-01-0{}T00:00:00Z", age + 1));
-            i.uid = Some(format!("uid-{uid}"));
-            if local {
-                i.internal_traffic_policy = Some("Local".into());
-            }
-            if affinity {
-                i.session_affinity = Some("ClientIP".into());
-            }
-            if close {
-                i.traffic_distribution = Some("PreferClose".into());
-            }
-            Op::Import(i)
-        });
+        .prop_map(
+            |(n, ips, ports, age, affinity, close, (uid, local, headless))| {
+                let mut i = mk_import(&n, &ips, &ports);
+                if headless == 0 {
+                    i.type_ = "Headless".into();
+                }
+                i.created = Some(format!("2026-01-0{}T00:00:00Z", age + 1));
+                i.uid = Some(format!("uid-{uid}"));
+                if local {
+                    i.internal_traffic_policy = Some("Local".into());
+                }
+                if affinity {
+                    i.session_affinity = Some("ClientIP".into());
+                }
+                if close {
+                    i.traffic_distribution = Some("PreferClose".into());
+                }
+                Op::Import(i)
+            },
+        );
     let slice = (
         prop_oneof![Just("s1"), Just("s2"), Just("s3"), Just("s4")],
         name.clone(),
@@ -612,13 +618,27 @@ fn incremental_equals_fresh(
 ) -> Result<(), TestCaseError> {
     let mut idx = Index::new(node);
     let mut replica = ForwardingTable::default();
+    // DNS is tracked from the start for even masks, switched on midway for odd ones.
+    let zone = crate::dns::Zone::new();
+    if flush_mask.is_multiple_of(2) {
+        idx.track_dns();
+    }
     for (i, op) in ops.iter().enumerate() {
         apply_op(&mut idx, op);
+        if i == ops.len() / 2 {
+            idx.track_dns();
+        }
         if flush_mask & (1 << (i % 64)) != 0 {
             replica.apply(&idx.flush());
+            for (svc, r) in idx.take_dns_changes() {
+                zone.set(&svc, r);
+            }
         }
     }
     replica.apply(&idx.flush());
+    for (svc, r) in idx.take_dns_changes() {
+        zone.set(&svc, r);
+    }
     prop_assert_eq!(&replica, idx.table());
 
     // Fresh: replay only the final state of every object.
@@ -655,6 +675,16 @@ fn incremental_equals_fresh(
     }
     fresh.flush();
     prop_assert_eq!(fresh.table(), idx.table());
+    // The zone kept up to date per change equals the records computed fresh.
+    for name in ["a", "b", "c"] {
+        let svc = crate::input::ServiceRef::new("ns", name);
+        prop_assert_eq!(
+            zone.get("ns", name).map(|r| (*r).clone()),
+            fresh.dns_records(&svc),
+            "DNS records of {}",
+            name
+        );
+    }
     prop_assert_eq!(fresh.rejections(), idx.rejections());
 
     let limits = idx.node().guard.limits;

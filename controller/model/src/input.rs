@@ -120,4 +120,6 @@ pub struct EndpointInput {
     pub zone: Option<String>,
     /// `nodeName`.
     pub node_name: Option<String>,
+    /// `hostname` (its name under a headless service's DNS name).
+    pub hostname: Option<String>,
 }

@@ -21,9 +21,11 @@
 //! - [`index`]: the incremental index (objects → table, minimal diffs); [`index::compute`].
 //! - [`select`]: which backends get new connections (readiness, locality, zone).
 //! - [`render`]: `mcs-agent table` output (JSON and text).
+//! - [`dns`]: the records `clusterset.local` DNS answers from, and the zone that holds them.
 //! - [`Dataplane`]: what the control plane hands diffs to.
 #![forbid(unsafe_code)]
 
+pub mod dns;
 pub mod guard;
 pub mod index;
 pub mod input;

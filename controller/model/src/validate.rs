@@ -328,6 +328,10 @@ pub struct ValidImport {
     pub vips: Vec<IpAddr>,
     /// Frontends (empty for Headless).
     pub frontends: Vec<ImportFrontend>,
+    /// `spec.type: Headless` (no VIPs; DNS names its endpoints).
+    pub headless: bool,
+    /// The valid ports: (name, protocol, port), in the import's order.
+    pub ports: Vec<(Option<String>, Protocol, u16)>,
     /// ClientIP affinity.
     pub affinity: Option<Affinity>,
     /// `trafficDistribution: PreferClose`.
@@ -386,14 +390,13 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
         age_key,
         vips: Vec::new(),
         frontends: Vec::new(),
+        headless,
+        ports: Vec::new(),
         affinity: None,
         prefer_close: input.traffic_distribution.as_deref() == Some("PreferClose"),
         node_local,
     };
-    if headless {
-        return Some(valid);
-    }
-    if input.ips.len() > 2 {
+    if !headless && input.ips.len() > 2 {
         out.push(Rejection::new(
             &object,
             Reason::TooManyIps,
@@ -414,7 +417,9 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
         return None;
     }
     let mut vips = Vec::new();
-    for (i, raw) in input.ips.iter().enumerate() {
+    // A headless import's ips are not used (nor checked).
+    let ips: &[String] = if headless { &[] } else { &input.ips };
+    for (i, raw) in ips.iter().enumerate() {
         let Ok(ip) = raw.trim().parse::<IpAddr>() else {
             out.push(Rejection::new(
                 &object,
@@ -466,6 +471,13 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
         }
         ports.push((port, protocol, p.name.clone().filter(|n| !n.is_empty())));
     }
+    valid.ports = ports
+        .iter()
+        .map(|(port, protocol, name)| (name.clone(), *protocol, *port))
+        .collect();
+    if headless {
+        return Some(valid);
+    }
     valid.vips.clone_from(&vips);
     for vip in &vips {
         for (port, protocol, name) in &ports {
@@ -516,6 +528,8 @@ pub struct ValidEndpoint {
     pub zone: Option<String>,
     /// `nodeName` (for `internalTrafficPolicy: Local`).
     pub node: Option<String>,
+    /// `hostname`, when it is a valid DNS label (its DNS name under a headless service).
+    pub hostname: Option<String>,
 }
 
 /// A validated MCS EndpointSlice.
@@ -706,5 +720,17 @@ fn endpoint(
         terminating: ep.terminating.unwrap_or(false),
         zone: ep.zone.clone().filter(|z| !z.is_empty()),
         node: ep.node_name.clone().filter(|n| !n.is_empty()),
+        hostname: ep.hostname.clone().filter(|h| dns_label(h)),
     })
+}
+
+/// Whether `s` is a DNS label as Kubernetes allows hostnames (RFC 1123: 1–63 lowercase
+/// letters, digits and dashes, not starting or ending with a dash). Anything else is not
+/// published as a name (the endpoint gets its dashed-address name instead).
+pub fn dns_label(s: &str) -> bool {
+    (1..=63).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
 }

@@ -172,6 +172,7 @@ fn slice() -> impl Strategy<Value = SliceInput> {
                             terminating,
                             node_name: zone.clone(),
                             zone,
+                            hostname: None,
                         },
                     )
                     .collect(),

@@ -79,6 +79,7 @@ pub fn slice(es: &EndpointSlice) -> SliceInput {
                     terminating: c.and_then(|c| c.terminating),
                     zone: e.zone.clone(),
                     node_name: e.node_name.clone(),
+                    hostname: e.hostname.clone(),
                 }
             })
             .collect(),
