@@ -29,6 +29,9 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Compute and print the forwarding table from a source, without touching the system.
     Table(TableArgs),
+    /// Print the `clusterset.local` DNS answer the agent would give for a name, from a
+    /// source, without a socket (e.g. `mcs-agent dns --source kube web.shop.svc.clusterset.local A`).
+    Dns(DnsQueryArgs),
     /// Print what the eBPF dataplane has programmed, read back from the pinned maps.
     Status(StatusArgs),
     /// Detach the eBPF programs and remove the pinned maps (the agent leaves them in place
@@ -142,6 +145,58 @@ pub struct RunArgs {
     pub file_poll_ms: u64,
     #[command(flatten)]
     pub proxy: ProxyArgs,
+    #[command(flatten)]
+    pub dns: DnsArgs,
+}
+
+/// Options of the `clusterset.local` DNS server (`run`).
+#[derive(Debug, Args)]
+pub struct DnsArgs {
+    /// Answer `clusterset.local` DNS (UDP and TCP) on this address (repeatable; env
+    /// comma-separated). Off when absent. Names outside the zone are refused: point only
+    /// the `clusterset.local` zone of the cluster DNS here (docs/install.md).
+    #[arg(
+        long = "dns-listen",
+        value_name = "ADDR:PORT",
+        env = "MCS_DNS_LISTEN",
+        value_delimiter = ','
+    )]
+    pub listen: Vec<SocketAddr>,
+    #[command(flatten)]
+    pub answers: DnsAnswerArgs,
+    /// Queries per second answered per client (an IPv4 address or an IPv6 /64); over it,
+    /// queries are dropped and counted (`mcs_dns_rate_limited_total`). 0: no limit.
+    #[arg(
+        long = "dns-rate-limit",
+        env = "MCS_DNS_RATE_LIMIT",
+        default_value_t = 1000
+    )]
+    pub rate_limit: u32,
+}
+
+/// How answers are made.
+#[derive(Debug, Args)]
+pub struct DnsAnswerArgs {
+    /// TTL of every record, in seconds (also how long clients cache a negative answer).
+    #[arg(long = "dns-ttl", env = "MCS_DNS_TTL", default_value_t = mcs_dns::DEFAULT_TTL)]
+    pub ttl: u32,
+}
+
+/// Options of `mcs-agent dns`.
+#[derive(Debug, Args)]
+pub struct DnsQueryArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    #[command(flatten)]
+    pub answers: DnsAnswerArgs,
+    /// Give up on `--source kube` if the first sync takes longer (seconds).
+    #[arg(long, default_value_t = 30)]
+    pub timeout_s: u64,
+    /// The name asked (a trailing dot is optional).
+    pub name: String,
+    /// The record type asked: A, AAAA, SRV, TXT, SOA, ANY, ...
+    #[arg(default_value = "A")]
+    pub record_type: String,
 }
 
 /// Options of the userspace forwarder.

@@ -21,7 +21,8 @@ use mcs_sync::{
 use tokio::sync::{mpsc, watch};
 
 use crate::cli::{
-    Cli, Command, DataplaneKind, Format, ProxyArgs, RunArgs, SourceArgs, StatusArgs, TableArgs,
+    Cli, Command, DataplaneKind, DnsQueryArgs, Format, ProxyArgs, RunArgs, SourceArgs, StatusArgs,
+    TableArgs,
 };
 
 /// Capacity of the source → controller channel.
@@ -30,6 +31,7 @@ const SOURCE_CHANNEL: usize = 4096;
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Table(args) => runtime()?.block_on(table(args)),
+        Command::Dns(args) => runtime()?.block_on(dns_query(args)),
         Command::Run(args) => runtime()?.block_on(agent(*args)),
         Command::Status(args) => status(&args),
         Command::Uninstall(args) => {
@@ -159,14 +161,22 @@ fn spawn_source(
     }
 }
 
-async fn table(args: TableArgs) -> anyhow::Result<ExitCode> {
-    let prepared = prepare(&args.source, None).await?;
+/// The index after the source's first full sync (or its end), and what it could not read.
+async fn first_sync(
+    args: &SourceArgs,
+    timeout_s: u64,
+    track_dns: bool,
+) -> anyhow::Result<(Index, Vec<mcs_model::Rejection>)> {
+    let prepared = prepare(args, None).await?;
     let (tx, mut rx) = mpsc::channel(SOURCE_CHANNEL);
-    spawn_source(&args.source, prepared.client, tx, Duration::from_secs(3600));
+    spawn_source(args, prepared.client, tx, Duration::from_secs(3600));
     let mut index = Index::new(prepared.node);
+    if track_dns {
+        index.track_dns();
+    }
     let mut unreadable = std::collections::BTreeMap::new();
-    let fixed = args.source.cluster_id.is_some();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout_s);
+    let fixed = args.cluster_id.is_some();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_s);
     loop {
         let ev = tokio::time::timeout_at(deadline, rx.recv())
             .await
@@ -178,8 +188,13 @@ async fn table(args: TableArgs) -> anyhow::Result<ExitCode> {
         }
     }
     index.flush();
+    Ok((index, unreadable.into_values().collect()))
+}
+
+async fn table(args: TableArgs) -> anyhow::Result<ExitCode> {
+    let (index, unreadable) = first_sync(&args.source, args.timeout_s, false).await?;
     let mut rejected = index.rejections();
-    rejected.extend(unreadable.into_values());
+    rejected.extend(unreadable);
     rejected.sort();
     let out = match args.format {
         Format::Json => render::json(index.table(), &rejected),
@@ -187,6 +202,41 @@ async fn table(args: TableArgs) -> anyhow::Result<ExitCode> {
     };
     println!("{}", out.trim_end());
     Ok(ExitCode::SUCCESS)
+}
+
+/// `mcs-agent dns`: the answer, printed as a DNS response (dig-like sections). Exit 0 for
+/// NOERROR (answers or NODATA), 1 otherwise.
+async fn dns_query(args: DnsQueryArgs) -> anyhow::Result<ExitCode> {
+    use hickory_proto::{
+        op::{Message, Query, ResponseCode},
+        rr::{Name, RecordType},
+    };
+    let mut text = args.name.trim().to_string();
+    if !text.ends_with('.') {
+        text.push('.');
+    }
+    let name =
+        Name::from_ascii(&text).with_context(|| format!("{:?} is not a DNS name", args.name))?;
+    let qtype: RecordType = args
+        .record_type
+        .to_ascii_uppercase()
+        .parse()
+        .with_context(|| format!("{:?} is not a DNS record type", args.record_type))?;
+    let (mut index, _) = first_sync(&args.source, args.timeout_s, true).await?;
+    let zone = Arc::new(mcs_model::dns::Zone::new());
+    for (svc, records) in index.take_dns_changes() {
+        zone.set(&svc, records);
+    }
+    let answerer = mcs_dns::Answerer::new(zone, args.answers.ttl);
+    let mut q = Message::query();
+    q.add_query(Query::query(name, qtype));
+    let resp = answerer.respond(&q);
+    println!("{}", resp.to_string().trim_end());
+    Ok(if resp.metadata.response_code == ResponseCode::NoError {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn userspace_config(p: &ProxyArgs) -> UserspaceConfig {
@@ -288,6 +338,21 @@ async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
         DataplaneKind::Both => bail!("--dataplane both is for `mcs-agent demo` only"),
     };
     let health = Health::default();
+    let zone = Arc::new(mcs_model::dns::Zone::new());
+    let dns = if args.dns.listen.is_empty() {
+        None
+    } else {
+        let config = crate::dns::DnsConfig {
+            listen: args.dns.listen.clone(),
+            ttl: args.dns.answers.ttl,
+            rate_limit: args.dns.rate_limit,
+        };
+        let server =
+            crate::dns::DnsServer::start(zone.clone(), &config, &mut registry, health.clone())
+                .await?;
+        tracing::info!(addrs = ?server.addrs, ttl = config.ttl, rate_limit = config.rate_limit, "serving clusterset.local DNS (UDP and TCP)");
+        Some(server)
+    };
     let addr = http::spawn(args.metrics_addr, Arc::new(registry), health.clone())
         .await
         .with_context(|| format!("binding the metrics address {}", args.metrics_addr))?;
@@ -308,7 +373,10 @@ async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
         cluster_id_fixed: args.source.cluster_id.is_some(),
         ..Default::default()
     };
-    let controller = SyncLoop::new(prepared.node, dataplane, config, metrics, health, events);
+    let mut controller = SyncLoop::new(prepared.node, dataplane, config, metrics, health, events);
+    if dns.is_some() {
+        controller = controller.with_dns_zone(zone);
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         shutdown_signal().await;
@@ -317,6 +385,9 @@ async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
     });
     tracing::info!(source = ?args.source.source, dataplane = ?args.dataplane, "mcs-agent running");
     let controller = controller.run(rx, stop_rx).await;
+    if let Some(dns) = dns {
+        dns.shutdown().await;
+    }
     match controller.into_dataplane() {
         AgentDataplane::Userspace(u) => u.shutdown().await,
         AgentDataplane::Ebpf(_) => tracing::warn!(

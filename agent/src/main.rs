@@ -5,6 +5,7 @@
 mod cli;
 mod commands;
 mod demo;
+mod dns;
 mod guard;
 
 use std::process::ExitCode;
@@ -15,7 +16,7 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     // `table` prints a result: only warnings and errors go to stderr unless asked.
     let default_level = match cli.command {
-        cli::Command::Table(_) => "warn",
+        cli::Command::Table(_) | cli::Command::Dns(_) => "warn",
         _ => "info",
     };
     let level = cli.log_level.as_deref().unwrap_or(default_level);

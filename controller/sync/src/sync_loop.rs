@@ -56,9 +56,19 @@ pub struct SyncLoop<D> {
     unreadable: BTreeMap<String, Rejection>,
     rejected: BTreeSet<Rejection>,
     pending_retry: Option<TableDiff>,
+    /// The `clusterset.local` zone kept up to date at every flush, when DNS is served.
+    zone: Option<Arc<mcs_model::dns::Zone>>,
 }
 
 impl<D: Dataplane> SyncLoop<D> {
+    /// Also keeps `zone` equal to the index's DNS records (updated per changed service at
+    /// every flush).
+    pub fn with_dns_zone(mut self, zone: Arc<mcs_model::dns::Zone>) -> Self {
+        self.index.track_dns();
+        self.zone = Some(zone);
+        self
+    }
+
     /// A controller for a node.
     pub fn new(
         node: NodeConfig,
@@ -78,6 +88,7 @@ impl<D: Dataplane> SyncLoop<D> {
             unreadable: BTreeMap::new(),
             rejected: BTreeSet::new(),
             pending_retry: None,
+            zone: None,
         }
     }
 
@@ -186,6 +197,12 @@ impl<D: Dataplane> SyncLoop<D> {
                     tracing::error!(error = %message, "dataplane failed to apply a diff; will retry");
                     self.pending_retry = Some(diff);
                 }
+            }
+        }
+        // DNS after the dataplane: a name resolves once its address is programmed.
+        if let Some(zone) = &self.zone {
+            for (svc, records) in self.index.take_dns_changes() {
+                zone.set(&svc, records);
             }
         }
         if !self.health.is_ready() && self.pending_retry.is_none() {

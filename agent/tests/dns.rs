@@ -1,0 +1,471 @@
+//! `clusterset.local` DNS from a real agent process (`run --dataplane log --dns-listen`), over
+//! real UDP and TCP sockets on loopback, from a file source: the MCS DNS spec's names and
+//! types, NODATA vs NXDOMAIN, REFUSED outside the zone (not a resolver, even when recursion
+//! is asked), truncation with TC over UDP (512 bytes without EDNS, 1232 at most with it) and
+//! the whole answer over TCP, a change of the source reaching DNS, metrics, and the
+//! per-client rate limit. `mcs-agent dns` prints the same answers without a socket.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream, UdpSocket},
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use hickory_proto::{
+    op::{Edns, Message, Query, ResponseCode},
+    rr::{Name, RData, RecordType},
+};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The ClusterSet of the test: `web` (ClusterSetIP, dual-stack, a named and an unnamed
+/// port), `db` (headless; c1's db-0 ready, db-1 not; cluster `eu.c2` has one ready endpoint
+/// without hostname) and `big` (headless, 100 ready endpoints: too many for a UDP answer).
+fn write_objects(dir: &Path) {
+    let mut big = String::new();
+    for i in 0..100 {
+        big.push_str(&format!(
+            "  - {{ addresses: [\"198.18.70.{}\"], conditions: {{ ready: true }} }}\n",
+            i + 2
+        ));
+    }
+    let text = format!(
+        r#"apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceImport
+metadata: {{ name: web, namespace: shop, creationTimestamp: "2026-11-01T10:00:00Z" }}
+spec:
+  type: ClusterSetIP
+  ipFamilies: [IPv4, IPv6]
+  ips: ["198.18.100.10", "2001:2::100:10"]
+  ports:
+  - {{ name: http, protocol: TCP, port: 80 }}
+  - {{ protocol: UDP, port: 53 }}
+---
+apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceImport
+metadata: {{ name: db, namespace: shop, creationTimestamp: "2026-11-01T10:00:00Z" }}
+spec:
+  type: Headless
+  ports:
+  - {{ name: pg, protocol: TCP, port: 5432 }}
+---
+apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceImport
+metadata: {{ name: big, namespace: shop, creationTimestamp: "2026-11-01T10:00:00Z" }}
+spec:
+  type: Headless
+  ports:
+  - {{ name: tcp, protocol: TCP, port: 7000 }}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: db-c1
+  namespace: shop
+  labels:
+    multicluster.kubernetes.io/service-name: db
+    multicluster.kubernetes.io/source-cluster: c1
+    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
+addressType: IPv4
+ports: [{{ name: pg, protocol: TCP, port: 5432 }}]
+endpoints:
+  - {{ addresses: ["198.18.64.2"], hostname: db-0, conditions: {{ ready: true }} }}
+  - {{ addresses: ["198.18.64.3"], hostname: db-1, conditions: {{ ready: false }} }}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: db-c2
+  namespace: shop
+  labels:
+    multicluster.kubernetes.io/service-name: db
+    multicluster.kubernetes.io/source-cluster: eu.c2
+    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
+addressType: IPv4
+ports: [{{ name: pg, protocol: TCP, port: 15432 }}]
+endpoints:
+  - {{ addresses: ["198.18.68.3"], conditions: {{ ready: true }} }}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: big-c1
+  namespace: shop
+  labels:
+    multicluster.kubernetes.io/service-name: big
+    multicluster.kubernetes.io/source-cluster: c1
+    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
+addressType: IPv4
+ports: [{{ name: tcp, protocol: TCP, port: 7000 }}]
+endpoints:
+{big}"#
+    );
+    std::fs::write(dir.join("objects.yaml"), text).unwrap();
+}
+
+/// An agent serving DNS on a loopback port; killed on drop.
+struct Agent {
+    child: Child,
+    dns: SocketAddr,
+    metrics: u16,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Agent {
+    fn start(dir: &Path, extra: &[&str]) -> Self {
+        let (dns_port, metrics) = (free_port(), free_port());
+        let dns: SocketAddr = format!("127.0.0.1:{dns_port}").parse().unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
+            .env("MCS_CLUSTERSET_IP_CIDR", mcs_test_support::CLUSTERSET_CIDRS)
+            .args(["run", "--dataplane", "log", "--cluster-id", "c1"])
+            .args(["--file-poll-ms", "100", "--dns-ttl", "3"])
+            .arg("--metrics-addr")
+            .arg(format!("127.0.0.1:{metrics}"))
+            .arg("--dns-listen")
+            .arg(dns.to_string())
+            .args(extra)
+            .arg("--source")
+            .arg(format!("file:{}", dir.display()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let agent = Self {
+            child,
+            dns,
+            metrics,
+        };
+        let deadline = Instant::now() + WAIT;
+        while agent.http("/readyz").is_none_or(|(code, _)| code != 200) {
+            assert!(Instant::now() < deadline, "the agent never became ready");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        agent
+    }
+
+    fn http(&self, path: &str) -> Option<(u16, String)> {
+        let mut s = TcpStream::connect(("127.0.0.1", self.metrics)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        Some((out.split_whitespace().nth(1)?.parse().ok()?, out))
+    }
+}
+
+fn query(name: &str, t: RecordType, edns: Option<u16>) -> Message {
+    let mut q = Message::query();
+    q.add_query(Query::query(Name::from_ascii(name).unwrap(), t));
+    q.metadata.recursion_desired = true;
+    if let Some(size) = edns {
+        let mut e = Edns::new();
+        e.set_max_payload(size);
+        q.set_edns(e);
+    }
+    q
+}
+
+/// One UDP exchange; also returns the response's size on the wire.
+fn udp(to: SocketAddr, q: &Message) -> (Message, usize) {
+    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.send_to(&q.to_vec().unwrap(), to).unwrap();
+    let mut buf = [0u8; 65_535];
+    let (n, _) = s.recv_from(&mut buf).expect("a UDP answer");
+    let m = Message::from_vec(&buf[..n]).unwrap();
+    assert_eq!(m.metadata.id, q.metadata.id);
+    (m, n)
+}
+
+/// One TCP exchange (two-byte length prefix).
+fn tcp(to: SocketAddr, q: &Message) -> Message {
+    let mut s = TcpStream::connect(to).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let body = q.to_vec().unwrap();
+    s.write_all(&(body.len() as u16).to_be_bytes()).unwrap();
+    s.write_all(&body).unwrap();
+    let mut len = [0u8; 2];
+    s.read_exact(&mut len).unwrap();
+    let mut buf = vec![0u8; usize::from(u16::from_be_bytes(len))];
+    s.read_exact(&mut buf).unwrap();
+    Message::from_vec(&buf).unwrap()
+}
+
+fn rdatas(m: &Message) -> Vec<String> {
+    let mut v: Vec<String> = m.answers.iter().map(|r| r.data.to_string()).collect();
+    v.sort();
+    v
+}
+
+fn is_nodata(m: &Message) -> bool {
+    m.metadata.response_code == ResponseCode::NoError
+        && m.answers.is_empty()
+        && matches!(m.authorities.first().map(|r| &r.data), Some(RData::SOA(_)))
+}
+
+#[test]
+fn dns_over_udp_and_tcp_from_the_agents_index() {
+    let dir = tempfile::tempdir().unwrap();
+    write_objects(dir.path());
+    let agent = Agent::start(dir.path(), &[]);
+    let to = agent.dns;
+
+    let (m, _) = udp(
+        to,
+        &query("dns-version.clusterset.local.", RecordType::TXT, None),
+    );
+    assert_eq!(rdatas(&m), ["1.0.0"]);
+    assert!(m.metadata.authoritative && !m.metadata.recursion_available);
+
+    let (m, _) = udp(
+        to,
+        &query("Web.Shop.svc.clusterset.local.", RecordType::A, None),
+    );
+    assert_eq!(rdatas(&m), ["198.18.100.10"]);
+    assert_eq!(m.answers[0].ttl, 3, "--dns-ttl");
+    assert_eq!(
+        m.answers[0].name.to_string(),
+        "Web.Shop.svc.clusterset.local."
+    );
+    assert_eq!(
+        m.queries[0].name().to_string(),
+        "Web.Shop.svc.clusterset.local."
+    );
+    let (m, _) = udp(
+        to,
+        &query("web.shop.svc.clusterset.local.", RecordType::AAAA, None),
+    );
+    assert_eq!(rdatas(&m), ["2001:2::100:10"]);
+    let (m, _) = udp(
+        to,
+        &query("web.shop.svc.clusterset.local.", RecordType::SRV, None),
+    );
+    assert_eq!(
+        rdatas(&m),
+        [
+            "0 100 53 web.shop.svc.clusterset.local.",
+            "0 100 80 web.shop.svc.clusterset.local."
+        ]
+    );
+    let (m, _) = udp(
+        to,
+        &query(
+            "_http._tcp.web.shop.svc.clusterset.local.",
+            RecordType::SRV,
+            None,
+        ),
+    );
+    assert_eq!(rdatas(&m), ["0 100 80 web.shop.svc.clusterset.local."]);
+
+    // Headless: ready endpoints only; names per endpoint; SRV to those names with each
+    // cluster's target port.
+    let (m, _) = udp(
+        to,
+        &query("db.shop.svc.clusterset.local.", RecordType::A, None),
+    );
+    assert_eq!(rdatas(&m), ["198.18.64.2", "198.18.68.3"]);
+    let (m, _) = udp(
+        to,
+        &query("db-0.c1.db.shop.svc.clusterset.local.", RecordType::A, None),
+    );
+    assert_eq!(rdatas(&m), ["198.18.64.2"]);
+    let (m, _) = udp(
+        to,
+        &query(
+            "198-18-68-3.eu.c2.db.shop.svc.clusterset.local.",
+            RecordType::A,
+            None,
+        ),
+    );
+    assert_eq!(rdatas(&m), ["198.18.68.3"]);
+    let (m, _) = udp(
+        to,
+        &query(
+            "_pg._tcp.db.shop.svc.clusterset.local.",
+            RecordType::SRV,
+            None,
+        ),
+    );
+    assert_eq!(
+        rdatas(&m),
+        [
+            "0 50 15432 198-18-68-3.eu.c2.db.shop.svc.clusterset.local.",
+            "0 50 5432 db-0.c1.db.shop.svc.clusterset.local."
+        ]
+    );
+    let (m, _) = udp(
+        to,
+        &query("db-1.c1.db.shop.svc.clusterset.local.", RecordType::A, None),
+    );
+    assert_eq!(
+        m.metadata.response_code,
+        ResponseCode::NXDomain,
+        "db-1 is not ready"
+    );
+
+    // NODATA vs NXDOMAIN, both with the SOA.
+    let (m, _) = udp(
+        to,
+        &query("web.shop.svc.clusterset.local.", RecordType::TXT, None),
+    );
+    assert!(is_nodata(&m), "{m}");
+    let (m, _) = udp(
+        to,
+        &query("shop.svc.clusterset.local.", RecordType::A, None),
+    );
+    assert!(is_nodata(&m), "{m}");
+    let (m, _) = udp(
+        to,
+        &query("nope.shop.svc.clusterset.local.", RecordType::A, None),
+    );
+    assert_eq!(m.metadata.response_code, ResponseCode::NXDomain);
+    assert!(matches!(m.authorities[0].data, RData::SOA(_)));
+
+    // Not a resolver: outside the zone is refused, recursion desired or not.
+    for name in ["example.com.", "kubernetes.default.svc.cluster.local."] {
+        let (m, _) = udp(to, &query(name, RecordType::A, None));
+        assert_eq!(m.metadata.response_code, ResponseCode::Refused, "{name}");
+        assert!(m.answers.is_empty());
+    }
+
+    // 100 addresses do not fit in UDP: TC, within 512 bytes without EDNS and within 1232
+    // with a larger EDNS buffer; TCP carries them all.
+    let (m, n) = udp(
+        to,
+        &query("big.shop.svc.clusterset.local.", RecordType::A, None),
+    );
+    assert!(
+        m.metadata.truncation && n <= 512,
+        "TC {} size {n}",
+        m.metadata.truncation
+    );
+    let (m, n) = udp(
+        to,
+        &query("big.shop.svc.clusterset.local.", RecordType::A, Some(4096)),
+    );
+    assert!(
+        m.metadata.truncation && n <= 1232,
+        "TC {} size {n}",
+        m.metadata.truncation
+    );
+    let m = tcp(
+        to,
+        &query("big.shop.svc.clusterset.local.", RecordType::A, None),
+    );
+    assert!(!m.metadata.truncation);
+    assert_eq!(m.answers.len(), 100);
+    // A small answer with EDNS carries our OPT back.
+    let (m, _) = udp(
+        to,
+        &query("web.shop.svc.clusterset.local.", RecordType::A, Some(4096)),
+    );
+    assert_eq!(m.edns.as_ref().map(|e| e.max_payload()), Some(1232));
+
+    // A new import in the source: its name resolves (same index, no second watch).
+    std::fs::write(
+        dir.path().join("new.yaml"),
+        r#"apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceImport
+metadata: { name: cart, namespace: shop, creationTimestamp: "2026-11-02T10:00:00Z" }
+spec: { type: ClusterSetIP, ips: ["198.18.100.11"], ports: [{ port: 9090 }] }
+"#,
+    )
+    .unwrap();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (m, _) = udp(
+            to,
+            &query("cart.shop.svc.clusterset.local.", RecordType::A, None),
+        );
+        if rdatas(&m) == ["198.18.100.11"] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "cart never resolved: {m}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    let (code, body) = agent.http("/metrics").unwrap();
+    assert_eq!(code, 200);
+    for line in [
+        "mcs_dns_queries_total{qtype=\"A\",rcode=\"NOERROR\"}",
+        "mcs_dns_queries_total{qtype=\"A\",rcode=\"NXDOMAIN\"}",
+        "mcs_dns_queries_total{qtype=\"A\",rcode=\"REFUSED\"}",
+        "mcs_dns_query_seconds_count",
+    ] {
+        assert!(body.contains(line), "{line} missing from:\n{body}");
+    }
+}
+
+#[test]
+fn a_client_over_the_rate_limit_is_dropped_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    write_objects(dir.path());
+    let agent = Agent::start(dir.path(), &["--dns-rate-limit", "5"]);
+    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let q = query("web.shop.svc.clusterset.local.", RecordType::A, None)
+        .to_vec()
+        .unwrap();
+    for _ in 0..50 {
+        s.send_to(&q, agent.dns).unwrap();
+    }
+    s.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let mut answered = 0;
+    let mut buf = [0u8; 4096];
+    while s.recv_from(&mut buf).is_ok() {
+        answered += 1;
+    }
+    assert!(answered >= 1, "the first queries are answered");
+    assert!(answered < 50, "all 50 answered at 5 per second");
+    let (_, body) = agent.http("/metrics").unwrap();
+    let dropped: u64 = body
+        .lines()
+        .find_map(|l| l.strip_prefix("mcs_dns_rate_limited_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    assert_eq!(dropped, 50 - answered, "{body}");
+}
+
+#[test]
+fn dns_command_prints_the_answer_without_a_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    write_objects(dir.path());
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
+            .env("MCS_CLUSTERSET_IP_CIDR", mcs_test_support::CLUSTERSET_CIDRS)
+            .args(["dns", "--cluster-id", "c1", "--source"])
+            .arg(format!("file:{}", dir.path().display()))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["_pg._tcp.db.shop.svc.clusterset.local", "SRV"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("SRV 0 50 5432 db-0.c1.db.shop.svc.clusterset.local."),
+        "{text}"
+    );
+    let out = run(&["nope.shop.svc.clusterset.local"]);
+    assert_eq!(out.status.code(), Some(1), "NXDOMAIN exits 1");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("NXDomain"));
+    let out = run(&["web.shop.svc.clusterset.local", "BOGUS"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a DNS record type"));
+}
