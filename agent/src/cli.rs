@@ -165,11 +165,12 @@ pub struct DnsArgs {
     #[command(flatten)]
     pub answers: DnsAnswerArgs,
     /// Queries per second answered per client (an IPv4 address or an IPv6 /64); over it,
-    /// queries are dropped and counted (`mcs_dns_rate_limited_total`). 0: no limit.
+    /// queries are dropped and counted (`mcs_dns_rate_limited_total`). 0: no limit. The
+    /// cluster DNS pods are usually the only clients (they forward every pod's queries).
     #[arg(
         long = "dns-rate-limit",
         env = "MCS_DNS_RATE_LIMIT",
-        default_value_t = 1000
+        default_value_t = 20_000
     )]
     pub rate_limit: u32,
 }

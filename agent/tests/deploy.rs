@@ -143,6 +143,7 @@ fn kustomize_base_and_helm_chart_render_the_same_objects() {
             "DaemonSet",
             "Namespace",
             "Service",
+            "Service",
             "ServiceAccount"
         ]
     );
@@ -396,4 +397,89 @@ fn with_the_controller_kustomize_and_helm_agree_and_its_roles_are_least_privileg
     ] {
         assert_eq!(can(reader, verb, res, "shop"), want, "reader {verb} {res}");
     }
+}
+
+/// DNS objects: Service mcs-dns in front of every agent's DNS port (on by default, off with
+/// `dns.enabled=false`); the AKS `coredns-custom` ConfigMap rendered by the chart equals the
+/// shipped snippet with the address filled in, needs `dns.clusterIP`, and the API server
+/// accepts it and the fixed ClusterIP.
+#[test]
+fn dns_service_and_the_aks_coredns_custom_snippet() {
+    if !prerequisites() {
+        return;
+    }
+    let default = objects(&helm_template(&[]));
+    let svc = default
+        .iter()
+        .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == "mcs-dns")
+        .expect("Service mcs-dns");
+    let ports: Vec<(&str, i64, &str)> = svc["spec"]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["protocol"].as_str().unwrap(),
+                p["port"].as_i64().unwrap(),
+                p["targetPort"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(ports, [("UDP", 53, "dns"), ("TCP", 53, "dns-tcp")]);
+    let ds = default.iter().find(|o| o["kind"] == "DaemonSet").unwrap();
+    let env = ds["spec"]["template"]["spec"]["containers"][0]["env"].to_string();
+    assert!(env.contains("$(POD_IP):10053"), "{env}");
+
+    let off = helm_template(&["--set", "dns.enabled=false"]);
+    assert!(
+        !off.contains("mcs-dns") && !off.contains("MCS_DNS_LISTEN"),
+        "{off}"
+    );
+
+    let out = Command::new("helm")
+        .args(["template", "mcs"])
+        .arg(deploy().join("helm/mcs-dataplane"))
+        .args([
+            "--set",
+            "clustersetIPCIDRs={198.18.100.0/24}",
+            "--set",
+            "dns.aksCorednsCustom=true",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs dns.clusterIP"));
+
+    let ip = "198.19.224.53";
+    let aks = helm_template(&[
+        "--set",
+        "dns.aksCorednsCustom=true",
+        "--set",
+        &format!("dns.clusterIP={ip}"),
+    ]);
+    let rendered = objects(&aks)
+        .into_iter()
+        .find(|o| o["metadata"]["name"] == "coredns-custom")
+        .expect("the coredns-custom ConfigMap");
+    let shipped = std::fs::read_to_string(deploy().join("dns/aks-coredns-custom.yaml"))
+        .unwrap()
+        .replace("MCS_DNS_IP", ip);
+    assert_eq!(
+        rendered,
+        objects(&shipped)[0],
+        "chart and deploy/dns/ differ"
+    );
+    assert!(
+        rendered["data"]["mcs-dataplane.server"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("forward . {ip}"))
+    );
+    let (_, k) = admin_kubectl();
+    let out = k(&["apply", "--dry-run=server", "-f", "-"], Some(&aks));
+    assert!(
+        out.contains("service/mcs-dns created (server dry run)")
+            && out.contains("configmap/coredns-custom created (server dry run)"),
+        "{out}"
+    );
 }

@@ -129,6 +129,12 @@ impl Drop for Agent {
 
 impl Agent {
     fn start(dir: &Path, extra: &[&str]) -> Self {
+        let source = format!("file:{}", dir.display());
+        Self::start_with(&["--source", &source], extra)
+    }
+
+    /// An agent with `source` arguments (`--source ...` and what goes with it).
+    fn start_with(source: &[&str], extra: &[&str]) -> Self {
         let (dns_port, metrics) = (free_port(), free_port());
         let dns: SocketAddr = format!("127.0.0.1:{dns_port}").parse().unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
@@ -140,8 +146,7 @@ impl Agent {
             .arg("--dns-listen")
             .arg(dns.to_string())
             .args(extra)
-            .arg("--source")
-            .arg(format!("file:{}", dir.display()))
+            .args(source)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -468,4 +473,64 @@ fn dns_command_prints_the_answer_without_a_socket() {
     let out = run(&["web.shop.svc.clusterset.local", "BOGUS"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a DNS record type"));
+}
+
+/// The same index from `--source kube`: objects written to a real API server are answered.
+#[test]
+fn dns_from_the_kube_source() {
+    let Some(api) = mcs_test_support::apiserver::shared() else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ns = rt.block_on(api.fresh_namespace("dns"));
+    let kubeconfig = api.kubeconfig(mcs_test_support::apiserver::User::Admin);
+    let kubectl = mcs_test_support::apiserver::find_kube_binary("kubectl").expect("kubectl");
+    let yaml = format!(
+        r#"apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceImport
+metadata: {{ name: pg, namespace: {ns} }}
+spec: {{ type: Headless, ports: [{{ name: pg, protocol: TCP, port: 5432 }}] }}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: pg-c2
+  namespace: {ns}
+  labels:
+    multicluster.kubernetes.io/service-name: pg
+    multicluster.kubernetes.io/source-cluster: c2
+    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
+addressType: IPv4
+ports: [{{ name: pg, protocol: TCP, port: 5432 }}]
+endpoints:
+  - {{ addresses: ["198.18.68.9"], hostname: pg-0, conditions: {{ ready: true }} }}
+"#
+    );
+    let mut child = Command::new(&kubectl)
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args(["apply", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(yaml.as_bytes())
+        .unwrap();
+    assert!(child.wait().unwrap().success(), "kubectl apply");
+    let kc = kubeconfig.display().to_string();
+    let agent = Agent::start_with(&["--source", "kube", "--kubeconfig", &kc], &[]);
+    let name = format!("pg-0.c2.pg.{ns}.svc.clusterset.local.");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (m, _) = udp(agent.dns, &query(&name, RecordType::A, None));
+        if rdatas(&m) == ["198.18.68.9"] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{name} never resolved: {m}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
