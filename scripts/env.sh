@@ -14,3 +14,8 @@ export LD_LIBRARY_PATH="$MCS_CACHE/llvm-prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRAR
 export HELM_VERSION="v3.22.0"
 export MCS_HELM_BIN_DIR="$MCS_TOOLS/helm-$HELM_VERSION"
 export PATH="$MCS_HELM_BIN_DIR:$PATH"
+# CoreDNS (the cluster DNS in front of the agents' clusterset.local DNS in tests), built from
+# the Go module proxy.
+export COREDNS_VERSION="v1.14.7"
+export MCS_COREDNS_BIN_DIR="$MCS_TOOLS/coredns-$COREDNS_VERSION"
+export PATH="$MCS_COREDNS_BIN_DIR:$PATH"

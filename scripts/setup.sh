@@ -9,6 +9,7 @@
 #   - kube-apiserver, kube-controller-manager and kubectl, built from the Go module proxy with the
 #     machine's Go
 #   - helm v3, built from the Go module proxy (renders the chart in CI)
+#   - CoreDNS, built from the Go module proxy (in front of the agents' DNS in tests)
 #
 # Prints the environment to use afterwards as `export` lines on fd 3 when asked:
 #   source <(bash scripts/setup.sh --print-env)   # or simply `. scripts/env.sh`
@@ -79,6 +80,14 @@ if [[ ! -x "$MCS_HELM_BIN_DIR/helm" ]]; then
   GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$MCS_HELM_BIN_DIR" go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
 fi
 log "helm $("$MCS_HELM_BIN_DIR/helm" version --short 2>/dev/null)"
+
+# --- CoreDNS (tests put it in front of the agents' DNS, with our shipped snippets) -----------
+if [[ ! -x "$MCS_COREDNS_BIN_DIR/coredns" ]]; then
+  log "building CoreDNS $COREDNS_VERSION from the Go module proxy (about 4 min cold)"
+  mkdir -p "$MCS_COREDNS_BIN_DIR"
+  GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$MCS_COREDNS_BIN_DIR" go install "github.com/coredns/coredns@$COREDNS_VERSION"
+fi
+log "$("$MCS_COREDNS_BIN_DIR/coredns" -version 2>/dev/null | head -1)"
 
 # --- bpffs (eBPF maps are pinned there) ---------------------------------------------------------
 if ! mount | grep -q ' /sys/fs/bpf type bpf'; then

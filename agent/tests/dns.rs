@@ -3,7 +3,9 @@
 //! types, NODATA vs NXDOMAIN, REFUSED outside the zone (not a resolver, even when recursion
 //! is asked), truncation with TC over UDP (512 bytes without EDNS, 1232 at most with it) and
 //! the whole answer over TCP, a change of the source reaching DNS, metrics, and the
-//! per-client rate limit. `mcs-agent dns` prints the same answers without a socket.
+//! per-client rate limit. `mcs-agent dns` prints the same answers without a socket. A real
+//! CoreDNS run with our shipped snippets (`deploy/dns/`, plain CoreDNS and NodeLocal
+//! DNSCache) forwards `clusterset.local` to the agent, as a cluster DNS does.
 
 use std::{
     io::{Read as _, Write as _},
@@ -532,5 +534,140 @@ endpoints:
         }
         assert!(Instant::now() < deadline, "{name} never resolved: {m}");
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// CoreDNS (`coredns` from `scripts/setup.sh`) on a loopback port.
+struct CoreDns(Child);
+
+impl Drop for CoreDns {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn coredns_binary() -> Option<std::path::PathBuf> {
+    if let Some(dir) = std::env::var_os("MCS_COREDNS_BIN_DIR") {
+        let p = std::path::PathBuf::from(dir).join("coredns");
+        if p.is_file() {
+            return Some(p);
+        }
+    }
+    mcs_test_support::prereq::find_program("coredns")
+}
+
+/// Runs CoreDNS with `corefile` and waits until it answers on `port`.
+fn start_coredns(dir: &Path, corefile: &str, port: u16) -> CoreDns {
+    let conf = dir.join("Corefile");
+    std::fs::write(&conf, corefile).unwrap();
+    let child = Command::new(coredns_binary().unwrap())
+        .arg("-conf")
+        .arg(&conf)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let dns = CoreDns(child);
+    let to: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = Instant::now() + WAIT;
+    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let q = query("dns-version.clusterset.local.", RecordType::TXT, None);
+    let mut buf = [0u8; 4096];
+    loop {
+        s.send_to(&q.to_vec().unwrap(), to).unwrap();
+        if let Ok((n, _)) = s.recv_from(&mut buf)
+            && Message::from_vec(&buf[..n]).is_ok_and(|m| rdatas(&m) == ["1.0.0"])
+        {
+            return dns;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "CoreDNS never answered on {to}:\n{corefile}"
+        );
+    }
+}
+
+#[test]
+fn coredns_with_the_shipped_snippets_forwards_clusterset_local_to_the_agent() {
+    if !mcs_test_support::require(
+        coredns_binary()
+            .map(|_| ())
+            .ok_or_else(|| "coredns not found (run `bash scripts/setup.sh`)".to_string()),
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    write_objects(dir.path());
+    let agent = Agent::start(dir.path(), &[]);
+    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/dns");
+    let upstream = agent.dns.to_string();
+    let port = free_port();
+    let metrics_port = free_port();
+    let plain = std::fs::read_to_string(deploy.join("Corefile.clusterset.local"))
+        .unwrap()
+        .replace("MCS_DNS_IP", &upstream)
+        .replace("clusterset.local:53", &format!("clusterset.local:{port}"));
+    // NodeLocal DNSCache fills in its own placeholders: its local address and the cluster
+    // DNS's service address (both loopback here).
+    let nodelocal = std::fs::read_to_string(deploy.join("nodelocaldns.clusterset.local"))
+        .unwrap()
+        .replace("MCS_DNS_IP", &upstream)
+        .replace("clusterset.local:53", &format!("clusterset.local:{port}"))
+        .replace("__PILLAR__LOCAL__DNS__", "127.0.0.1")
+        .replace("__PILLAR__DNS__SERVER__", "")
+        .replace(
+            "prometheus :9253",
+            &format!("prometheus 127.0.0.1:{metrics_port}"),
+        );
+    for (what, corefile) in [("plain CoreDNS", plain), ("NodeLocal DNSCache", nodelocal)] {
+        let cd_dir = tempfile::tempdir().unwrap();
+        let _coredns = start_coredns(cd_dir.path(), &corefile, port);
+        let to: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let (m, _) = udp(
+            to,
+            &query("web.shop.svc.clusterset.local.", RecordType::A, None),
+        );
+        assert_eq!(rdatas(&m), ["198.18.100.10"], "{what}");
+        let (m, _) = udp(
+            to,
+            &query("db-0.c1.db.shop.svc.clusterset.local.", RecordType::A, None),
+        );
+        assert_eq!(rdatas(&m), ["198.18.64.2"], "{what}");
+        let (m, _) = udp(
+            to,
+            &query(
+                "_http._tcp.web.shop.svc.clusterset.local.",
+                RecordType::SRV,
+                None,
+            ),
+        );
+        assert_eq!(
+            rdatas(&m),
+            ["0 100 80 web.shop.svc.clusterset.local."],
+            "{what}"
+        );
+        let (m, _) = udp(
+            to,
+            &query("nope.shop.svc.clusterset.local.", RecordType::A, None),
+        );
+        assert_eq!(m.metadata.response_code, ResponseCode::NXDomain, "{what}");
+        // The big answer: truncated over UDP, whole over TCP, through CoreDNS too.
+        let (m, n) = udp(
+            to,
+            &query("big.shop.svc.clusterset.local.", RecordType::A, None),
+        );
+        assert!(
+            m.metadata.truncation && n <= 512,
+            "{what}: TC {} size {n}",
+            m.metadata.truncation
+        );
+        let m = tcp(
+            to,
+            &query("big.shop.svc.clusterset.local.", RecordType::A, None),
+        );
+        assert_eq!(m.answers.len(), 100, "{what}");
     }
 }
