@@ -1,18 +1,19 @@
 //! The export story (`mcs-bench export-demo`, run by `scripts/demo.sh` after the agent's
 //! demo): a Service exported in cluster c2 reaches a client pod of cluster c1 through the
-//! ClusterSetIP that our controller allocated and our agent programmed.
+//! ClusterSetIP that our controller allocated and our agent programmed, found by its
+//! `clusterset.local` name through the agent's DNS.
 //!
 //! Real parts: two clusters of etcd + kube-apiserver, `mcs-controller` in each, `mcs-agent`
 //! (eBPF socket LB) on c1's node watching c1's API server, network namespaces for the client
 //! pod and c2's pods. Written by hand: c2's Service, ServiceExport and the Service's
-//! EndpointSlice — the last stands in for c2's EndpointSlice controller, since no
-//! kube-controller-manager runs here. Nothing is written between the clusters but by the
+//! EndpointSlice — the last stands in for c2's EndpointSlice controller, since c2's pods are
+//! processes in network namespaces here, not kubelet pods. Nothing is written between the clusters but by the
 //! controller, and nothing into the dataplane but by the agent.
 //!
 //! Every step checks itself; an unexpected failure or cut reply exits 1.
 
 use std::{
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr, UdpSocket},
     path::{Path, PathBuf},
     process::{Command, Stdio},
     time::{Duration, Instant},
@@ -62,6 +63,36 @@ async fn poll<T, F: std::future::Future<Output = Option<T>>>(
         interrupted()?;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// The A records of `name` and the response code, asked of the DNS server at `server`.
+fn resolve_a(
+    server: SocketAddr,
+    name: &str,
+) -> anyhow::Result<(hickory_proto::op::ResponseCode, Vec<IpAddr>)> {
+    use hickory_proto::{
+        op::{Message, Query},
+        rr::{Name, RData, RecordType},
+    };
+    let mut q = Message::query();
+    q.add_query(Query::query(Name::from_ascii(name)?, RecordType::A));
+    let s = UdpSocket::bind("127.0.0.1:0")?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    s.send_to(&q.to_vec()?, server)?;
+    let mut buf = [0u8; 4096];
+    let (n, _) = s
+        .recv_from(&mut buf)
+        .with_context(|| format!("no DNS answer from {server}"))?;
+    let m = Message::from_vec(&buf[..n])?;
+    let ips = m
+        .answers
+        .iter()
+        .filter_map(|r| match &r.data {
+            RData::A(a) => Some(IpAddr::V4(a.0)),
+            _ => None,
+        })
+        .collect();
+    Ok((m.metadata.response_code, ips))
 }
 
 /// Load from the client pod (in the agent's cgroup) to `to` for `seconds`.
@@ -180,7 +211,7 @@ fn story(
     println!("[2/5] in c2: Service {NS}/web (80 -> 8080), its EndpointSlice, a ServiceExport");
     rt.block_on(export_web(&k2))?;
     println!(
-        "      (the EndpointSlice stands in for c2's EndpointSlice controller: no kube-controller-manager here)"
+        "      (the EndpointSlice stands in for c2's EndpointSlice controller: its pods are netns processes here)"
     );
 
     println!("[3/5] mcs-controller in c1 and c2 (each reads both, writes only its own cluster)");
@@ -204,6 +235,7 @@ fn story(
             .filter(|si| !si.spec.ips.is_empty())
     }))?;
     let vip = import.spec.ips[0].clone();
+    let vip_ip: IpAddr = vip.parse().context("the ServiceImport's ClusterSetIP")?;
     println!(
         "      c1 has ServiceImport {NS}/web, ClusterSetIP {vip} (allocated from {RANGE}), clusters {:?}, {:.0} ms after the controllers started",
         import
@@ -230,12 +262,18 @@ fn story(
     }))?;
     println!("      c2's ServiceExport: {valid}");
 
-    println!("[4/5] mcs-agent (eBPF socket LB) on c1's node, watching c1's API server");
+    println!(
+        "[4/5] mcs-agent (eBPF socket LB, clusterset.local DNS) on c1's node, watching c1's API server"
+    );
     let cg = TestCgroup::new("export")?;
     let pins = Path::new("/sys/fs/bpf").join(mcs_sandbox::unique_name("export"));
-    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
+    let free = || -> anyhow::Result<u16> {
+        Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port())
+    };
+    let (metrics_port, dns_port) = (free()?, free()?);
+    let dns = SocketAddr::from(([127, 0, 0, 1], dns_port));
     let mut cmd = Command::new(&agent);
     cmd.args([
         "run",
@@ -250,6 +288,7 @@ fn story(
     .arg("--kubeconfig")
     .arg(c1.kubeconfig(User::Admin))
     .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+    .args(["--dns-listen", &dns.to_string()])
     .arg("--cgroup-root")
     .arg(cg.path())
     .arg("--bpf-pin-dir")
@@ -262,7 +301,15 @@ fn story(
     rt.block_on(poll("the agent's first table", || async {
         http_get(metrics, "/readyz").ok()
     }))?;
-    let to: SocketAddr = format!("{vip}:80").parse()?;
+    let name = format!("web.{NS}.svc.clusterset.local.");
+    let (rcode, ips) = resolve_a(dns, &name)?;
+    println!("      {name} A (the agent's DNS, {dns}): {rcode} {ips:?}");
+    if ips != [vip_ip] {
+        problems.push(format!(
+            "step 4: {name} resolved to {ips:?} ({rcode}), not the ClusterSetIP {vip}"
+        ));
+    }
+    let to = SocketAddr::new(ips.first().copied().unwrap_or(vip_ip), 80);
     let r = load(&cg, &topo, to, 2.0)?;
     println!("      {to} from c1's client pod: {}", show(&r));
     if r.ok == 0 || r.failed > 0 || r.incomplete > 0 {
@@ -298,6 +345,13 @@ fn story(
         took.as_secs_f64() * 1e3,
         took_dp.as_secs_f64() * 1e3
     );
+    let (rcode, ips) = resolve_a(dns, &name)?;
+    println!("      {name} A now: {rcode} {ips:?}");
+    if !ips.is_empty() || rcode != hickory_proto::op::ResponseCode::NXDomain {
+        problems.push(format!(
+            "step 5: {name} still resolves after the unexport: {rcode} {ips:?}"
+        ));
+    }
     let r = load(&cg, &topo, to, 0.5)?;
     println!(
         "      {to} now (failures expected: nothing serves it): {}",
