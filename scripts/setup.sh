@@ -24,7 +24,9 @@ t0=$(date +%s)
 # --- Debian packages ---------------------------------------------------------------------------
 APT_PKGS=(etcd-server etcd-client nftables iproute2 bpftool openssl jq procps psmisc
   # peers and load generators of the benchmark harness (mcs-bench; its smoke run is in CI)
-  haproxy nginx-light libnginx-mod-stream wrk iperf3 iptables ipvsadm conntrack)
+  haproxy nginx-light libnginx-mod-stream wrk iperf3 iptables ipvsadm conntrack
+  # DNS: dig in the tests, dnsperf in the DNS bench
+  dnsutils dnsperf)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -43,6 +43,13 @@ faults=$?
 set -e
 if ((faults == 0)); then echo "fault suite smoke: ok"; else echo "fault suite smoke: FAILED"; status=1; fi
 
+step "DNS bench, smoke mode (10 names, 1 s each against the agent and CoreDNS; asserts right answers and none lost at a capped rate, not speed)"
+set +e
+target/debug/mcs-bench dns --smoke --out target/mcs-bench-smoke
+dns=$?
+set -e
+if ((dns == 0)); then echo "DNS bench smoke: ok"; else echo "DNS bench smoke: FAILED"; status=1; fi
+
 step "upstream MCS conformance suite (Required tests; two clusters, our controller in each)"
 set +e
 bash scripts/conformance.sh

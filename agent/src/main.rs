@@ -20,8 +20,16 @@ fn main() -> ExitCode {
         _ => "info",
     };
     let level = cli.log_level.as_deref().unwrap_or(default_level);
-    let filter = tracing_subscriber::EnvFilter::try_from_env("MCS_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    let mut spec = std::env::var("MCS_LOG").unwrap_or_else(|_| level.to_string());
+    // hickory-server logs every DNS query and response at info: only its warnings unless
+    // the filter names it (MCS_LOG=info,hickory_server=info shows them).
+    if !spec.contains("hickory") {
+        spec.push_str(",hickory_server=warn");
+    }
+    let filter = tracing_subscriber::EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+        eprintln!("warning: log filter {spec:?} does not parse ({e}); using {level}");
+        tracing_subscriber::EnvFilter::new(level)
+    });
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

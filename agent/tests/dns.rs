@@ -120,6 +120,8 @@ struct Agent {
     child: Child,
     dns: SocketAddr,
     metrics: u16,
+    /// Its stderr.
+    log: tempfile::NamedTempFile,
 }
 
 impl Drop for Agent {
@@ -139,6 +141,7 @@ impl Agent {
     fn start_with(source: &[&str], extra: &[&str]) -> Self {
         let (dns_port, metrics) = (free_port(), free_port());
         let dns: SocketAddr = format!("127.0.0.1:{dns_port}").parse().unwrap();
+        let log = tempfile::NamedTempFile::new().unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
             .env("MCS_CLUSTERSET_IP_CIDR", mcs_test_support::CLUSTERSET_CIDRS)
             .args(["run", "--dataplane", "log", "--cluster-id", "c1"])
@@ -149,14 +152,16 @@ impl Agent {
             .arg(dns.to_string())
             .args(extra)
             .args(source)
+            .env("MCS_LOG", "info")
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log.reopen().unwrap())
             .spawn()
             .unwrap();
         let agent = Self {
             child,
             dns,
             metrics,
+            log,
         };
         let deadline = Instant::now() + WAIT;
         while agent.http("/readyz").is_none_or(|(code, _)| code != 200) {
@@ -409,6 +414,14 @@ spec: { type: ClusterSetIP, ips: ["198.18.100.11"], ports: [{ port: 9090 }] }
 
     let (code, body) = agent.http("/metrics").unwrap();
     assert_eq!(code, 200);
+    // Queries are counted, not logged one by one (hickory-server's per-query lines are off,
+    // also with MCS_LOG=info as the DaemonSet sets it).
+    let log = std::fs::read_to_string(agent.log.path()).unwrap();
+    assert!(log.contains("serving clusterset.local DNS"), "{log}");
+    assert!(
+        !log.contains("hickory_server"),
+        "per-query log lines:\n{log}"
+    );
     for line in [
         "mcs_dns_queries_total{qtype=\"A\",rcode=\"NOERROR\"}",
         "mcs_dns_queries_total{qtype=\"A\",rcode=\"NXDOMAIN\"}",
@@ -670,4 +683,256 @@ fn coredns_with_the_shipped_snippets_forwards_clusterset_local_to_the_agent() {
         );
         assert_eq!(m.answers.len(), 100, "{what}");
     }
+}
+
+/// `dig` (Debian dnsutils) as a user runs it, against the agent fed by the real API server:
+/// every record kind, TCP, truncation, REFUSED outside the zone, and an endpoint going
+/// unready leaving the headless answer.
+#[test]
+fn dig_against_the_agent_fed_by_the_api_server() {
+    let Some(api) = mcs_test_support::apiserver::shared() else {
+        return;
+    };
+    if !mcs_test_support::require(mcs_test_support::prereq::program("dig")) {
+        return;
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ns = rt.block_on(api.fresh_namespace("dig"));
+    let kubeconfig = api.kubeconfig(mcs_test_support::apiserver::User::Admin);
+    let kubectl = mcs_test_support::apiserver::find_kube_binary("kubectl").expect("kubectl");
+    let apply = |yaml: &str| {
+        let mut child = Command::new(&kubectl)
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["apply", "-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(yaml.as_bytes())
+            .unwrap();
+        assert!(child.wait().unwrap().success(), "kubectl apply");
+    };
+    let db_slice = |ready_1: bool| {
+        format!(
+            r#"apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: db-c1
+  namespace: {ns}
+  labels:
+    multicluster.kubernetes.io/service-name: db
+    multicluster.kubernetes.io/source-cluster: c1
+    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
+addressType: IPv4
+ports: [{{ name: pg, protocol: TCP, port: 5432 }}]
+endpoints:
+  - {{ addresses: ["198.18.64.2"], hostname: db-0, conditions: {{ ready: true }} }}
+  - {{ addresses: ["198.18.64.3"], hostname: db-1, conditions: {{ ready: {ready_1} }} }}
+"#
+        )
+    };
+    let mut big = String::new();
+    for i in 0..60 {
+        big.push_str(&format!(
+            "  - {{ addresses: [\"198.18.70.{}\"], conditions: {{ ready: true }} }}\n",
+            i + 2
+        ));
+    }
+    apply(&format!(
+        r#"apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceImport
+metadata: {{ name: web, namespace: {ns} }}
+spec:
+  type: ClusterSetIP
+  ipFamilies: [IPv4, IPv6]
+  ips: ["198.18.100.20", "2001:2::100:20"]
+  ports: [{{ name: http, protocol: TCP, port: 80 }}]
+---
+apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceImport
+metadata: {{ name: db, namespace: {ns} }}
+spec: {{ type: Headless, ports: [{{ name: pg, protocol: TCP, port: 5432 }}] }}
+---
+apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceImport
+metadata: {{ name: big, namespace: {ns} }}
+spec: {{ type: Headless, ports: [{{ name: tcp, protocol: TCP, port: 7000 }}] }}
+---
+{}---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: big-c1
+  namespace: {ns}
+  labels:
+    multicluster.kubernetes.io/service-name: big
+    multicluster.kubernetes.io/source-cluster: c1
+    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
+addressType: IPv4
+ports: [{{ name: tcp, protocol: TCP, port: 7000 }}]
+endpoints:
+{big}"#,
+        db_slice(true)
+    ));
+    let kc = kubeconfig.display().to_string();
+    let agent = Agent::start_with(&["--source", "kube", "--kubeconfig", &kc], &[]);
+    let port = agent.dns.port().to_string();
+    let dig = |args: &[&str]| -> String {
+        let out = Command::new("dig")
+            .args(["@127.0.0.1", "-p", &port, "+time=2", "+tries=1"])
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let short = |args: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = dig(&[&["+short"], args].concat())
+            .lines()
+            .map(str::to_string)
+            .collect();
+        v.sort();
+        v
+    };
+    let web = format!("web.{ns}.svc.clusterset.local");
+    let db = format!("db.{ns}.svc.clusterset.local");
+    // The agent has listed when web resolves.
+    let deadline = Instant::now() + WAIT;
+    while short(&[&web, "A"]) != ["198.18.100.20"] {
+        assert!(Instant::now() < deadline, "{web} never resolved");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(short(&[&web, "AAAA"]), ["2001:2::100:20"]);
+    assert_eq!(short(&[&web, "SRV"]), [format!("0 100 80 {web}.")]);
+    assert_eq!(
+        short(&[&format!("_http._tcp.{web}"), "SRV"]),
+        [format!("0 100 80 {web}.")]
+    );
+    assert_eq!(
+        short(&["dns-version.clusterset.local", "TXT"]),
+        ["\"1.0.0\""]
+    );
+    assert_eq!(short(&[&db, "A"]), ["198.18.64.2", "198.18.64.3"]);
+    assert_eq!(short(&[&format!("db-1.c1.{db}"), "A"]), ["198.18.64.3"]);
+    assert_eq!(
+        short(&[&format!("_pg._tcp.{db}"), "SRV"]),
+        [
+            format!("0 50 5432 db-0.c1.{db}."),
+            format!("0 50 5432 db-1.c1.{db}.")
+        ]
+    );
+    // Over TCP the same.
+    assert_eq!(short(&["+tcp", &web, "A"]), ["198.18.100.20"]);
+    // Status lines: NODATA is NOERROR with the SOA, NXDOMAIN, REFUSED outside the zone.
+    let full = dig(&[&web, "MX"]);
+    assert!(
+        full.contains("status: NOERROR") && full.contains("ANSWER: 0") && full.contains("IN\tSOA"),
+        "{full}"
+    );
+    let full = dig(&[&format!("nope.{ns}.svc.clusterset.local"), "A"]);
+    assert!(
+        full.contains("status: NXDOMAIN") && full.contains("flags: qr aa"),
+        "{full}"
+    );
+    let full = dig(&["example.com", "A"]);
+    assert!(
+        full.contains("status: REFUSED") && full.contains("ANSWER: 0"),
+        "{full}"
+    );
+    // Truncation: 60 addresses without EDNS over UDP set TC; dig then retries over TCP by
+    // itself and gets them all.
+    let full = dig(&[
+        "+noedns",
+        "+ignore",
+        &format!("big.{ns}.svc.clusterset.local"),
+        "A",
+    ]);
+    assert!(full.contains(" tc"), "{full}");
+    assert_eq!(
+        short(&["+noedns", &format!("big.{ns}.svc.clusterset.local"), "A"]).len(),
+        60
+    );
+    // db-1 goes unready: it leaves the headless answer and its own name.
+    apply(&db_slice(false));
+    let deadline = Instant::now() + WAIT;
+    while short(&[&db, "A"]) != ["198.18.64.2"] {
+        assert!(Instant::now() < deadline, "db-1 never left {db}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(dig(&[&format!("db-1.c1.{db}"), "A"]).contains("status: NXDOMAIN"));
+}
+
+/// A bounded fuzz of the server: random and mutated queries over UDP and TCP never stop it
+/// from answering a good query afterwards (no panic, no hang).
+#[test]
+fn garbage_queries_do_not_stop_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    write_objects(dir.path());
+    let mut agent = Agent::start(dir.path(), &[]);
+    let good = query("web.shop.svc.clusterset.local.", RecordType::A, None)
+        .to_vec()
+        .unwrap();
+    // A small deterministic generator (xorshift): the same cases every run.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    for i in 0..3000 {
+        let mut pkt = if i % 3 == 0 {
+            (0..(next() % 600) as usize).map(|_| next() as u8).collect()
+        } else {
+            // A good query with a few bytes flipped, cut or extended.
+            let mut p = good.clone();
+            for _ in 0..1 + next() % 4 {
+                let at = (next() as usize) % p.len();
+                p[at] = next() as u8;
+            }
+            if i % 5 == 0 {
+                p.truncate((next() as usize) % p.len());
+            }
+            p
+        };
+        if pkt.is_empty() {
+            pkt.push(0);
+        }
+        let _ = s.send_to(&pkt, agent.dns);
+        if i % 100 == 0 {
+            // Over TCP too: a length prefix that lies, then the bytes.
+            if let Ok(mut t) = TcpStream::connect(agent.dns) {
+                let _ = t.write_all(&((next() % 1000) as u16).to_be_bytes());
+                let _ = t.write_all(&pkt);
+            }
+        }
+    }
+    // The flood may still fill the server's receive buffer (the kernel drops what does not
+    // fit, as it would for any server): ask as a resolver does, again after a second.
+    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    let q = query("web.shop.svc.clusterset.local.", RecordType::A, None);
+    let mut buf = [0u8; 4096];
+    let answer = (0..5).find_map(|_| {
+        s.send_to(&q.to_vec().unwrap(), agent.dns).unwrap();
+        // Answers to earlier attempts count too (same id).
+        let (n, _) = s.recv_from(&mut buf).ok()?;
+        Message::from_vec(&buf[..n]).ok()
+    });
+    let m = answer.expect("no UDP answer after the garbage, in five attempts");
+    assert_eq!(rdatas(&m), ["198.18.100.10"]);
+    let m = tcp(
+        agent.dns,
+        &query("web.shop.svc.clusterset.local.", RecordType::A, None),
+    );
+    assert_eq!(rdatas(&m), ["198.18.100.10"]);
+    assert!(
+        agent.child.try_wait().unwrap().is_none(),
+        "the agent exited"
+    );
 }

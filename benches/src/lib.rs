@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 
 pub mod controller_scale;
+pub mod dns_perf;
 pub mod export_demo;
 pub mod faults;
 pub mod harness;

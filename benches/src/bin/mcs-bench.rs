@@ -136,6 +136,33 @@ enum Tool {
         #[arg(long, default_value = "target/mcs-bench")]
         out: PathBuf,
     },
+    /// clusterset.local DNS: dnsperf against the agent and, in the same run, against
+    /// CoreDNS serving the same names from its `file` plugin; queries/s, per CPU-second,
+    /// p50/p99. Writes dns.md/.json to --out. Exits 1 on a wrong answer (and, with --smoke,
+    /// on a lost query).
+    Dns {
+        /// Service counts, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "10,10000")]
+        services: Vec<usize>,
+        /// Seconds per dnsperf run.
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+        /// Interleaved rounds per server and size.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// CI: 10 services, 1 s, one round, at most 2,000 queries/s; lost queries fail.
+        #[arg(long)]
+        smoke: bool,
+        /// The mcs-agent binary (default: next to this one).
+        #[arg(long)]
+        agent: Option<PathBuf>,
+        /// The coredns binary (default: MCS_COREDNS_BIN_DIR/coredns, else PATH).
+        #[arg(long)]
+        coredns: Option<PathBuf>,
+        /// Output directory.
+        #[arg(long, default_value = "target/mcs-bench")]
+        out: PathBuf,
+    },
     /// (internal) New-connection request loop; prints one JSON line.
     #[command(hide = true)]
     CrrLoop {
@@ -207,6 +234,44 @@ fn main() -> ExitCode {
                 )?;
                 Ok(())
             })
+        }
+        Some(Tool::Dns {
+            services,
+            seconds,
+            rounds,
+            smoke,
+            agent,
+            coredns,
+            out,
+        }) => {
+            let coredns = coredns
+                .or_else(|| {
+                    std::env::var_os("MCS_COREDNS_BIN_DIR")
+                        .map(|d| PathBuf::from(d).join("coredns"))
+                        .filter(|p| p.is_file())
+                })
+                .unwrap_or_else(|| PathBuf::from("coredns"));
+            let cfg = mcs_bench::dns_perf::Config {
+                sizes: if smoke { vec![10] } else { services },
+                seconds: if smoke { 1.0 } else { seconds },
+                rounds: if smoke { 1 } else { rounds },
+                smoke,
+                agent: agent.unwrap_or_else(|| mcs_bench::harness::procs::sibling("mcs-agent")),
+                coredns,
+            };
+            (|| {
+                mcs_bench::harness::procs::catch_signals()?;
+                let r = mcs_bench::dns_perf::run(&cfg)?;
+                let md = mcs_bench::dns_perf::markdown(&r, &cfg);
+                println!("{md}");
+                std::fs::create_dir_all(&out)?;
+                std::fs::write(out.join("dns.md"), &md)?;
+                std::fs::write(out.join("dns.json"), serde_json::to_string_pretty(&r)?)?;
+                if !r.problems.is_empty() {
+                    anyhow::bail!("{} problems: {}", r.problems.len(), r.problems.join("; "));
+                }
+                Ok(())
+            })()
         }
         Some(Tool::ExportDemo { agent, controller }) => {
             mcs_bench::export_demo::run(agent, controller)
