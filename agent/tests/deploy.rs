@@ -138,6 +138,8 @@ fn kustomize_base_and_helm_chart_render_the_same_objects() {
         kinds,
         [
             "ClusterRole",
+            "ClusterRole",
+            "ClusterRole",
             "ClusterRoleBinding",
             "ConfigMap",
             "DaemonSet",

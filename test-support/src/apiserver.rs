@@ -360,7 +360,8 @@ impl ApiServer {
 
     /// Starts kube-controller-manager against this API server, with the controllers that a
     /// cluster without nodes can use: EndpointSlices of Services and their mirroring,
-    /// Deployments and ReplicaSets, namespace deletion and garbage collection. Waits until the
+    /// Deployments and ReplicaSets, namespace deletion, garbage collection and ClusterRole
+    /// aggregation. Waits until the
     /// EndpointSlice controller's workers run (its log says so), with a deadline. Stopped when
     /// the server is dropped. Log: `kube-controller-manager.log` in the server's directory.
     pub fn start_controller_manager(&mut self) -> anyhow::Result<()> {
@@ -374,7 +375,7 @@ impl ApiServer {
         let log = self.dir.join("kube-controller-manager.log");
         let args = vec![
             format!("--kubeconfig={}", self.kubeconfig(User::Admin).display()),
-            "--controllers=endpointslice,endpointslicemirroring,deployment,replicaset,namespace,garbagecollector".into(),
+            "--controllers=endpointslice,endpointslicemirroring,deployment,replicaset,namespace,garbagecollector,clusterrole-aggregation".into(),
             "--leader-elect=false".into(),
             // No serving port: nothing here scrapes it, and it needs no certificate.
             "--secure-port=0".into(),

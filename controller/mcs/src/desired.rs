@@ -60,7 +60,12 @@ pub struct Snapshot {
     pub imports: HashMap<ObjKey, Arc<ServiceImport>>,
     /// Now, for condition transition times.
     pub now: Time,
+    /// Namespaces whose exports are refused (not merged, never imported).
+    pub refused_namespaces: std::collections::BTreeSet<String>,
 }
+
+/// The `Valid=False` reason of an export from a refused namespace.
+pub const NAMESPACE_NOT_ALLOWED: &str = "NamespaceNotAllowed";
 
 /// What the local cluster should hold.
 #[derive(Debug, Default)]
@@ -81,7 +86,7 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
     let mut all: ClusterSetExports = BTreeMap::new();
     for m in &s.members {
         for ((ns, name), se) in &m.exports {
-            if se.metadata.deletion_timestamp.is_some() {
+            if se.metadata.deletion_timestamp.is_some() || s.refused_namespaces.contains(ns) {
                 continue;
             }
             let service = m
@@ -115,6 +120,27 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
     if let Some(me) = s.members.iter().find(|m| m.id == s.local) {
         for (k, se) in &me.exports {
             if se.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            if s.refused_namespaces.contains(&k.0) {
+                let no = |reason: &str, message: String| mcs_merge::Condition {
+                    status: false,
+                    reason: reason.into(),
+                    message,
+                };
+                let refused = ExportConditions {
+                    valid: no(
+                        NAMESPACE_NOT_ALLOWED,
+                        format!(
+                            "exports from namespace {} are refused (mcs-controller --refuse-export-namespaces)",
+                            k.0
+                        ),
+                    ),
+                    conflict: None,
+                    ready: no(NAMESPACE_NOT_ALLOWED, "the export is not valid".into()),
+                };
+                out.export_conditions
+                    .insert(k.clone(), conditions(&refused, se, &s.now));
                 continue;
             }
             let key = ServiceKey {

@@ -75,6 +75,8 @@ pub struct Config {
     pub lease: Option<lease::LeaseConfig>,
     /// A full pass at least this often, even without changes.
     pub resync: Duration,
+    /// Namespaces whose exports are refused (in every member).
+    pub refused_namespaces: std::collections::BTreeSet<String>,
 }
 
 impl std::fmt::Debug for Config {
@@ -285,6 +287,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
             namespaces: local.namespaces.snapshot(),
             imports: local.imports.snapshot(),
             now: Time(Timestamp::now()),
+            refused_namespaces: cfg.refused_namespaces.clone(),
         };
         let want = desired::desired(&snapshot, Allocator::new(cfg.ranges.clone()));
         let computed = started.elapsed();

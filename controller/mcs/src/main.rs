@@ -72,6 +72,17 @@ struct RunArgs {
     /// Seconds between full passes without changes.
     #[arg(long, default_value_t = 60)]
     resync_secs: u64,
+    /// Namespaces whose ServiceExports are refused, in every member (comma-separated; an
+    /// empty value refuses none). Their exports get `Valid=False` (`NamespaceNotAllowed`) and
+    /// no import. Every cluster's controller should be given the same list.
+    #[arg(
+        long = "refuse-export-namespaces",
+        value_name = "NAMESPACES",
+        env = "MCS_REFUSE_EXPORT_NAMESPACES",
+        value_delimiter = ',',
+        default_value = "kube-system,kube-public,kube-node-lease"
+    )]
+    refuse_export_namespaces: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -194,6 +205,7 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         cluster = %cluster_id,
         members = ?members.iter().map(|m| m.0.clone()).collect::<Vec<_>>(),
         ranges = ?ranges.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        refused_namespaces = ?args.refuse_export_namespaces,
         "mcs-controller starting"
     );
     let mut registry = prometheus_client::registry::Registry::default();
@@ -222,6 +234,12 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             duration: Duration::from_secs(args.lease_secs.max(3)),
         }),
         resync: Duration::from_secs(args.resync_secs.max(1)),
+        refused_namespaces: args
+            .refuse_export_namespaces
+            .iter()
+            .map(|n| n.trim().to_string())
+            .filter(|n| !n.is_empty())
+            .collect(),
     };
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {

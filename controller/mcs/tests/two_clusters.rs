@@ -240,6 +240,30 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
         assert_eq!(ev.type_.as_deref(), Some("Warning"));
         assert!(ev.note.unwrap_or_default().contains("ExternalName"));
 
+        // An export from kube-system (refused by default): Valid=False, no import anywhere.
+        create(
+            k2,
+            "kube-system",
+            service("sys", serde_json::json!([{ "port": 53 }])),
+        )
+        .await;
+        create(k2, "kube-system", export("sys")).await;
+        let sys: Api<ServiceExport> = Api::namespaced(k2.clone(), "kube-system");
+        let se = until("the kube-system export refused", || async {
+            sys.get("sys")
+                .await
+                .ok()
+                .filter(|se| condition(se, "Valid").is_some())
+        })
+        .await;
+        assert_eq!(
+            condition(&se, "Valid").unwrap(),
+            ("False".into(), "NamespaceNotAllowed".into())
+        );
+        for k in [&k1, &k2] {
+            assert!(get_import(k, "kube-system", "sys").await.is_none());
+        }
+
         // Unexport everywhere: gone in both clusters, slices too.
         for api in [&ses1, &ses2] {
             api.delete("web", &DeleteParams::default()).await.unwrap();
