@@ -15,7 +15,7 @@ use mcs_sync::source::SourceSpec;
 #[derive(Debug, Parser)]
 #[command(name = "mcs-agent", version, about, long_about = None)]
 pub struct Cli {
-    /// Log level (error, warn, info, debug, trace); default info (warn for `table`).
+    /// Log level (error, warn, info, debug, trace); default info (warn for `table` and `dns`).
     /// `MCS_LOG` overrides it with a full tracing filter.
     #[arg(long, global = true)]
     pub log_level: Option<String>,

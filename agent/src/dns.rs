@@ -266,6 +266,34 @@ impl RequestHandler for Handler {
     }
 }
 
+/// The receive buffer asked for the UDP socket: a burst of queries from many clients (one
+/// cluster DNS pod forwards for a whole node or cluster) must not overflow it while a
+/// worker is busy (the kernel would drop them silently; the clients would wait for their
+/// retry timeout). 4 MiB holds a few thousand queries.
+const UDP_RECV_BUFFER: usize = 4 << 20;
+
+/// A UDP socket on `addr` with a receive buffer of [`UDP_RECV_BUFFER`]: forced past
+/// `net.core.rmem_max` with CAP_NET_ADMIN (as the DaemonSet runs), else as large as that
+/// limit allows (logged when it is smaller).
+fn bind_udp(addr: SocketAddr) -> anyhow::Result<tokio::net::UdpSocket> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let std_socket = std::net::UdpSocket::bind(addr)?;
+    if setsockopt(&std_socket, sockopt::RcvBufForce, &UDP_RECV_BUFFER).is_err() {
+        let _ = setsockopt(&std_socket, sockopt::RcvBuf, &UDP_RECV_BUFFER);
+    }
+    let got = nix::sys::socket::getsockopt(&std_socket, sockopt::RcvBuf).unwrap_or(0);
+    // The kernel reports double the size asked (bookkeeping overhead included).
+    if got < UDP_RECV_BUFFER {
+        tracing::warn!(
+            addr = %addr,
+            bytes = got,
+            "the DNS UDP receive buffer is smaller than asked ({UDP_RECV_BUFFER} bytes): without CAP_NET_ADMIN it is capped by net.core.rmem_max; bursts of queries may be dropped by the kernel"
+        );
+    }
+    std_socket.set_nonblocking(true)?;
+    Ok(tokio::net::UdpSocket::from_std(std_socket)?)
+}
+
 /// A running DNS server (stopped when dropped or by [`DnsServer::shutdown`]).
 pub struct DnsServer {
     server: Server<Handler>,
@@ -306,8 +334,7 @@ impl DnsServer {
                 .await
                 .with_context(|| format!("binding the DNS address {addr} (TCP)"))?;
             let bound = tcp.local_addr()?;
-            let udp = tokio::net::UdpSocket::bind(bound)
-                .await
+            let udp = bind_udp(bound)
                 .with_context(|| format!("binding the DNS address {bound} (UDP)"))?;
             server.register_listener(tcp, TCP_IDLE, 16);
             server.register_socket(udp);

@@ -250,10 +250,13 @@ fn dnsperf(dir: &Path, server: SocketAddr, pid: u32, cfg: &Config) -> anyhow::Re
     let mut rcodes = BTreeMap::new();
     let mut latencies = Vec::new();
     for l in text.lines() {
-        // "> NOERROR name A 0.000123"
+        // "> NOERROR name A 0.000123"; "> T name A" is a query that timed out (counted in
+        // "Queries lost").
         if let Some(rest) = l.strip_prefix("> ") {
             let f: Vec<&str> = rest.split_whitespace().collect();
-            if let [rcode, .., lat] = f.as_slice() {
+            if let [rcode, .., lat] = f.as_slice()
+                && *rcode != "T"
+            {
                 *rcodes.entry((*rcode).to_string()).or_insert(0) += 1;
                 if let Ok(s) = lat.parse::<f64>() {
                     latencies.push(s * 1e6);
