@@ -26,7 +26,9 @@ APT_PKGS=(etcd-server etcd-client nftables iproute2 bpftool openssl jq procps ps
   # peers and load generators of the benchmark harness (mcs-bench; its smoke run is in CI)
   haproxy nginx-light libnginx-mod-stream wrk iperf3 iptables ipvsadm conntrack
   # DNS: dig in the tests, dnsperf in the DNS bench
-  dnsutils dnsperf)
+  dnsutils dnsperf
+  # the image without a registry or engine (deploy/image.sh)
+  mmdebstrap buildah)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

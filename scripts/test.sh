@@ -50,6 +50,15 @@ dns=$?
 set -e
 if ((dns == 0)); then echo "DNS bench smoke: ok"; else echo "DNS bench smoke: FAILED"; status=1; fi
 
+step "image: deploy/image.sh builds the OCI archive (Debian rootfs + our binaries) and runs them inside it"
+set +e
+# The debug binaries built above: the same pipeline as the release image (bash deploy/image.sh),
+# without a second, release build in CI.
+MCS_IMAGE_BIN_DIR=target/debug MCS_IMAGE_OUT=target/image-check bash deploy/image.sh
+image=$?
+set -e
+if ((image == 0)); then echo "image: ok"; else echo "image: FAILED"; status=1; fi
+
 step "upstream MCS conformance suite (Required tests; two clusters, our controller in each)"
 set +e
 bash scripts/conformance.sh
