@@ -241,6 +241,31 @@ fn the_apiserver_accepts_crds_base_and_chart() {
     );
     let out = k(&["apply", "--dry-run=server", "-f", "-"], Some(&custom));
     assert!(out.contains("(server dry run)"), "{out}");
+
+    // A cluster without kube-proxy: the API server's address is given to both workloads.
+    let direct = helm_template(&[
+        "--set",
+        "controller.enabled=true",
+        "--set",
+        "apiServer.host=198.18.0.1",
+        "--set",
+        "apiServer.port=6443",
+    ]);
+    for o in objects(&direct)
+        .iter()
+        .filter(|o| o["kind"] == "DaemonSet" || o["kind"] == "Deployment")
+    {
+        let env = o["spec"]["template"]["spec"]["containers"][0]["env"].to_string();
+        assert!(
+            env.contains(r#"{"name":"KUBERNETES_SERVICE_HOST","value":"198.18.0.1"}"#)
+                && env.contains(r#"{"name":"KUBERNETES_SERVICE_PORT","value":"6443"}"#),
+            "{} {env}",
+            o["kind"]
+        );
+    }
+    assert!(!helm_template(&[]).contains("KUBERNETES_SERVICE_HOST"));
+    let out = k(&["apply", "--dry-run=server", "-f", "-"], Some(&direct));
+    assert!(out.contains("(server dry run)"), "{out}");
     let _ = Path::new("/");
 }
 

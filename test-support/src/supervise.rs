@@ -16,15 +16,25 @@ log="$1"; cleanup="$2"; shift 2
 "$@" >>"$log" 2>&1 &
 child=$!
 echo "$child" > "$log.pid"
-# Block until the test process closes our stdin (it exited or dropped the handle).
-cat >/dev/null
-kill -TERM "$child" 2>/dev/null
-i=0
-while kill -0 "$child" 2>/dev/null && [ $i -lt 50 ]; do sleep 0.1; i=$((i+1)); done
-kill -KILL "$child" 2>/dev/null
-wait "$child" 2>/dev/null
-[ -n "$cleanup" ] && rm -rf "$cleanup"
-exit 0
+stop() {
+  kill -TERM "$child" 2>/dev/null
+  i=0
+  while kill -0 "$child" 2>/dev/null && [ $i -lt 50 ]; do sleep 0.1; i=$((i+1)); done
+  kill -KILL "$child" 2>/dev/null
+  wait "$child" 2>/dev/null
+  [ -n "$cleanup" ] && rm -rf "$cleanup"
+  exit 0
+}
+# A stop signal to the supervisor itself (Ctrl-C, or `timeout` signalling the whole process
+# group) stops the server too, instead of leaving it running without its supervisor.
+trap stop TERM INT HUP
+# Block until the test process closes our stdin (it exited or dropped the handle). `cat` runs
+# in the background (its stdin given explicitly: a background job's is /dev/null otherwise)
+# so that `wait` returns as soon as a trapped signal arrives.
+exec 3<&0
+cat <&3 >/dev/null &
+wait $!
+stop
 "#;
 
 /// A supervised server process.
