@@ -232,7 +232,11 @@ fn story(
             .await
             .ok()
             .flatten()
-            .filter(|si| !si.spec.ips.is_empty())
+            // Its ClusterSetIP (spec) and its clusters (status, written right after).
+            .filter(|si| {
+                !si.spec.ips.is_empty()
+                    && si.status.as_ref().is_some_and(|s| !s.clusters.is_empty())
+            })
     }))?;
     let vip = import.spec.ips[0].clone();
     let vip_ip: IpAddr = vip.parse().context("the ServiceImport's ClusterSetIP")?;
