@@ -212,33 +212,15 @@ impl RequestHandler for Handler {
                 if !self.health.is_ready() && a.rcode != ResponseCode::Refused {
                     // Before the first full sync the zone is incomplete: an NXDOMAIN now
                     // would be cached by clients. SERVFAIL makes them retry.
-                    a = mcs_dns::Answer {
-                        rcode: ResponseCode::ServFail,
-                        authoritative: false,
-                        answers: Vec::new(),
-                        authority: Vec::new(),
-                    };
+                    a = mcs_dns::Answer::code(ResponseCode::ServFail);
                 }
                 (Some(q.query_type()), a)
             }
             Ok(info) => (
                 Some(info.query.query_type()),
-                mcs_dns::Answer {
-                    rcode: ResponseCode::NotImp,
-                    authoritative: false,
-                    answers: Vec::new(),
-                    authority: Vec::new(),
-                },
+                mcs_dns::Answer::code(ResponseCode::NotImp),
             ),
-            Err(_) => (
-                None,
-                mcs_dns::Answer {
-                    rcode: ResponseCode::FormErr,
-                    authoritative: false,
-                    answers: Vec::new(),
-                    authority: Vec::new(),
-                },
-            ),
+            Err(_) => (None, mcs_dns::Answer::code(ResponseCode::FormErr)),
         };
         meta.response_code = answer.rcode;
         meta.authoritative = answer.authoritative;

@@ -490,6 +490,26 @@ fn dns_command_prints_the_answer_without_a_socket() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a DNS record type"));
 }
 
+/// `kubectl apply -f -` of `yaml` with `kubeconfig`; panics unless it succeeds.
+fn kubectl_apply(kubeconfig: &Path, yaml: &str) {
+    let kubectl = mcs_test_support::apiserver::find_kube_binary("kubectl").expect("kubectl");
+    let mut child = Command::new(kubectl)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["apply", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(yaml.as_bytes())
+        .unwrap();
+    assert!(child.wait().unwrap().success(), "kubectl apply");
+}
+
 /// The same index from `--source kube`: objects written to a real API server are answered.
 #[test]
 fn dns_from_the_kube_source() {
@@ -499,7 +519,6 @@ fn dns_from_the_kube_source() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let ns = rt.block_on(api.fresh_namespace("dns"));
     let kubeconfig = api.kubeconfig(mcs_test_support::apiserver::User::Admin);
-    let kubectl = mcs_test_support::apiserver::find_kube_binary("kubectl").expect("kubectl");
     let yaml = format!(
         r#"apiVersion: multicluster.x-k8s.io/v1beta1
 kind: ServiceImport
@@ -521,21 +540,7 @@ endpoints:
   - {{ addresses: ["198.18.68.9"], hostname: pg-0, conditions: {{ ready: true }} }}
 "#
     );
-    let mut child = Command::new(&kubectl)
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .args(["apply", "-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(yaml.as_bytes())
-        .unwrap();
-    assert!(child.wait().unwrap().success(), "kubectl apply");
+    kubectl_apply(&kubeconfig, &yaml);
     let kc = kubeconfig.display().to_string();
     let agent = Agent::start_with(&["--source", "kube", "--kubeconfig", &kc], &[]);
     let name = format!("pg-0.c2.pg.{ns}.svc.clusterset.local.");
@@ -699,24 +704,7 @@ fn dig_against_the_agent_fed_by_the_api_server() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let ns = rt.block_on(api.fresh_namespace("dig"));
     let kubeconfig = api.kubeconfig(mcs_test_support::apiserver::User::Admin);
-    let kubectl = mcs_test_support::apiserver::find_kube_binary("kubectl").expect("kubectl");
-    let apply = |yaml: &str| {
-        let mut child = Command::new(&kubectl)
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .args(["apply", "-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(yaml.as_bytes())
-            .unwrap();
-        assert!(child.wait().unwrap().success(), "kubectl apply");
-    };
+    let apply = |yaml: &str| kubectl_apply(&kubeconfig, yaml);
     let db_slice = |ready_1: bool| {
         format!(
             r#"apiVersion: discovery.k8s.io/v1

@@ -15,7 +15,7 @@
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    net::{Ipv4Addr, SocketAddr, UdpSocket},
+    net::{Ipv4Addr, SocketAddr},
     path::{Path, PathBuf},
     process::{Command, Stdio},
     time::{Duration, Instant},
@@ -27,6 +27,7 @@ use serde::Serialize;
 use crate::harness::{
     procs::{Proc, interrupted},
     stats::Spread,
+    tools::resolve_a,
 };
 
 /// The ClusterSetIP range of the bench's services (room for 32k).
@@ -158,26 +159,12 @@ fn write_inputs(dir: &Path, n: usize) -> anyhow::Result<()> {
 
 /// Asks `name` A of `server` until the answer is `want` (the server is up and has the zone).
 fn wait_answer(server: SocketAddr, name: &str, want: Ipv4Addr, p: &mut Proc) -> anyhow::Result<()> {
-    use hickory_proto::{
-        op::{Message, Query},
-        rr::{Name, RData, RecordType},
-    };
-    let s = UdpSocket::bind("127.0.0.1:0")?;
-    s.set_read_timeout(Some(Duration::from_millis(200)))?;
-    let mut q = Message::query();
-    q.add_query(Query::query(Name::from_ascii(name)?, RecordType::A));
-    let bytes = q.to_vec()?;
     let deadline = Instant::now() + Duration::from_secs(120);
-    let mut buf = [0u8; 4096];
     loop {
         interrupted()?;
         p.check_alive()?;
-        s.send_to(&bytes, server)?;
-        if let Ok((n, _)) = s.recv_from(&mut buf)
-            && let Ok(m) = Message::from_vec(&buf[..n])
-            && m.answers
-                .iter()
-                .any(|r| matches!(&r.data, RData::A(a) if a.0 == want))
+        if resolve_a(server, name, Duration::from_millis(200))
+            .is_ok_and(|(_, ips)| ips.contains(&std::net::IpAddr::V4(want)))
         {
             return Ok(());
         }

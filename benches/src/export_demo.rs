@@ -13,7 +13,7 @@
 //! Every step checks itself; an unexpected failure or cut reply exits 1.
 
 use std::{
-    net::{IpAddr, SocketAddr, UdpSocket},
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     process::{Command, Stdio},
     time::{Duration, Instant},
@@ -37,6 +37,7 @@ use crate::{
     harness::{
         bed::http_get,
         procs::{Proc, catch_signals, interrupted, sibling, tail},
+        tools::resolve_a,
     },
 };
 
@@ -63,36 +64,6 @@ async fn poll<T, F: std::future::Future<Output = Option<T>>>(
         interrupted()?;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-/// The A records of `name` and the response code, asked of the DNS server at `server`.
-fn resolve_a(
-    server: SocketAddr,
-    name: &str,
-) -> anyhow::Result<(hickory_proto::op::ResponseCode, Vec<IpAddr>)> {
-    use hickory_proto::{
-        op::{Message, Query},
-        rr::{Name, RData, RecordType},
-    };
-    let mut q = Message::query();
-    q.add_query(Query::query(Name::from_ascii(name)?, RecordType::A));
-    let s = UdpSocket::bind("127.0.0.1:0")?;
-    s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    s.send_to(&q.to_vec()?, server)?;
-    let mut buf = [0u8; 4096];
-    let (n, _) = s
-        .recv_from(&mut buf)
-        .with_context(|| format!("no DNS answer from {server}"))?;
-    let m = Message::from_vec(&buf[..n])?;
-    let ips = m
-        .answers
-        .iter()
-        .filter_map(|r| match &r.data {
-            RData::A(a) => Some(IpAddr::V4(a.0)),
-            _ => None,
-        })
-        .collect();
-    Ok((m.metadata.response_code, ips))
 }
 
 /// Load from the client pod (in the agent's cgroup) to `to` for `seconds`.
@@ -306,7 +277,7 @@ fn story(
         http_get(metrics, "/readyz").ok()
     }))?;
     let name = format!("web.{NS}.svc.clusterset.local.");
-    let (rcode, ips) = resolve_a(dns, &name)?;
+    let (rcode, ips) = resolve_a(dns, &name, Duration::from_secs(2))?;
     println!("      {name} A (the agent's DNS, {dns}): {rcode} {ips:?}");
     if ips != [vip_ip] {
         problems.push(format!(
@@ -349,7 +320,7 @@ fn story(
         took.as_secs_f64() * 1e3,
         took_dp.as_secs_f64() * 1e3
     );
-    let (rcode, ips) = resolve_a(dns, &name)?;
+    let (rcode, ips) = resolve_a(dns, &name, Duration::from_secs(2))?;
     println!("      {name} A now: {rcode} {ips:?}");
     if !ips.is_empty() || rcode != hickory_proto::op::ResponseCode::NXDomain {
         problems.push(format!(

@@ -152,3 +152,35 @@ pub fn check(http: SocketAddr, udp: Option<SocketAddr>) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The A records of `name` and the response code, asked once (UDP) of the DNS server at
+/// `server`; an error when no answer comes within `timeout`.
+pub fn resolve_a(
+    server: SocketAddr,
+    name: &str,
+    timeout: std::time::Duration,
+) -> anyhow::Result<(hickory_proto::op::ResponseCode, Vec<std::net::IpAddr>)> {
+    use hickory_proto::{
+        op::{Message, Query},
+        rr::{Name, RData, RecordType},
+    };
+    let mut q = Message::query();
+    q.add_query(Query::query(Name::from_ascii(name)?, RecordType::A));
+    let s = std::net::UdpSocket::bind("127.0.0.1:0")?;
+    s.set_read_timeout(Some(timeout))?;
+    s.send_to(&q.to_vec()?, server)?;
+    let mut buf = [0u8; 4096];
+    let (n, _) = s
+        .recv_from(&mut buf)
+        .with_context(|| format!("no DNS answer from {server}"))?;
+    let m = Message::from_vec(&buf[..n])?;
+    let ips = m
+        .answers
+        .iter()
+        .filter_map(|r| match &r.data {
+            RData::A(a) => Some(std::net::IpAddr::V4(a.0)),
+            _ => None,
+        })
+        .collect();
+    Ok((m.metadata.response_code, ips))
+}

@@ -59,7 +59,9 @@ impl Answer {
         Self::code(ResponseCode::Refused)
     }
 
-    fn code(rcode: ResponseCode) -> Self {
+    /// An answer that is only a response code (REFUSED, NOTIMP, FORMERR, SERVFAIL): not
+    /// authoritative, no records.
+    pub fn code(rcode: ResponseCode) -> Self {
         Self {
             rcode,
             authoritative: false,

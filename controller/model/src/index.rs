@@ -360,6 +360,16 @@ impl Index {
         }
     }
 
+    /// The valid slices of a service from clusters that are not stale.
+    fn live_slices<'a>(&'a self, svc: &ServiceRef) -> impl Iterator<Item = &'a ValidSlice> + 'a {
+        self.slices_by_service
+            .get(svc)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.slices.get(k).and_then(|(_, v, _)| v.as_ref()))
+            .filter(|s| !self.stale.contains(&s.cluster))
+    }
+
     /// The service's frontends and candidates from its import and slices.
     fn derive(&self, svc: &ServiceRef) -> Derived {
         let mut out = Derived::default();
@@ -369,14 +379,7 @@ impl Index {
         out.age_key = Some(import.age_key.clone());
         out.vips = import.vips.iter().copied().collect();
         let limits = self.node.guard.limits;
-        let slices: Vec<&ValidSlice> = self
-            .slices_by_service
-            .get(svc)
-            .into_iter()
-            .flatten()
-            .filter_map(|k| self.slices.get(k).and_then(|(_, v, _)| v.as_ref()))
-            .filter(|s| !self.stale.contains(&s.cluster))
-            .collect();
+        let slices: Vec<&ValidSlice> = self.live_slices(svc).collect();
         let mut unmatched: BTreeSet<(String, String)> = BTreeSet::new();
         for fe in &import.frontends {
             let frontend = Frontend {
@@ -585,12 +588,7 @@ impl Index {
             });
         }
         let mut endpoints: Vec<DnsEndpoint> = self
-            .slices_by_service
-            .get(svc)
-            .into_iter()
-            .flatten()
-            .filter_map(|k| self.slices.get(k).and_then(|(_, v, _)| v.as_ref()))
-            .filter(|s| !self.stale.contains(&s.cluster))
+            .live_slices(svc)
             .flat_map(|s| {
                 s.endpoints
                     .iter()
