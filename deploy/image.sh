@@ -14,7 +14,7 @@
 # --version`, `mcs-controller --version`, `nft --version` and `ip -V` run inside it (chroot),
 # so a binary that needs a library the image lacks fails here, not on a node.
 #
-# Env: MCS_IMAGE_NAME (default mcs-dataplane/mcs-agent), MCS_IMAGE_TAG (default: the crate
+# Env: MCS_IMAGE_NAME (default docker.io/mcs-dataplane/mcs-agent), MCS_IMAGE_TAG (default: the crate
 # version), MCS_IMAGE_OUT (default target/image), MCS_IMAGE_BIN_DIR (prebuilt binaries;
 # default: cargo build --release). Needs root, mmdebstrap, buildah (scripts/setup.sh).
 set -euo pipefail
@@ -24,12 +24,14 @@ cd "$root"
 . scripts/env.sh
 
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
-name="${MCS_IMAGE_NAME:-mcs-dataplane/mcs-agent}"
+# Fully qualified: the name kubelet looks up for the chart's default image.repository
+# (mcs-dataplane/mcs-agent, which it normalises to docker.io/...), so an imported archive is found.
+name="${MCS_IMAGE_NAME:-docker.io/mcs-dataplane/mcs-agent}"
 tag="${MCS_IMAGE_TAG:-$version}"
 out="${MCS_IMAGE_OUT:-$root/target/image}"
 archive="$out/$(basename "$name")-$tag.oci.tar"
 log() { printf '\033[1mimage:\033[0m %s\n' "$*"; }
-for tool in mmdebstrap buildah tar; do
+for tool in mmdebstrap buildah tar strip; do
   command -v "$tool" >/dev/null || { echo "image: $tool not found (run bash scripts/setup.sh)" >&2; exit 1; }
 done
 [[ $(id -u) == 0 ]] || { echo "image: needs root (mmdebstrap and buildah build as root here)" >&2; exit 1; }
@@ -76,7 +78,14 @@ log "rootfs in $(( $(date +%s) - t0 ))s: $(du -h "$work/rootfs.tar" | cut -f1)"
 b() { buildah --root "$work/storage" --runroot "$work/run" --storage-driver vfs "$@"; }
 container=$(b from scratch)
 b add "$container" "$work/rootfs.tar" / >/dev/null
-b copy --chmod 0755 "$container" "$bins/mcs-agent" "$bins/mcs-controller" /usr/local/bin/ >/dev/null
+# Debug information stays out of the image (a debug build's is most of its 200+ MB); the code,
+# the embedded eBPF object and the symbols stay.
+mkdir -p "$work/bin"
+for b in mcs-agent mcs-controller; do
+  cp "$bins/$b" "$work/bin/$b"
+  strip --strip-debug "$work/bin/$b"
+done
+b copy --chmod 0755 "$container" "$work/bin/mcs-agent" "$work/bin/mcs-controller" /usr/local/bin/ >/dev/null
 b config \
   --entrypoint '["/usr/local/bin/mcs-agent"]' --cmd 'run --source kube' \
   --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \

@@ -237,7 +237,7 @@ fn the_apiserver_accepts_crds_base_and_chart() {
     );
     assert!(
         custom.contains("path: /sys/fs/cgroup/unified")
-            && custom.contains("mountPath: /sys/fs/cgroup/unified")
+            && custom.contains("mountPath: /run/mcs/cgroup")
     );
     let out = k(&["apply", "--dry-run=server", "-f", "-"], Some(&custom));
     assert!(out.contains("(server dry run)"), "{out}");

@@ -1,0 +1,666 @@
+#!/usr/bin/env bash
+# A real ClusterSet on this machine: N single-node Kubernetes clusters (etcd, kube-apiserver,
+# kube-controller-manager, kube-scheduler, containerd + runc, bridge CNI, kubelet, kube-proxy in
+# nftables mode, CoreDNS), each node in its own network namespace (its "host network", as kind's
+# node containers), pods of every cluster routable to each other, and mcs-dataplane installed
+# into every cluster with its Helm chart from our own image.
+#
+#   bash scripts/clusterset.sh up [--clusters N] [--bare] [--dataplane ebpf|userspace]
+#   bash scripts/clusterset.sh install [--dataplane ebpf|userspace]   # (re)install our chart
+#   bash scripts/clusterset.sh status
+#   bash scripts/clusterset.sh down
+#
+# `up` prints `KUBECONFIG=<path>` as its last line (one context per cluster, named c1, c2, ...):
+#   eval "$(bash scripts/clusterset.sh up | tail -1 | sed 's/^/export /')"
+#   kubectl --context c1 get nodes
+#
+# Addresses (all inside 198.18.0.0/15, the only ranges used):
+#   nodes          198.19.32.<i>/24 on eth0 of netns mcs-cs-c<i>, bridged in the host (198.19.32.254)
+#   pods of c<i>   198.19.<40+i>.0/24        services of c<i>  198.19.<50+i>.0/24
+#   ClusterSetIPs  198.19.60.0/24 (every cluster's controller and agents)
+# API server of c<i>: https://198.19.32.<i>:6443. DNS: kube-dns 198.19.<50+i>.10, mcs-dns .53.
+#
+# `down` undoes everything `up` did (processes, containers' cgroups, mounts, network namespaces,
+# links, the kernel settings kubelet changes, files kubelet/containerd/CNI leave outside the
+# state directory), also after `up` crashed; `up` runs it first when a previous run is left.
+# If `up` fails it prints the failing component's log and runs `down` (MCS_CLUSTERSET_KEEP=1
+# keeps the wreck for a look).
+#
+# Env: MCS_CLUSTERSET_DIR (state, default /var/lib/mcs-clusterset), MCS_CLUSTERS (default 2),
+#      MCS_IMAGE_BIN_DIR (binaries for our image; default: a release build),
+#      MCS_CLUSTERSET_DATAPLANE (default ebpf). Needs root and scripts/setup.sh's tools.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+# shellcheck source=scripts/env.sh
+. scripts/env.sh
+
+STATE="${MCS_CLUSTERSET_DIR:-/var/lib/mcs-clusterset}"
+N="${MCS_CLUSTERS:-2}"
+DATAPLANE="${MCS_CLUSTERSET_DATAPLANE:-ebpf}"
+BARE=0
+BRIDGE=mcscs0
+NETNS_PREFIX=mcs-cs-
+NODE_NET=198.19.32
+CLUSTERSET_CIDR=198.19.60.0/24
+IMAGES="$MCS_CACHE/clusterset-images"
+SYSCTLS=(vm.overcommit_memory kernel.panic kernel.panic_on_oops)
+# Paths outside $STATE that kubelet, containerd, CNI or buildah create; removed by `down` when
+# `up` found them absent.
+OUTSIDE=(/run/containerd /var/lib/cni /var/lib/containers /run/containers /etc/cni /var/log/containers /var/log/pods)
+
+log() { printf '\033[1mclusterset:\033[0m %s\n' "$*" >&2; }
+die() { printf 'clusterset: %s\n' "$*" >&2; exit 1; }
+
+node_ip() { echo "$NODE_NET.$1"; }
+pod_cidr() { echo "198.19.$((40 + $1)).0/24"; }
+svc_cidr() { echo "198.19.$((50 + $1)).0/24"; }
+svc_ip() { echo "198.19.$((50 + $1)).$2"; }
+netns() { echo "$NETNS_PREFIX""c$1"; }
+in_node() { local i=$1; shift; nsenter --net="/run/netns/$(netns "$i")" -- "$@"; }
+kc() { local i=$1; shift; kubectl --kubeconfig "$STATE/kubeconfig" --context "c$i" "$@"; }
+
+# Start a long-running component of node i in its network namespace, in a session of its own,
+# logging to $STATE/c<i>/logs/<name>.log; its pid is kept for `down`.
+start() {
+  local i=$1 name=$2; shift 2
+  local d="$STATE/c$i"
+  mkdir -p "$d/logs" "$d/pids"
+  setsid nsenter --net="/run/netns/$(netns "$i")" -- "$@" >"$d/logs/$name.log" 2>&1 </dev/null &
+  echo $! >"$d/pids/$name"
+}
+
+# Poll until a command succeeds, at most $2 seconds; on timeout show a log and fail.
+wait_for() {
+  local what=$1 secs=$2 logf=$3; shift 3
+  local deadline=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    if ((SECONDS > deadline)); then
+      log "$what: not ready after ${secs}s; last lines of $logf:"
+      tail -25 "$logf" >&2 || true
+      return 1
+    fi
+    sleep 0.5
+  done
+}
+
+# --- down: undo everything, whatever state a previous run left -------------------------------
+kill_pidfile() {
+  local f=$1 pid
+  pid=$(cat "$f" 2>/dev/null) || return 0
+  [[ -n $pid ]] && kill "$pid" 2>/dev/null || true
+}
+
+cgroup_dirs() {
+  # Every cgroup directory of the clusterset's kubelets (cgroupRoot /mcs-c<i>), v1 and v2.
+  local h
+  for h in /sys/fs/cgroup/*/; do
+    ls -d "$h"mcs-c[0-9]* 2>/dev/null || true
+  done
+}
+
+down() {
+  local had=0
+  [[ -d $STATE ]] && had=1
+  ip netns list 2>/dev/null | grep -q "^$NETNS_PREFIX" && had=1
+  ip link show "$BRIDGE" >/dev/null 2>&1 && had=1
+  [[ -n $(cgroup_dirs) ]] && had=1
+  if ((had == 0)); then log "nothing to take down"; return 0; fi
+  log "taking the clusterset down"
+  # 1. Components, in reverse order of start (kubelet first, so it does not restart pods).
+  local f
+  for f in "$STATE"/c*/pids/kubelet "$STATE"/c*/pids/kube-proxy "$STATE"/c*/pids/*; do
+    [[ -f $f ]] && kill_pidfile "$f"
+  done
+  # containerd shims outlive containerd; they are found by their -address under $STATE.
+  pkill -f -- "-address $STATE/" 2>/dev/null || true
+  local deadline=$((SECONDS + 15)) alive
+  while :; do
+    alive=0
+    for f in "$STATE"/c*/pids/*; do
+      [[ -f $f ]] && kill -0 "$(cat "$f")" 2>/dev/null && alive=1
+    done
+    pgrep -f -- "-address $STATE/" >/dev/null 2>&1 && alive=1
+    ((alive == 0 || SECONDS > deadline)) && break
+    sleep 0.2
+  done
+  for f in "$STATE"/c*/pids/*; do [[ -f $f ]] && kill -9 "$(cat "$f")" 2>/dev/null || true; done
+  pkill -9 -f -- "-address $STATE/" 2>/dev/null || true
+  # 2. Containers' processes: whatever is still in the kubelets' cgroups.
+  local d pass
+  for pass in 1 2 3 4 5 6 7 8 9 10; do
+    local left=0
+    while read -r d; do
+      [[ -z $d ]] && continue
+      while read -r p; do
+        [[ -n $p ]] && { kill -9 "$p" 2>/dev/null || true; left=1; }
+      done < <(find "$d" -name cgroup.procs -exec cat {} + 2>/dev/null)
+    done < <(cgroup_dirs)
+    ((left == 0)) && break
+    sleep 0.3
+  done
+  # 3. Mounts under the state directory (pod volumes, netns bind mounts, containerd's
+  #    snapshots), deepest first.
+  if [[ -d $STATE ]]; then
+    local m
+    while read -r m; do
+      umount -l "$m" 2>/dev/null || true
+    done < <(awk -v s="$STATE/" 'index($5, s) == 1 { print $5 }' /proc/self/mountinfo | sort -r)
+  fi
+  # 4. cgroups, bottom-up (rmdir, never rm: cgroupfs files cannot be removed).
+  while read -r d; do
+    [[ -n $d ]] && find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
+  done < <(cgroup_dirs)
+  # 5. Network: node namespaces (their bridges, veth ends, nftables/iptables tables and
+  #    sysctls go with them), then the host's bridge.
+  local ns
+  for ns in $(ip netns list 2>/dev/null | awk -v p="$NETNS_PREFIX" 'index($1, p) == 1 { print $1 }'); do
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  ip link del "$BRIDGE" 2>/dev/null || true
+  # 6. The kernel settings kubelet changes (global, not per network namespace), and bpffs's
+  #    mount propagation.
+  if [[ -f $STATE/sysctl.saved ]]; then
+    local k v
+    while read -r k v; do sysctl -qw "$k=$v" >/dev/null 2>&1 || log "could not restore $k=$v"; done <"$STATE/sysctl.saved"
+  fi
+  if [[ -f $STATE/propagation.saved ]]; then
+    local mp prop
+    while read -r mp prop; do
+      case $prop in private|shared|slave|unbindable) mount --make-"$prop" "$mp" || log "could not make $mp $prop again" ;; esac
+    done <"$STATE/propagation.saved"
+  fi
+  # 7. Files outside the state directory: the ones `up` found absent go; in ones that were
+  #    there, only what points into the state directory (log symlinks, CNI results of our
+  #    networks).
+  if [[ -f $STATE/outside.absent ]]; then
+    while read -r p; do [[ -n $p ]] && rm -rf "$p"; done <"$STATE/outside.absent"
+  fi
+  find /var/log/containers -maxdepth 1 -lname "$STATE/*" -delete 2>/dev/null || true
+  rm -f /var/lib/cni/results/"$NETNS_PREFIX"* 2>/dev/null || true
+  if [[ -d $STATE ]]; then
+    chmod -R u+w "$STATE" 2>/dev/null || true
+    rm -rf "$STATE" || log "could not remove all of $STATE"
+  fi
+  # What is left, if anything, is said.
+  local left=""
+  [[ -n $(cgroup_dirs) ]] && left+=" cgroups($(cgroup_dirs | tr '\n' ' '))"
+  ip netns list 2>/dev/null | grep -q "^$NETNS_PREFIX" && left+=" netns"
+  pgrep -f -- "$STATE/" >/dev/null 2>&1 && left+=" processes($(pgrep -f -- "$STATE/" | tr '\n' ' '))"
+  [[ -n $left ]] && die "down: left behind:$left"
+  log "down: done"
+}
+
+# --- images (no registry: built here, imported into each node's containerd) -----------------
+mirror() {
+  local m
+  m=$(sed -n 's/^URIs: *\([^ ]*\).*/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null | grep -v security | head -1 || true)
+  [[ -z $m ]] && m=$(awk '$1 == "deb" && $0 !~ /security/ { print $2; exit }' /etc/apt/sources.list 2>/dev/null || true)
+  echo "${m:-http://deb.debian.org/debian}"
+}
+
+# buildah with a private vfs store under $1.
+bah() { local w=$1; shift; buildah --root "$w/storage" --runroot "$w/run" --storage-driver vfs "$@"; }
+
+# image_from_dir NAME:TAG DIR|TAR OUT.tar ENTRYPOINT-JSON
+image_from() {
+  local ref=$1 src=$2 out=$3 entry=$4 w c
+  w=$(mktemp -d "$IMAGES/work.XXXXXX")
+  c=$(bah "$w" from scratch)
+  bah "$w" add "$c" "$src" / >/dev/null
+  bah "$w" config --entrypoint "$entry" \
+    --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$c"
+  bah "$w" commit --quiet --format oci "$c" "$ref" >/dev/null
+  rm -f "$out.tmp"
+  bah "$w" push --quiet "$ref" "oci-archive:$out.tmp:$ref"
+  bah "$w" rm "$c" >/dev/null 2>&1 || true
+  chmod -R u+w "$w" 2>/dev/null || true
+  rm -rf "$w"
+  mv "$out.tmp" "$out"
+}
+
+# The images every node needs besides ours; cached in $IMAGES, keyed by what they are made of.
+TOOLS_PKGS=socat,netcat-openbsd,bind9-dnsutils,mawk,curl,iproute2,procps,iputils-ping
+build_images() {
+  mkdir -p "$IMAGES"
+  if [[ ! -f $IMAGES/pause.tar ]]; then
+    log "image: pause (static C program)"
+    local w; w=$(mktemp -d "$IMAGES/pause.XXXXXX")
+    gcc -static -O2 -o "$w/pause" scripts/clusterset/pause.c
+    image_from docker.io/mcs-clusterset/pause:1 "$w/pause" "$IMAGES/pause.tar" '["/pause"]'
+    rm -rf "$w"
+  fi
+  if [[ ! -f $IMAGES/coredns-$COREDNS_VERSION.tar ]]; then
+    log "image: CoreDNS $COREDNS_VERSION (the binary setup.sh built)"
+    [[ -x $MCS_COREDNS_BIN_DIR/coredns ]] || die "no CoreDNS in $MCS_COREDNS_BIN_DIR (run bash scripts/setup.sh)"
+    image_from "docker.io/mcs-clusterset/coredns:$COREDNS_VERSION" "$MCS_COREDNS_BIN_DIR/coredns" \
+      "$IMAGES/coredns-$COREDNS_VERSION.tar" '["/coredns"]'
+  fi
+  # The upstream conformance suite's images, under the names it uses, from Debian packages
+  # with the tools it runs in them (sh, socat, grep, awk, tr; nslookup, nc -4/-6 -v -w).
+  local key; key=$(echo "$TOOLS_PKGS" | sha256sum | cut -c1-12)
+  if [[ ! -f $IMAGES/tools-$key.tar ]]; then
+    log "image: Debian tools rootfs ($TOOLS_PKGS), about 1 min"
+    local w; w=$(mktemp -d "$IMAGES/tools.XXXXXX")
+    mmdebstrap --quiet --variant=apt --include="$TOOLS_PKGS" \
+      --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+      --dpkgopt='path-exclude=/usr/share/locale/*' \
+      --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*' \
+      --format=tar bookworm "$w/rootfs.tar" "$(mirror)" </dev/null
+    image_from docker.io/alpine/socat:1.7.4.4 "$w/rootfs.tar" "$IMAGES/socat.tar.new" '["/bin/sh"]'
+    image_from docker.io/nicolaka/netshoot:v0.15 "$w/rootfs.tar" "$IMAGES/netshoot.tar.new" '["/bin/sh"]'
+    mv "$IMAGES/socat.tar.new" "$IMAGES/socat-$key.tar"
+    mv "$IMAGES/netshoot.tar.new" "$IMAGES/netshoot-$key.tar"
+    rm -rf "$w"
+    touch "$IMAGES/tools-$key.tar"
+  fi
+  TOOL_IMAGES=("$IMAGES/socat-$key.tar" "$IMAGES/netshoot-$key.tar")
+}
+
+# Our image from $MCS_IMAGE_BIN_DIR (or a release build), into $STATE/images.
+build_our_image() {
+  log "image: mcs-dataplane (deploy/image.sh)"
+  MCS_IMAGE_OUT="$STATE/images" bash deploy/image.sh >"$STATE/images.log" 2>&1 ||
+    { tail -20 "$STATE/images.log" >&2; die "deploy/image.sh failed"; }
+  OUR_IMAGE=$(ls "$STATE"/images/*.oci.tar | head -1)
+}
+
+ctr_import() {
+  local i=$1 f=$2
+  ctr --address "$STATE/c$i/containerd/containerd.sock" -n k8s.io images import "$f" >/dev/null
+}
+
+# --- up ---------------------------------------------------------------------------------------
+pki() {
+  local p="$STATE/pki"
+  mkdir -p "$p"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=mcs-clusterset-ca" \
+    -keyout "$p/ca.key" -out "$p/ca.crt" 2>/dev/null
+  openssl genrsa -out "$p/sa.key" 2048 2>/dev/null
+  openssl rsa -in "$p/sa.key" -pubout -out "$p/sa.pub" 2>/dev/null
+}
+
+# cert NAME CN O SANs...
+cert() {
+  local p="$STATE/pki" name=$1 cn=$2 o=$3; shift 3
+  local san="" s
+  for s in "$@"; do san+="${san:+,}$s"; done
+  openssl req -newkey rsa:2048 -nodes -subj "/CN=$cn${o:+/O=$o}" -keyout "$p/$name.key" \
+    -out "$p/$name.csr" 2>/dev/null
+  {
+    echo "basicConstraints=CA:FALSE"
+    echo "keyUsage=digitalSignature,keyEncipherment"
+    echo "extendedKeyUsage=serverAuth,clientAuth"
+    [[ -n $san ]] && echo "subjectAltName=$san"
+  } >"$p/$name.ext"
+  openssl x509 -req -in "$p/$name.csr" -CA "$p/ca.crt" -CAkey "$p/ca.key" -CAcreateserial \
+    -days 30 -extfile "$p/$name.ext" -out "$p/$name.crt" 2>/dev/null
+}
+
+kubeconfig() { # kubeconfig FILE SERVER TOKEN
+  cat >"$1" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: local
+  cluster:
+    server: $2
+    certificate-authority: $STATE/pki/ca.crt
+users:
+- name: local
+  user:
+    token: $3
+contexts:
+- name: local
+  context: {cluster: local, user: local}
+current-context: local
+EOF
+}
+
+network() {
+  log "network: bridge $BRIDGE ($NODE_NET.254/24), $N node namespaces"
+  ip link add "$BRIDGE" type bridge
+  ip addr add "$NODE_NET.254/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+  local i j
+  for ((i = 1; i <= N; i++)); do
+    ip netns add "$(netns "$i")"
+    ip link add "mcscs-c$i" type veth peer name eth0 netns "$(netns "$i")"
+    ip link set "mcscs-c$i" master "$BRIDGE" up
+    in_node "$i" ip link set lo up
+    in_node "$i" ip addr add "$(node_ip "$i")/24" dev eth0
+    in_node "$i" ip link set eth0 up
+    for ((j = 1; j <= N; j++)); do
+      ((j == i)) || in_node "$i" ip route add "$(pod_cidr "$j")" via "$(node_ip "$j")"
+    done
+    # The node's "default" route, inside our range only: the host's bridge address. Without a
+    # route, the node's own connections to ClusterIPs (kube-proxy DNATs them after routing)
+    # fail with ENETUNREACH; the host does not forward, so nothing leaves through it.
+    in_node "$i" ip route add 198.18.0.0/15 via "$NODE_NET.254"
+    # The host reaches the pods too (kubectl port-forward is not needed to look at them).
+    ip route add "$(pod_cidr "$i")" via "$(node_ip "$i")"
+  done
+}
+
+control_plane() {
+  local i=$1 d="$STATE/c$i" ip; ip=$(node_ip "$i")
+  mkdir -p "$d"/{etcd,kubelet,pods-logs,cni/net.d,cni/ipam,containerd,runc}
+  cert "apiserver-c$i" kube-apiserver "" "IP:$ip" "IP:$(svc_ip "$i" 1)" IP:127.0.0.1 \
+    DNS:kubernetes DNS:kubernetes.default DNS:kubernetes.default.svc \
+    DNS:kubernetes.default.svc.cluster.local DNS:localhost
+  cert "kubelet-c$i" "c$i-node" "" "IP:$ip" "DNS:c$i-node"
+  # Tokens: an admin (the user's kubeconfig), and each component as itself.
+  local t; : >"$d/tokens.csv"
+  for t in admin node kcm scheduler proxy; do echo "$(openssl rand -hex 16)" >"$d/token.$t"; done
+  {
+    echo "$(cat "$d/token.admin"),clusterset-admin,clusterset-admin,system:masters"
+    echo "$(cat "$d/token.node"),system:node:c$i-node,node-c$i,system:nodes"
+    echo "$(cat "$d/token.kcm"),system:kube-controller-manager,kcm-c$i"
+    echo "$(cat "$d/token.scheduler"),system:kube-scheduler,scheduler-c$i"
+    echo "$(cat "$d/token.proxy"),system:kube-proxy,proxy-c$i"
+  } >"$d/tokens.csv"
+  for t in node kcm scheduler proxy; do
+    kubeconfig "$d/$t.kubeconfig" https://127.0.0.1:6443 "$(cat "$d/token.$t")"
+  done
+  local p="$STATE/pki"
+  start "$i" etcd etcd --name "c$i" --data-dir "$d/etcd" \
+    --listen-client-urls http://127.0.0.1:2379 --advertise-client-urls http://127.0.0.1:2379 \
+    --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
+    --initial-cluster "c$i=http://127.0.0.1:2380" --listen-metrics-urls= --log-level warn --unsafe-no-fsync
+  start "$i" kube-apiserver "$MCS_KUBE_BIN_DIR/kube-apiserver" \
+    --etcd-servers http://127.0.0.1:2379 --bind-address 0.0.0.0 --advertise-address "$ip" \
+    --secure-port 6443 --tls-cert-file "$p/apiserver-c$i.crt" --tls-private-key-file "$p/apiserver-c$i.key" \
+    --client-ca-file "$p/ca.crt" --token-auth-file "$d/tokens.csv" \
+    --authorization-mode Node,RBAC --enable-admission-plugins NodeRestriction --allow-privileged \
+    --kubelet-client-certificate "$p/apiserver-kubelet-client.crt" \
+    --kubelet-client-key "$p/apiserver-kubelet-client.key" \
+    --kubelet-certificate-authority "$p/ca.crt" --kubelet-preferred-address-types InternalIP \
+    --service-account-issuer https://kubernetes.default.svc \
+    --service-account-key-file "$p/sa.pub" --service-account-signing-key-file "$p/sa.key" \
+    --service-cluster-ip-range "$(svc_cidr "$i")" --v 1
+}
+
+controllers() {
+  local i=$1 d="$STATE/c$i" p="$STATE/pki"
+  start "$i" kube-controller-manager "$MCS_KUBE_BIN_DIR/kube-controller-manager" \
+    --kubeconfig "$d/kcm.kubeconfig" --authentication-kubeconfig "$d/kcm.kubeconfig" \
+    --authorization-kubeconfig "$d/kcm.kubeconfig" --bind-address 127.0.0.1 \
+    --use-service-account-credentials --service-account-private-key-file "$p/sa.key" \
+    --root-ca-file "$p/ca.crt" --service-cluster-ip-range "$(svc_cidr "$i")" \
+    --cluster-name "c$i" --leader-elect=false --v 1
+  start "$i" kube-scheduler "$MCS_KUBE_BIN_DIR/kube-scheduler" \
+    --kubeconfig "$d/scheduler.kubeconfig" --authentication-kubeconfig "$d/scheduler.kubeconfig" \
+    --authorization-kubeconfig "$d/scheduler.kubeconfig" --bind-address 127.0.0.1 \
+    --leader-elect=false --v 1
+}
+
+start_node() {
+  local i=$1 d="$STATE/c$i" p="$STATE/pki" ip h; ip=$(node_ip "$i")
+  # kubelet's cgroupRoot exists beforehand in every hierarchy (cpuset copied from the parent).
+  for h in /sys/fs/cgroup/*/; do
+    mkdir -p "$h/mcs-c$i"
+    if [[ -f $h/cpuset.cpus ]]; then
+      cat "$h/cpuset.cpus" >"$h/mcs-c$i/cpuset.cpus"
+      cat "$h/cpuset.mems" >"$h/mcs-c$i/cpuset.mems"
+    fi
+  done
+  cat >"$d/cni/net.d/10-clusterset.conflist" <<EOF
+{
+  "cniVersion": "1.0.0",
+  "name": "$(netns "$i")",
+  "plugins": [{
+    "type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+    "ipam": {
+      "type": "host-local", "dataDir": "$d/cni/ipam",
+      "ranges": [[{ "subnet": "$(pod_cidr "$i")" }]],
+      "routes": [{ "dst": "198.18.0.0/15" }]
+    }
+  }]
+}
+EOF
+  cat >"$d/containerd/config.toml" <<EOF
+version = 2
+root = "$d/containerd/root"
+state = "$d/containerd/state"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"]
+[grpc]
+  address = "$d/containerd/containerd.sock"
+[ttrpc]
+  address = "$d/containerd/containerd.sock.ttrpc"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "$d/containerd/opt"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "docker.io/mcs-clusterset/pause:1"
+  restrict_oom_score_adj = true
+  netns_mounts_under_state_dir = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        Root = "$d/runc"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "$d/cni/net.d"
+EOF
+  start "$i" containerd containerd --config "$d/containerd/config.toml"
+  wait_for "containerd c$i" 30 "$d/logs/containerd.log" \
+    ctr --address "$d/containerd/containerd.sock" version
+  local f
+  for f in "$IMAGES/pause.tar" "$IMAGES/coredns-$COREDNS_VERSION.tar" "${TOOL_IMAGES[@]}" ${OUR_IMAGE:+"$OUR_IMAGE"}; do
+    ctr_import "$i" "$f"
+  done
+  cat >"$d/kubelet.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: $ip
+port: 10250
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: 10248
+cgroupDriver: cgroupfs
+cgroupRoot: /mcs-c$i
+failCgroupV1: false
+failSwapOn: false
+containerRuntimeEndpoint: unix://$d/containerd/containerd.sock
+tlsCertFile: $p/kubelet-c$i.crt
+tlsPrivateKeyFile: $p/kubelet-c$i.key
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: false}
+  x509: {clientCAFile: $p/ca.crt}
+authorization: {mode: AlwaysAllow}
+clusterDomain: cluster.local
+clusterDNS: [$(svc_ip "$i" 10)]
+resolvConf: ""
+podLogsDir: $d/pods-logs
+evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available: 1%, nodefs.inodesFree: 1%}
+# Our images are imported, not pulled: never garbage-collect them.
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+serializeImagePulls: false
+EOF
+  start "$i" kubelet "$MCS_KUBE_BIN_DIR/kubelet" --config "$d/kubelet.yaml" \
+    --kubeconfig "$d/node.kubeconfig" --root-dir "$d/kubelet" --hostname-override "c$i-node" \
+    --node-ip "$ip" --v 1
+  cat >"$d/kube-proxy.yaml" <<EOF
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: nftables
+clientConnection: {kubeconfig: $d/proxy.kubeconfig}
+hostnameOverride: c$i-node
+clusterCIDR: $(pod_cidr "$i")
+bindAddress: $ip
+metricsBindAddress: 127.0.0.1:10249
+healthzBindAddress: 127.0.0.1:10256
+# Leave the host's conntrack settings alone (0 = do not set).
+conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
+EOF
+  start "$i" kube-proxy "$MCS_KUBE_BIN_DIR/kube-proxy" --config "$d/kube-proxy.yaml" --v 1
+}
+
+# Our chart into every cluster: the agents and the MCS controller (with a kubeconfig of the
+# other members, tokens of their read-only mcs-controller-reader), mcs-dns at a fixed
+# ClusterIP, and CoreDNS's Corefile gains our shipped clusterset.local block.
+install_chart() {
+  local i j dp=$DATAPLANE
+  for ((i = 1; i <= N; i++)); do
+    log "helm: mcs-dataplane into c$i (dataplane $dp)"
+    helm --kubeconfig "$STATE/kubeconfig" --kube-context "c$i" upgrade --install mcs-dataplane \
+      deploy/helm/mcs-dataplane --wait=false \
+      --set controller.enabled=true --set clusterId="c$i" \
+      --set "clustersetIPCIDRs={$CLUSTERSET_CIDR}" --set dataplane="$dp" \
+      --set cgroupRoot="/sys/fs/cgroup/unified/mcs-c$i" --set bpfPinDir="/sys/fs/bpf/mcs-c$i" \
+      --set image.pullPolicy=Never --set dns.clusterIP="$(svc_ip "$i" 53)" \
+      --set controller.replicas=1 >/dev/null
+  done
+  # The clusterset kubeconfig of each controller: the other members, by their reader tokens.
+  for ((i = 1; i <= N; i++)); do
+    local f="$STATE/c$i/clusterset-for-controller.kubeconfig"
+    {
+      echo "apiVersion: v1"; echo "kind: Config"; echo "clusters:"
+      for ((j = 1; j <= N; j++)); do
+        ((j == i)) && continue
+        echo "- name: c$j"; echo "  cluster:"; echo "    server: https://$(node_ip "$j"):6443"
+        echo "    certificate-authority-data: $(base64 -w0 <"$STATE/pki/ca.crt")"
+      done
+      echo "users:"
+      for ((j = 1; j <= N; j++)); do
+        ((j == i)) && continue
+        local tok; tok=$(kc "$j" -n mcs-system create token mcs-controller-reader --duration=720h)
+        echo "- name: c$j"; echo "  user:"; echo "    token: $tok"
+      done
+      echo "contexts:"
+      for ((j = 1; j <= N; j++)); do
+        ((j == i)) && continue
+        echo "- name: c$j"; echo "  context: {cluster: c$j, user: c$j}"
+      done
+    } >"$f"
+    kc "$i" -n mcs-system create secret generic mcs-clusterset-kubeconfig \
+      --from-file=kubeconfig="$f" --dry-run=client -o yaml | kc "$i" apply -f - >/dev/null
+    kc "$i" -n mcs-system rollout restart deployment/mcs-controller >/dev/null
+    # CoreDNS: our shipped clusterset.local block, pointed at this cluster's mcs-dns.
+    local block corefile
+    block=$(grep -v '^#' deploy/dns/Corefile.clusterset.local | sed "s/MCS_DNS_IP/$(svc_ip "$i" 53)/")
+    corefile=$(kc "$i" -n kube-system get configmap coredns -o jsonpath='{.data.Corefile}' | awk '/^clusterset.local:53/{skip=1} skip&&/^}/{skip=0; next} !skip')
+    kc "$i" -n kube-system create configmap coredns --from-literal=Corefile="$corefile
+$block" --dry-run=client -o yaml | kc "$i" apply -f - >/dev/null
+  done
+  for ((i = 1; i <= N; i++)); do
+    wait_for "mcs-agent in c$i" 120 /dev/null kc "$i" -n mcs-system rollout status ds/mcs-agent --timeout=2s ||
+      { kc "$i" -n mcs-system get pods -o wide >&2; kc "$i" -n mcs-system logs ds/mcs-agent --tail=30 >&2 || true; return 1; }
+    wait_for "mcs-controller in c$i" 120 /dev/null kc "$i" -n mcs-system rollout status deploy/mcs-controller --timeout=2s ||
+      { kc "$i" -n mcs-system get pods -o wide >&2; kc "$i" -n mcs-system logs deploy/mcs-controller --tail=30 >&2 || true; return 1; }
+  done
+  log "mcs-dataplane runs in every cluster (agent: $dp)"
+}
+
+up() {
+  [[ $(id -u) == 0 ]] || die "needs root"
+  local t
+  for t in etcd containerd ctr runc nsenter openssl gcc buildah mmdebstrap helm kubectl; do
+    command -v "$t" >/dev/null || die "$t not found (run bash scripts/setup.sh)"
+  done
+  for t in kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy; do
+    [[ -x $MCS_KUBE_BIN_DIR/$t ]] || die "$MCS_KUBE_BIN_DIR/$t missing (run bash scripts/setup.sh)"
+  done
+  [[ -x /usr/lib/cni/bridge ]] || die "CNI plugins missing (run bash scripts/setup.sh)"
+  down
+  local t0=$SECONDS
+  mkdir -p "$STATE"
+  # What `down` must restore or remove.
+  for t in "${SYSCTLS[@]}"; do echo "$t $(sysctl -n "$t")"; done >"$STATE/sysctl.saved"
+  for t in "${OUTSIDE[@]}"; do [[ -e $t ]] || echo "$t"; done >"$STATE/outside.absent"
+  # bpffs shared, as systemd leaves every mount on a real node (the agent's bpffs volume is
+  # mounted with HostToContainer propagation, which needs it); `down` puts it back.
+  echo "/sys/fs/bpf $(findmnt -no PROPAGATION /sys/fs/bpf)" >"$STATE/propagation.saved"
+  mount --make-shared /sys/fs/bpf
+  trap 'rc=$?; if ((rc != 0)); then log "up failed (rc $rc)"; if [[ ${MCS_CLUSTERSET_KEEP:-0} == 1 ]]; then log "kept for a look: $STATE (bash scripts/clusterset.sh down removes it)"; else down || true; fi; fi' EXIT
+  build_images
+  ((BARE)) || build_our_image
+  network
+  pki
+  cert apiserver-kubelet-client kube-apiserver-kubelet-client system:masters
+  local i
+  for ((i = 1; i <= N; i++)); do control_plane "$i"; done
+  # The user's kubeconfig: one context per cluster, named by its cluster id.
+  {
+    echo "apiVersion: v1"; echo "kind: Config"; echo "clusters:"
+    for ((i = 1; i <= N; i++)); do
+      echo "- name: c$i"; echo "  cluster:"; echo "    server: https://$(node_ip "$i"):6443"
+      echo "    certificate-authority-data: $(base64 -w0 <"$STATE/pki/ca.crt")"
+    done
+    echo "users:"
+    for ((i = 1; i <= N; i++)); do
+      echo "- name: c$i-admin"; echo "  user:"; echo "    token: $(cat "$STATE/c$i/token.admin")"
+    done
+    echo "contexts:"
+    for ((i = 1; i <= N; i++)); do echo "- name: c$i"; echo "  context: {cluster: c$i, user: c$i-admin}"; done
+    echo "current-context: c1"
+  } >"$STATE/kubeconfig"
+  for ((i = 1; i <= N; i++)); do
+    wait_for "kube-apiserver c$i" 60 "$STATE/c$i/logs/kube-apiserver.log" kc "$i" get --raw /readyz
+    controllers "$i"
+  done
+  for ((i = 1; i <= N; i++)); do start_node "$i"; done
+  for ((i = 1; i <= N; i++)); do
+    wait_for "node c$i-node Ready" 60 "$STATE/c$i/logs/kubelet.log" \
+      kc "$i" wait --for=condition=Ready "node/c$i-node" --timeout=2s
+    sed -e "s/@SERVICE_DNS_IP@/$(svc_ip "$i" 10)/" -e "s#@IMAGE@#docker.io/mcs-clusterset/coredns:$COREDNS_VERSION#" \
+      scripts/clusterset/coredns.yaml | kc "$i" apply -f - >/dev/null
+  done
+  for ((i = 1; i <= N; i++)); do
+    wait_for "CoreDNS in c$i" 90 "$STATE/c$i/logs/kubelet.log" \
+      kc "$i" -n kube-system rollout status deploy/coredns --timeout=2s
+  done
+  ((BARE)) || install_chart
+  trap - EXIT
+  log "up in $((SECONDS - t0))s: $N clusters (contexts c1..c$N); state in $STATE; take down with: bash scripts/clusterset.sh down"
+  echo "KUBECONFIG=$STATE/kubeconfig"
+}
+
+status() {
+  [[ -f $STATE/kubeconfig ]] || { echo "clusterset: not up (no $STATE/kubeconfig)"; return 1; }
+  local i rc=0
+  for ((i = 1; ; i++)); do
+    [[ -d $STATE/c$i ]] || break
+    echo "== c$i (API server https://$(node_ip "$i"):6443, netns $(netns "$i"))"
+    local name
+    for name in etcd kube-apiserver kube-controller-manager kube-scheduler containerd kubelet kube-proxy; do
+      if kill -0 "$(cat "$STATE/c$i/pids/$name" 2>/dev/null)" 2>/dev/null; then
+        printf '  %-24s running (pid %s)\n' "$name" "$(cat "$STATE/c$i/pids/$name")"
+      else
+        printf '  %-24s NOT RUNNING (log %s)\n' "$name" "$STATE/c$i/logs/$name.log"; rc=1
+      fi
+    done
+    kc "$i" get nodes -o wide 2>&1 | sed 's/^/  /' || rc=1
+    kc "$i" get pods -A -o wide 2>&1 | sed 's/^/  /' || rc=1
+  done
+  echo "KUBECONFIG=$STATE/kubeconfig"
+  return "$rc"
+}
+
+cmd=${1:-}; shift || true
+while (($#)); do
+  case $1 in
+    --clusters) N=$2; shift 2 ;;
+    --bare) BARE=1; shift ;;
+    --dataplane) DATAPLANE=$2; shift 2 ;;
+    -h|--help) cmd=help; shift ;;
+    *) die "unknown option $1 (see --help)" ;;
+  esac
+done
+[[ $N =~ ^[1-9]$ ]] || die "--clusters must be 1..9"
+case $DATAPLANE in ebpf|userspace|auto) ;; *) die "--dataplane must be ebpf, userspace or auto" ;; esac
+case $cmd in
+  up) up ;;
+  down) down ;;
+  status) status ;;
+  install)
+    [[ -f $STATE/kubeconfig ]] || die "not up"
+    N=$(ls -d "$STATE"/c[0-9]* | wc -l)
+    install_chart ;;
+  help|"") sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' ;;
+  *) die "unknown command $cmd (up, down, status, install)" ;;
+esac
