@@ -6,7 +6,7 @@
 #   ctr -n k8s.io images import target/image/mcs-agent-0.1.0.oci.tar
 #
 # The same image as deploy/Containerfile (for users with a registry and an engine): a Debian
-# bookworm userland with exactly the tools the agent executes (nft, ip; ca-certificates for
+# trixie userland with exactly the tools the agent executes (nft, ip; ca-certificates for
 # the API server's TLS), our release binaries in /usr/local/bin, entrypoint mcs-agent, command
 # `run --source kube`. The rootfs is made by mmdebstrap from the apt sources this machine is
 # configured with; buildah (vfs storage, private root under the work directory) assembles and
@@ -66,13 +66,15 @@ if [[ -z "$mirror" ]]; then
   mirror=$(awk '$1 == "deb" && $0 !~ /security/ { print $2; exit }' /etc/apt/sources.list 2>/dev/null || true)
 fi
 mirror="${mirror:-http://deb.debian.org/debian}"
-log "Debian bookworm rootfs from $mirror (nftables, iproute2, ca-certificates)"
+# trixie, not bookworm: its nft (1.1) has `meta broute`, which the userspace forwarder needs
+# for pods behind a Linux bridge with br_netfilter (proxy/src/userspace/nft.rs).
+log "Debian trixie rootfs from $mirror (nftables, iproute2, ca-certificates)"
 t0=$(date +%s)
 mmdebstrap --quiet --variant=apt --include=nftables,iproute2,ca-certificates \
   --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
   --dpkgopt='path-exclude=/usr/share/locale/*' \
   --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*' \
-  --format=tar bookworm "$work/rootfs.tar" "$mirror" </dev/null
+  --format=tar trixie "$work/rootfs.tar" "$mirror" </dev/null
 log "rootfs in $(( $(date +%s) - t0 ))s: $(du -h "$work/rootfs.tar" | cut -f1)"
 
 b() { buildah --root "$work/storage" --runroot "$work/run" --storage-driver vfs "$@"; }

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # A real ClusterSet on this machine: N single-node Kubernetes clusters (etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler, containerd + runc, bridge CNI, kubelet, kube-proxy in
+# kube-controller-manager, kube-scheduler, containerd + runc, CNI (ptp, or bridge), kubelet, kube-proxy in
 # nftables mode, CoreDNS), each node in its own network namespace (its "host network", as kind's
 # node containers), pods of every cluster routable to each other, and mcs-dataplane installed
 # into every cluster with its Helm chart from our own image.
 #
-#   bash scripts/clusterset.sh up [--clusters N] [--bare] [--dataplane ebpf|userspace]
+#   bash scripts/clusterset.sh up [--clusters N] [--bare] [--dataplane ebpf|userspace] [--cni ptp|bridge]
 #   bash scripts/clusterset.sh install [--dataplane ebpf|userspace]   # (re)install our chart
 #   bash scripts/clusterset.sh status
+#   bash scripts/clusterset.sh images     # only build (and cache) the images besides ours
 #   bash scripts/clusterset.sh down
 #
 # `up` prints `KUBECONFIG=<path>` as its last line (one context per cluster, named c1, c2, ...):
@@ -18,7 +19,8 @@
 #   nodes          198.19.32.<i>/24 on eth0 of netns mcs-cs-c<i>, bridged in the host (198.19.32.254)
 #   pods of c<i>   198.19.<40+i>.0/24        services of c<i>  198.19.<50+i>.0/24
 #   ClusterSetIPs  198.19.60.0/24 (every cluster's controller and agents)
-# API server of c<i>: https://198.19.32.<i>:6443. DNS: kube-dns 198.19.<50+i>.10, mcs-dns .53.
+# API server of c<i>: https://198.19.32.<i>:6443. DNS: kube-dns 198.19.<50+i>.10, mcs-dns .11 (both in the
+# range's static band, which the API server leaves to fixed addresses).
 #
 # `down` undoes everything `up` did (processes, containers' cgroups, mounts, network namespaces,
 # links, the kernel settings kubelet changes, files kubelet/containerd/CNI leave outside the
@@ -28,7 +30,8 @@
 #
 # Env: MCS_CLUSTERSET_DIR (state, default /var/lib/mcs-clusterset), MCS_CLUSTERS (default 2),
 #      MCS_IMAGE_BIN_DIR (binaries for our image; default: a release build),
-#      MCS_CLUSTERSET_DATAPLANE (default ebpf). Needs root and scripts/setup.sh's tools.
+#      MCS_CLUSTERSET_DATAPLANE (default ebpf), MCS_CLUSTERSET_CNI (ptp, routed pods, default;
+#      or bridge). Needs root and scripts/setup.sh's tools.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -38,6 +41,7 @@ cd "$root"
 STATE="${MCS_CLUSTERSET_DIR:-/var/lib/mcs-clusterset}"
 N="${MCS_CLUSTERS:-2}"
 DATAPLANE="${MCS_CLUSTERSET_DATAPLANE:-ebpf}"
+CNI="${MCS_CLUSTERSET_CNI:-ptp}"
 BARE=0
 BRIDGE=mcscs0
 NETNS_PREFIX=mcs-cs-
@@ -105,6 +109,7 @@ down() {
   ip netns list 2>/dev/null | grep -q "^$NETNS_PREFIX" && had=1
   ip link show "$BRIDGE" >/dev/null 2>&1 && had=1
   [[ -n $(cgroup_dirs) ]] && had=1
+  compgen -G "/sys/fs/bpf/mcs-clusterset-c[0-9]*" >/dev/null && had=1
   if ((had == 0)); then log "nothing to take down"; return 0; fi
   log "taking the clusterset down"
   # 1. Components, in reverse order of start (kubelet first, so it does not restart pods).
@@ -158,6 +163,8 @@ down() {
     ip netns del "$ns" 2>/dev/null || true
   done
   ip link del "$BRIDGE" 2>/dev/null || true
+  # The agents' pinned eBPF maps and links (they outlive the agents by design).
+  rm -rf /sys/fs/bpf/mcs-clusterset-c[0-9]* 2>/dev/null || true
   # 6. The kernel settings kubelet changes (global, not per network namespace), and bpffs's
   #    mount propagation.
   if [[ -f $STATE/sysctl.saved ]]; then
@@ -186,6 +193,7 @@ down() {
   local left=""
   [[ -n $(cgroup_dirs) ]] && left+=" cgroups($(cgroup_dirs | tr '\n' ' '))"
   ip netns list 2>/dev/null | grep -q "^$NETNS_PREFIX" && left+=" netns"
+  compgen -G "/sys/fs/bpf/mcs-clusterset-c[0-9]*" >/dev/null && left+=" bpffs pins"
   pgrep -f -- "$STATE/" >/dev/null 2>&1 && left+=" processes($(pgrep -f -- "$STATE/" | tr '\n' ' '))"
   [[ -n $left ]] && die "down: left behind:$left"
   log "down: done"
@@ -202,13 +210,13 @@ mirror() {
 # buildah with a private vfs store under $1.
 bah() { local w=$1; shift; buildah --root "$w/storage" --runroot "$w/run" --storage-driver vfs "$@"; }
 
-# image_from_dir NAME:TAG DIR|TAR OUT.tar ENTRYPOINT-JSON
+# image_from NAME:TAG FILE|TAR OUT.tar [buildah config options: entrypoint, cmd]
 image_from() {
-  local ref=$1 src=$2 out=$3 entry=$4 w c
+  local ref=$1 src=$2 out=$3 w c; shift 3
   w=$(mktemp -d "$IMAGES/work.XXXXXX")
   c=$(bah "$w" from scratch)
   bah "$w" add "$c" "$src" / >/dev/null
-  bah "$w" config --entrypoint "$entry" \
+  bah "$w" config "$@" \
     --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$c"
   bah "$w" commit --quiet --format oci "$c" "$ref" >/dev/null
   rm -f "$out.tmp"
@@ -227,18 +235,18 @@ build_images() {
     log "image: pause (static C program)"
     local w; w=$(mktemp -d "$IMAGES/pause.XXXXXX")
     gcc -static -O2 -o "$w/pause" scripts/clusterset/pause.c
-    image_from docker.io/mcs-clusterset/pause:1 "$w/pause" "$IMAGES/pause.tar" '["/pause"]'
+    image_from docker.io/mcs-clusterset/pause:1 "$w/pause" "$IMAGES/pause.tar" --entrypoint '["/pause"]'
     rm -rf "$w"
   fi
   if [[ ! -f $IMAGES/coredns-$COREDNS_VERSION.tar ]]; then
     log "image: CoreDNS $COREDNS_VERSION (the binary setup.sh built)"
     [[ -x $MCS_COREDNS_BIN_DIR/coredns ]] || die "no CoreDNS in $MCS_COREDNS_BIN_DIR (run bash scripts/setup.sh)"
     image_from "docker.io/mcs-clusterset/coredns:$COREDNS_VERSION" "$MCS_COREDNS_BIN_DIR/coredns" \
-      "$IMAGES/coredns-$COREDNS_VERSION.tar" '["/coredns"]'
+      "$IMAGES/coredns-$COREDNS_VERSION.tar" --entrypoint '["/coredns"]'
   fi
   # The upstream conformance suite's images, under the names it uses, from Debian packages
   # with the tools it runs in them (sh, socat, grep, awk, tr; nslookup, nc -4/-6 -v -w).
-  local key; key=$(echo "$TOOLS_PKGS" | sha256sum | cut -c1-12)
+  local key; key=$(echo "$TOOLS_PKGS entrypoints-2" | sha256sum | cut -c1-12)
   if [[ ! -f $IMAGES/tools-$key.tar ]]; then
     log "image: Debian tools rootfs ($TOOLS_PKGS), about 1 min"
     local w; w=$(mktemp -d "$IMAGES/tools.XXXXXX")
@@ -247,11 +255,18 @@ build_images() {
       --dpkgopt='path-exclude=/usr/share/locale/*' \
       --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*' \
       --format=tar bookworm "$w/rootfs.tar" "$(mirror)" </dev/null
-    image_from docker.io/alpine/socat:1.7.4.4 "$w/rootfs.tar" "$IMAGES/socat.tar.new" '["/bin/sh"]'
-    image_from docker.io/nicolaka/netshoot:v0.15 "$w/rootfs.tar" "$IMAGES/netshoot.tar.new" '["/bin/sh"]'
+    # Entrypoint and command as the originals have them: socat's is socat; netshoot has none
+    # (the suite's request pod gives only args, a shell command line).
+    image_from docker.io/alpine/socat:1.7.4.4 "$w/rootfs.tar" "$IMAGES/socat.tar.new" \
+      --entrypoint '["socat"]' --cmd ''
+    image_from docker.io/nicolaka/netshoot:v0.15 "$w/rootfs.tar" "$IMAGES/netshoot.tar.new" \
+      --entrypoint '' --cmd /bin/bash
     mv "$IMAGES/socat.tar.new" "$IMAGES/socat-$key.tar"
     mv "$IMAGES/netshoot.tar.new" "$IMAGES/netshoot-$key.tar"
     rm -rf "$w"
+    # Older builds of these images (another package list) go.
+    find "$IMAGES" -maxdepth 1 \( -name 'socat-*.tar' -o -name 'netshoot-*.tar' -o -name 'tools-*.tar' \) \
+      ! -name "*-$key.tar" -delete
     touch "$IMAGES/tools-$key.tar"
   fi
   TOOL_IMAGES=("$IMAGES/socat-$key.tar" "$IMAGES/netshoot-$key.tar")
@@ -404,12 +419,17 @@ start_node() {
       cat "$h/cpuset.mems" >"$h/mcs-c$i/cpuset.mems"
     fi
   done
+  # ptp (default): routed pods, one veth each, as Calico, Cilium and most cloud CNIs; bridge:
+  # pods on a Linux bridge, as the bridge CNI, kubenet and flannel (there br_netfilter hands
+  # the userspace forwarder's TPROXY a packet it cannot keep; see README).
+  local plugin='"type": "ptp"'
+  [[ $CNI == bridge ]] && plugin='"type": "bridge", "bridge": "cni0", "isGateway": true, "hairpinMode": true'
   cat >"$d/cni/net.d/10-clusterset.conflist" <<EOF
 {
   "cniVersion": "1.0.0",
   "name": "$(netns "$i")",
   "plugins": [{
-    "type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+    $plugin, "ipMasq": false,
     "ipam": {
       "type": "host-local", "dataDir": "$d/cni/ipam",
       "ranges": [[{ "subnet": "$(pod_cidr "$i")" }]],
@@ -511,8 +531,8 @@ install_chart() {
       deploy/helm/mcs-dataplane --wait=false \
       --set controller.enabled=true --set clusterId="c$i" \
       --set "clustersetIPCIDRs={$CLUSTERSET_CIDR}" --set dataplane="$dp" \
-      --set cgroupRoot="/sys/fs/cgroup/unified/mcs-c$i" --set bpfPinDir="/sys/fs/bpf/mcs-c$i" \
-      --set image.pullPolicy=Never --set dns.clusterIP="$(svc_ip "$i" 53)" \
+      --set cgroupRoot="/sys/fs/cgroup/unified/mcs-c$i" --set bpfPinDir="/sys/fs/bpf/mcs-clusterset-c$i" \
+      --set image.pullPolicy=Never --set dns.clusterIP="$(svc_ip "$i" 11)" \
       --set controller.replicas=1 >/dev/null
   done
   # The clusterset kubeconfig of each controller: the other members, by their reader tokens.
@@ -542,10 +562,13 @@ install_chart() {
     kc "$i" -n mcs-system rollout restart deployment/mcs-controller >/dev/null
     # CoreDNS: our shipped clusterset.local block, pointed at this cluster's mcs-dns.
     local block corefile
-    block=$(grep -v '^#' deploy/dns/Corefile.clusterset.local | sed "s/MCS_DNS_IP/$(svc_ip "$i" 53)/")
+    block=$(grep -v '^#' deploy/dns/Corefile.clusterset.local | sed "s/MCS_DNS_IP/$(svc_ip "$i" 11)/")
     corefile=$(kc "$i" -n kube-system get configmap coredns -o jsonpath='{.data.Corefile}' | awk '/^clusterset.local:53/{skip=1} skip&&/^}/{skip=0; next} !skip')
     kc "$i" -n kube-system create configmap coredns --from-literal=Corefile="$corefile
 $block" --dry-run=client -o yaml | kc "$i" apply -f - >/dev/null
+    # CoreDNS's reload plugin sees the new Corefile only once kubelet has refreshed the volume
+    # (up to a minute); a restart makes it now.
+    kc "$i" -n kube-system rollout restart deploy/coredns >/dev/null
   done
   for ((i = 1; i <= N; i++)); do
     wait_for "mcs-agent in c$i" 120 /dev/null kc "$i" -n mcs-system rollout status ds/mcs-agent --timeout=2s ||
@@ -553,7 +576,13 @@ $block" --dry-run=client -o yaml | kc "$i" apply -f - >/dev/null
     wait_for "mcs-controller in c$i" 120 /dev/null kc "$i" -n mcs-system rollout status deploy/mcs-controller --timeout=2s ||
       { kc "$i" -n mcs-system get pods -o wide >&2; kc "$i" -n mcs-system logs deploy/mcs-controller --tail=30 >&2 || true; return 1; }
   done
-  log "mcs-dataplane runs in every cluster (agent: $dp)"
+  # clusterset.local answered through each cluster's DNS (CoreDNS -> mcs-dns -> the agents).
+  for ((i = 1; i <= N; i++)); do
+    wait_for "CoreDNS in c$i" 90 /dev/null kc "$i" -n kube-system rollout status deploy/coredns --timeout=2s
+    wait_for "clusterset.local through c$i's DNS" 60 /dev/null sh -c \
+      "nsenter --net=/run/netns/$(netns "$i") -- dig +short +time=1 +tries=1 @$(svc_ip "$i" 10) dns-version.clusterset.local TXT | grep -q ."
+  done
+  log "mcs-dataplane runs in every cluster (agent: $dp); clusterset.local answered by every cluster's DNS"
 }
 
 up() {
@@ -647,16 +676,19 @@ while (($#)); do
     --clusters) N=$2; shift 2 ;;
     --bare) BARE=1; shift ;;
     --dataplane) DATAPLANE=$2; shift 2 ;;
+    --cni) CNI=$2; shift 2 ;;
     -h|--help) cmd=help; shift ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
 [[ $N =~ ^[1-9]$ ]] || die "--clusters must be 1..9"
 case $DATAPLANE in ebpf|userspace|auto) ;; *) die "--dataplane must be ebpf, userspace or auto" ;; esac
+case $CNI in ptp|bridge) ;; *) die "--cni must be ptp or bridge" ;; esac
 case $cmd in
   up) up ;;
   down) down ;;
   status) status ;;
+  images) build_images; printf '%s\n' "$IMAGES/pause.tar" "$IMAGES/coredns-$COREDNS_VERSION.tar" "${TOOL_IMAGES[@]}" ;;
   install)
     [[ -f $STATE/kubeconfig ]] || die "not up"
     N=$(ls -d "$STATE"/c[0-9]* | wc -l)

@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # The upstream MCS conformance suite (../shared/conformance/mcs-api, kubernetes-sigs/mcs-api
-# conformance/, unchanged) against our controller:
+# conformance/, unchanged) against mcs-dataplane, in one of two modes (it says which):
 #
-#   1. builds the suite from a copy (go test -c; the original is never touched);
-#   2. starts two clusters with `mcs-testbed` (etcd + kube-apiserver + kube-controller-manager
-#      each, our CRDs; no scheduler or kubelet: Pending pods are bound to the cluster's Node and
-#      reported Running and Ready with an address, so Services get real EndpointSlices);
-#   3. runs `mcs-controller` in each (leader election on, as deployed);
-#   4. runs the suite with -contexts c1,c2 and the label filter (default Required).
+#   real     the ClusterSet of scripts/clusterset.sh, when it is up: real kubelets and pods,
+#            our image installed by our chart (agents and controllers in the clusters), CoreDNS
+#            with our clusterset.local block. Every test runs (default label filter: none).
+#   testbed  otherwise: two clusters from `mcs-testbed` (etcd + kube-apiserver +
+#            kube-controller-manager each, our CRDs; no kubelet: Pending pods are bound and
+#            reported Running and Ready with an address, so Services get real EndpointSlices)
+#            and `mcs-controller` run here for each. Pods do not run, so only the Required
+#            tests are meaningful (default label filter: Required).
+#
+# Both build the suite from a copy (go test -c; the original is never touched) and run it with
+# -contexts c1,c2.
 #
 # Reports: target/conformance/report.yaml (the suite's), junit.xml, suite.log, and the
 # controllers' and testbed's logs. Exits with the suite's status. Everything it starts is
 # stopped on exit, also on failure or Ctrl-C.
 #
-# Env: MCS_CONFORMANCE_LABELS (ginkgo label filter, default Required),
+# Env: MCS_CONFORMANCE_MODE (auto, real or testbed; default auto: real when the clusterset is
+#      up), MCS_CONFORMANCE_LABELS (ginkgo label filter; default: none in real mode, Required
+#      in testbed mode), MCS_CLUSTERSET_DIR (as scripts/clusterset.sh),
 #      MCS_CONFORMANCE_SUITE (suite directory; default ../shared/conformance/mcs-api beside the
 #      checkout, else /work/shared/conformance/mcs-api).
 set -euo pipefail
@@ -29,9 +36,26 @@ if [[ -z $suite ]]; then
         if [[ -f $d/go.mod ]]; then suite=$d; break; fi
     done
 fi
-labels=${MCS_CONFORMANCE_LABELS:-Required}
 out=$root/target/conformance
 mkdir -p "$out"
+mode=${MCS_CONFORMANCE_MODE:-auto}
+clusterset_kubeconfig="${MCS_CLUSTERSET_DIR:-/var/lib/mcs-clusterset}/kubeconfig"
+if [[ $mode == auto ]]; then
+    mode=testbed
+    if [[ -f $clusterset_kubeconfig ]] &&
+        kubectl --kubeconfig "$clusterset_kubeconfig" --context c1 get --raw /readyz >/dev/null 2>&1 &&
+        kubectl --kubeconfig "$clusterset_kubeconfig" --context c2 get --raw /readyz >/dev/null 2>&1; then
+        mode=real
+    fi
+fi
+case $mode in
+    real) labels=${MCS_CONFORMANCE_LABELS-}
+          echo "conformance: mode real: the ClusterSet of scripts/clusterset.sh ($clusterset_kubeconfig): kubelets, pods, our chart" ;;
+    testbed) labels=${MCS_CONFORMANCE_LABELS-Required}
+          echo "conformance: mode testbed: mcs-testbed API servers, no kubelets (pods do not run), mcs-controller here" ;;
+    *) echo "conformance: MCS_CONFORMANCE_MODE must be auto, real or testbed" >&2; exit 1 ;;
+esac
+echo "mode: $mode" >"$out/mode"
 
 if [[ -z $suite || ! -f $suite/go.mod ]]; then
     echo "conformance: the upstream suite is not at ../shared/conformance/mcs-api or /work/shared/conformance/mcs-api (set MCS_CONFORMANCE_SUITE)" >&2
@@ -46,6 +70,9 @@ cp -r "$suite" "$out/src"
 chmod -R u+w "$out/src"
 (cd "$out/src" && go test -c -o "$out/conformance.test" .)
 
+if [[ $mode == real ]]; then
+    kubeconfig=$clusterset_kubeconfig
+else
 echo "conformance: building mcs-controller and mcs-testbed"
 cargo build -q -p mcs-controller --bin mcs-controller
 cargo build -q -p mcs-test-support --bin mcs-testbed
@@ -101,12 +128,13 @@ for c in c1 c2; do
     done
 done
 echo "conformance: mcs-controller ready in c1 and c2"
+fi
 
-echo "conformance: running the suite (label filter: $labels)"
+echo "conformance: running the suite (label filter: ${labels:-none, every test})"
 set +e
 (cd "$out" && ./conformance.test -test.v -test.timeout 60m \
     -kubeconfig "$kubeconfig" -contexts c1,c2 \
-    -ginkgo.label-filter="$labels" -ginkgo.junit-report="$out/junit.xml" \
+    ${labels:+-ginkgo.label-filter="$labels"} -ginkgo.junit-report="$out/junit.xml" \
     -ginkgo.no-color) >"$out/suite.log" 2>&1
 rc=$?
 set -e

@@ -6,8 +6,8 @@
 #   - the pinned stable toolchain (rust-toolchain.toml) and the pinned nightly with rust-src
 #     that builds the kernel-side eBPF crate
 #   - bpf-linker 0.13.0 linked against the stable toolchain's own LLVM 22
-#   - kube-apiserver, kube-controller-manager and kubectl, built from the Go module proxy with the
-#     machine's Go
+#   - kube-apiserver, kube-controller-manager and kubectl (and the nodes' kube-scheduler, kubelet
+#     and kube-proxy), built from the Go module proxy with the machine's Go
 #   - helm v3, built from the Go module proxy (renders the chart in CI)
 #   - CoreDNS, built from the Go module proxy (in front of the agents' DNS in tests)
 #
@@ -28,7 +28,9 @@ APT_PKGS=(etcd-server etcd-client nftables iproute2 bpftool openssl jq procps ps
   # DNS: dig in the tests, dnsperf in the DNS bench
   dnsutils dnsperf
   # the image without a registry or engine (deploy/image.sh)
-  mmdebstrap buildah)
+  mmdebstrap buildah
+  # the real ClusterSet's nodes (scripts/clusterset.sh): container runtime, CNI plugins
+  containerd runc containernetworking-plugins curl)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -39,9 +41,10 @@ if ((${#missing[@]})); then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   # The etcd-server package may start a system etcd; tests start their own.
-  # So may haproxy, nginx and iperf3; the harness starts its own inside its namespaces.
+  # So may haproxy, nginx and iperf3; the harness starts its own inside its namespaces. And
+  # containerd: scripts/clusterset.sh runs one per node with its own configuration.
   if command -v systemctl >/dev/null 2>&1; then
-    systemctl disable --now etcd haproxy nginx iperf3 >/dev/null 2>&1 || true
+    systemctl disable --now etcd haproxy nginx iperf3 containerd >/dev/null 2>&1 || true
   fi
 else
   log "Debian packages present"

@@ -312,6 +312,23 @@ async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
     let metrics = Arc::new(Metrics::new(&mut registry));
     let start_userspace =
         |registry: &mut prometheus_client::registry::Registry| -> anyhow::Result<AgentDataplane> {
+            // An eBPF socket LB a previous agent left pinned (the dataplane was switched)
+            // would keep translating ClusterSetIPs in the kernel with a table nobody
+            // updates, ahead of the forwarder: remove it first.
+            let pins = &args.pins.bpf_pin_dir;
+            match SocketLb::uninstall(pins) {
+                Ok(0) => {}
+                Ok(n) => tracing::warn!(
+                    pin_dir = %pins.display(),
+                    removed = n,
+                    "removed the eBPF socket LB a previous agent left pinned: this agent runs the userspace forwarder"
+                ),
+                Err(e) => tracing::warn!(
+                    pin_dir = %pins.display(),
+                    error = %e,
+                    "could not remove the eBPF socket LB a previous agent left pinned; it may still translate ClusterSetIPs (mcs-agent uninstall)"
+                ),
+            }
             let proxy_metrics = ProxyMetrics::default();
             proxy_metrics.register(registry);
             Ok(AgentDataplane::Userspace(

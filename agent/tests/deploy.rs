@@ -50,6 +50,34 @@ fn run(cmd: &mut Command, stdin: Option<&str>) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// Helm's pod templates carry `checksum/config` (the ConfigMap's hash, so that a changed
+/// value rolls the pods); kustomize has no such thing. Checks every DaemonSet and Deployment
+/// of `helmed` has it and removes it, so the rest can be compared.
+fn strip_config_checksums(helmed: &mut [serde_json::Value]) {
+    for o in helmed
+        .iter_mut()
+        .filter(|o| o["kind"] == "DaemonSet" || o["kind"] == "Deployment")
+    {
+        let meta = o["spec"]["template"]["metadata"]
+            .as_object_mut()
+            .expect("pod template metadata");
+        let ann = meta
+            .get_mut("annotations")
+            .and_then(|a| a.as_object_mut())
+            .unwrap_or_else(|| panic!("no pod template annotations in helm's {}", o["kind"]));
+        let sum = ann.remove("checksum/config");
+        assert!(
+            sum.as_ref()
+                .and_then(|s| s.as_str())
+                .is_some_and(|s| s.len() == 64),
+            "helm's pod template lacks checksum/config: {sum:?}"
+        );
+        if ann.is_empty() {
+            meta.remove("annotations");
+        }
+    }
+}
+
 /// Objects of a multi-document YAML, sorted by (kind, namespace, name).
 fn objects(yaml: &str) -> Vec<serde_json::Value> {
     let mut v: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(yaml)
@@ -126,7 +154,8 @@ fn kustomize_base_and_helm_chart_render_the_same_objects() {
         String::from_utf8_lossy(&out.stderr)
     );
     let helmed = helm_template(&[]);
-    let (mut a, b) = (objects(&kustomized), objects(&helmed));
+    let (mut a, mut b) = (objects(&kustomized), objects(&helmed));
+    strip_config_checksums(&mut b);
     for o in &mut a {
         if o["kind"] == "ConfigMap" {
             assert_eq!(o["data"]["MCS_CLUSTERSET_IP_CIDR"], "");
@@ -242,6 +271,20 @@ fn the_apiserver_accepts_crds_base_and_chart() {
     let out = k(&["apply", "--dry-run=server", "-f", "-"], Some(&custom));
     assert!(out.contains("(server dry run)"), "{out}");
 
+    // A changed value changes the agents' pod template (its ConfigMap checksum), so
+    // `helm upgrade` rolls them.
+    let sum = |yaml: &str| {
+        objects(yaml)
+            .into_iter()
+            .find(|o| o["kind"] == "DaemonSet")
+            .map(|o| o["spec"]["template"]["metadata"]["annotations"]["checksum/config"].clone())
+            .unwrap()
+    };
+    assert_ne!(
+        sum(&helm_template(&[])),
+        sum(&helm_template(&["--set", "dataplane=userspace"]))
+    );
+
     // A cluster without kube-proxy: the API server's address is given to both workloads.
     let direct = helm_template(&[
         "--set",
@@ -284,7 +327,8 @@ fn with_the_controller_kustomize_and_helm_agree_and_its_roles_are_least_privileg
         None,
     );
     let helmed = helm_template(&["--set", "controller.enabled=true"]);
-    let (mut a, b) = (objects(&kustomized), objects(&helmed));
+    let (mut a, mut b) = (objects(&kustomized), objects(&helmed));
+    strip_config_checksums(&mut b);
     for o in &mut a {
         if o["kind"] == "ConfigMap" {
             o["data"]["MCS_CLUSTERSET_IP_CIDR"] = TEST_CIDRS.into();

@@ -150,8 +150,16 @@ impl Answerer {
             Node::Service(s) if !s.headless => {
                 self.addresses(&owner, s.ips.iter().copied(), qtype, &mut out.answers);
                 if want(RecordType::SRV) {
+                    // One record per port number: ports that differ only in protocol
+                    // (tcp/42 and udp/42) give the same SRV data, and an RRset holds no
+                    // duplicates (RFC 2181 5).
                     let target = qname.to_lowercase();
+                    let mut seen: Vec<u16> = Vec::with_capacity(s.ports.len());
                     for p in &s.ports {
+                        if seen.contains(&p.port) {
+                            continue;
+                        }
+                        seen.push(p.port);
                         out.answers
                             .push(self.srv(&owner, 100, p.port, target.clone()));
                     }
@@ -171,7 +179,13 @@ impl Answerer {
                         let Some(target) = endpoint_name(e, &base) else {
                             continue;
                         };
+                        // As above: one record per (endpoint, port number).
+                        let mut seen: Vec<u16> = Vec::with_capacity(e.ports.len());
                         for p in &e.ports {
+                            if seen.contains(&p.port) {
+                                continue;
+                            }
+                            seen.push(p.port);
                             out.answers
                                 .push(self.srv(&owner, weight, p.port, target.clone()));
                         }

@@ -43,6 +43,8 @@ fn zone() -> Answerer {
             ports: vec![
                 port(Some("http"), Protocol::Tcp, 80),
                 port(None, Protocol::Udp, 53),
+                // Same number as the UDP port: one SRV record for both.
+                port(Some("dns-tcp"), Protocol::Tcp, 53),
             ],
             endpoints: vec![],
         }),
@@ -112,7 +114,8 @@ fn clusterset_ip_service_a_aaaa_and_srv() {
         rdatas(&ask(&a, "web.shop.svc.clusterset.local.", RecordType::AAAA)),
         ["2001:2::100:7"]
     );
-    // The bare name: one SRV per port, unnamed too (the conformance suite asks this).
+    // The bare name: one SRV per port number, unnamed too (the conformance suite asks this);
+    // udp/53 and tcp/53 give one record, not a duplicate.
     assert_eq!(
         rdatas(&ask(&a, "web.shop.svc.clusterset.local.", RecordType::SRV)),
         [

@@ -242,7 +242,9 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
             continue;
         }
         let (ips, families) = if shape.headless {
-            (Vec::new(), Vec::new())
+            // No ClusterSetIP, but the families of the exported Services: clients (and the
+            // conformance suite) read them to know which address records to ask for.
+            (Vec::new(), shape.ip_families.clone())
         } else if let Some(ips) = keep.get(&k) {
             (ips.clone(), shape.ip_families.clone())
         } else {

@@ -88,6 +88,9 @@ impl SetElement {
 pub struct Interception {
     cfg: InterceptConfig,
     kept: Vec<SetElement>,
+    /// Whether the bridge table (see [`Interception::install_bridge`]) is installed, so set
+    /// changes go to both tables.
+    bridged: bool,
 }
 
 impl Interception {
@@ -125,7 +128,8 @@ impl Interception {
             script.push_str(&format!("add element inet {t} {} {{ {} }}\n", e.0, e.1));
         }
         nft(&script)?;
-        let this = Self { cfg, kept };
+        let bridged = Self::install_bridge(t, &kept);
+        let this = Self { cfg, kept, bridged };
         let (m, rt, prio) = (
             this.cfg.mark.to_string(),
             this.cfg.route_table.to_string(),
@@ -168,6 +172,44 @@ impl Interception {
         Ok(this)
     }
 
+    /// Pods behind a Linux bridge (bridge CNI, kubenet, ...) on a node with br_netfilter
+    /// (`net.bridge.bridge-nf-call-iptables=1`, as kubeadm requires): br_netfilter runs the IP
+    /// prerouting hooks while the frame is still being bridged, and the IP layer then drops
+    /// the socket TPROXY assigned there, so the packet finds no socket. A bridge-family table
+    /// "broutes" frames for a frontend (`meta broute set 1`): they go up to the IP stack as
+    /// received on the bridge port, before br_netfilter, and TPROXY works as for any other
+    /// interface. Best effort: it needs nft >= 1.0.8 and a kernel with nftables bridge
+    /// support; without, pods on a bridge are not intercepted (said in a warning).
+    fn install_bridge(t: &str, kept: &[SetElement]) -> bool {
+        let mut script = format!(
+            "table bridge {t}\n\
+             delete table bridge {t}\n\
+             table bridge {t} {{\n\
+               comment \"mcs-dataplane: ClusterSetIP frames up to the IP stack before br_netfilter, owned by mcs-agent\"\n\
+               set frontends4 {{ type ipv4_addr . inet_proto . inet_service; }}\n\
+               set frontends6 {{ type ipv6_addr . inet_proto . inet_service; }}\n\
+               chain brouting {{\n\
+                 type filter hook prerouting priority -300; policy accept;\n\
+                 ip daddr . meta l4proto . th dport @frontends4 meta broute set 1\n\
+                 ip6 daddr . meta l4proto . th dport @frontends6 meta broute set 1\n\
+               }}\n\
+             }}\n"
+        );
+        for e in kept.iter().filter_map(SetElement::render) {
+            script.push_str(&format!("add element bridge {t} {} {{ {} }}\n", e.0, e.1));
+        }
+        match nft(&script) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "no bridge interception (needs nft >= 1.0.8 with bridge support): pods behind a Linux bridge with br_netfilter will not reach ClusterSetIPs through the userspace forwarder"
+                );
+                false
+            }
+        }
+    }
+
     /// The frontends a previous run left in the table, still intercepted after installing.
     pub fn kept(&self) -> &[SetElement] {
         &self.kept
@@ -187,12 +229,20 @@ impl Interception {
     pub fn update(&self, add: &[SetElement], remove: &[SetElement]) -> Result<(), NftError> {
         let t = &self.cfg.table;
         let mut script = String::new();
-        for e in remove.iter().filter_map(SetElement::render) {
-            // `destroy` would be idempotent but needs nft ≥ 1.0.8; delete what we know we added.
-            script.push_str(&format!("delete element inet {t} {} {{ {} }}\n", e.0, e.1));
-        }
-        for e in add.iter().filter_map(SetElement::render) {
-            script.push_str(&format!("add element inet {t} {} {{ {} }}\n", e.0, e.1));
+        let families: &[&str] = if self.bridged {
+            &["inet", "bridge"]
+        } else {
+            &["inet"]
+        };
+        for fam in families {
+            for e in remove.iter().filter_map(SetElement::render) {
+                // `destroy` would be idempotent but needs nft ≥ 1.0.8; delete what we know we
+                // added.
+                script.push_str(&format!("delete element {fam} {t} {} {{ {} }}\n", e.0, e.1));
+            }
+            for e in add.iter().filter_map(SetElement::render) {
+                script.push_str(&format!("add element {fam} {t} {} {{ {} }}\n", e.0, e.1));
+            }
         }
         if script.is_empty() {
             return Ok(());
@@ -203,6 +253,9 @@ impl Interception {
     /// Removes the table and the policy routing.
     pub fn uninstall(&self) -> Result<(), NftError> {
         self.remove_routing();
+        if self.bridged {
+            let _ = nft(&format!("delete table bridge {}\n", self.cfg.table));
+        }
         let r = nft(&format!("delete table inet {}\n", self.cfg.table));
         tracing::info!(table = %self.cfg.table, "interception removed");
         r

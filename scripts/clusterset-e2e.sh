@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# End to end on real pods, on the ClusterSet of scripts/clusterset.sh (which must be up, with
+# mcs-dataplane installed):
+#
+#   1. eBPF: a Deployment exported by c2 is reached from a pod of c1 by its ClusterSetIP and by
+#      <svc>.<ns>.svc.clusterset.local (CoreDNS forwarding to the agents), served by both of
+#      c2's pods; the socket LB is attached to the kubelet's cgroup root of each cluster, not
+#      the host's.
+#   2. Failover: c1 exports the service too, and its local pod is preferred; scaled to 0 under
+#      load, c2 takes over with no failed request (the pod drains for 5 s in preStop, as
+#      users' graceful pods do).
+#   3. The agent pod of c1 deleted under load: the DaemonSet recreates it, and eBPF traffic
+#      keeps flowing (pinned maps) with no failed request.
+#   4. Userspace: the chart switched to --dataplane userspace (helm upgrade); the new agent
+#      removes the pinned socket LB, and the same requests go through its forwarder (its
+#      connection counter moves). Then back to eBPF.
+#
+# Every request is checked (the reply names the pod that served it); failures are counted and
+# shown, and any in a step that should have none fails the script. Everything it creates (one
+# namespace per cluster) is deleted on exit.
+#
+#   bash scripts/clusterset-e2e.sh
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+# shellcheck source=scripts/env.sh
+. scripts/env.sh
+STATE="${MCS_CLUSTERSET_DIR:-/var/lib/mcs-clusterset}"
+export KUBECONFIG="$STATE/kubeconfig"
+[[ -f $KUBECONFIG ]] || { echo "e2e: no clusterset (bash scripts/clusterset.sh up)" >&2; exit 1; }
+NS="e2e-$(date +%s)"
+failures=0
+
+say() { printf '\033[1me2e:\033[0m %s\n' "$*"; }
+fail() { printf 'e2e: FAILED: %s\n' "$*" >&2; failures=$((failures + 1)); }
+kc() { local c=$1; shift; kubectl --context "$c" "$@"; }
+until_ok() { # until_ok SECONDS DESCRIPTION CMD...
+  local secs=$1 what=$2; shift 2
+  local deadline=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS > deadline)) && { fail "$what (not within ${secs}s)"; return 1; }
+    sleep 0.5
+  done
+}
+cleanup() {
+  local rc=$?
+  for c in c1 c2; do kc "$c" delete namespace "$NS" --wait=false >/dev/null 2>&1 || true; done
+  exit "$rc"
+}
+trap cleanup EXIT
+
+# A web Deployment whose every reply is "<cluster> <pod name>".
+web() { # web CLUSTER REPLICAS
+  cat <<EOF | kc "$1" apply -f - >/dev/null
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: web, namespace: $NS}
+spec:
+  replicas: $2
+  selector: {matchLabels: {app: web}}
+  template:
+    metadata: {labels: {app: web}}
+    spec:
+      terminationGracePeriodSeconds: 15
+      containers:
+      - name: web
+        image: docker.io/alpine/socat:1.7.4.4
+        imagePullPolicy: Never
+        command: [/bin/sh, -c, 'exec socat TCP-LISTEN:8080,fork,reuseaddr SYSTEM:"echo $1 \$(hostname)"', sh, $1]
+        ports: [{containerPort: 8080}]
+        readinessProbe: {tcpSocket: {port: 8080}, periodSeconds: 1}
+        lifecycle: {preStop: {exec: {command: [sleep, "5"]}}}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: $NS}
+spec:
+  selector: {app: web}
+  ports: [{name: http, port: 80, targetPort: 8080}]
+---
+apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceExport
+metadata: {name: web, namespace: $NS}
+spec: {}
+EOF
+}
+
+# Runs N requests (one connection each, 50 ms apart) from c1's client pod to TARGET:80 and
+# prints one reply per line ("FAIL" for a request that got none). The client sends nothing:
+# the server closing with a byte it never read unsent would reset the connection, and a reset
+# can discard the reply before nc reads it (seen 1 in ~300 with `echo | nc`, direct to a pod).
+load() { # load TARGET N
+  kc c1 -n "$NS" exec client -- sh -c '
+    i=0
+    while [ $i -lt '"$2"' ]; do
+      r=$(nc -w 2 '"$1"' 80 </dev/null 2>/dev/null | head -1)
+      case "$r" in c[0-9]\ web-*) echo "$r" ;; *) echo FAIL ;; esac
+      i=$((i + 1)); sleep 0.05
+    done'
+}
+count() { grep -c -- "$1" "$2" || true; }
+
+say "namespace $NS in c1 and c2; web (2 pods) exported by c2; a client pod in c1"
+for c in c1 c2; do kc "$c" create namespace "$NS" >/dev/null; done
+web c2 2
+kc c1 -n "$NS" run client --image=docker.io/nicolaka/netshoot:v0.15 --image-pull-policy=Never \
+  --command -- sleep 3600 >/dev/null
+until_ok 90 "web Ready in c2" kc c2 -n "$NS" rollout status deploy/web --timeout=2s
+until_ok 60 "client pod Ready in c1" kc c1 -n "$NS" wait --for=condition=Ready pod/client --timeout=2s
+vip=""
+deadline=$((SECONDS + 60))
+while [[ -z $vip ]] && ((SECONDS < deadline)); do
+  vip=$(kc c1 -n "$NS" get serviceimport web -o jsonpath='{.spec.ips[0]}' 2>/dev/null || true)
+  [[ -z $vip ]] && sleep 0.5
+done
+[[ -n $vip ]] || { fail "no ServiceImport web with a ClusterSetIP in c1"; exit 1; }
+say "ServiceImport web in c1: ClusterSetIP $vip"
+
+# --- 1. eBPF, by IP and by name ---------------------------------------------------------------
+out=$(mktemp); trap 'rm -f "$out"; cleanup' EXIT
+# The first requests may race the agent's table; wait until one succeeds, then count.
+until_ok 30 "a first reply through $vip" sh -c "kubectl --context c1 -n $NS exec client -- sh -c 'nc -w 2 $vip 80 </dev/null' | grep -q '^c2 web-'"
+load "$vip" 40 >"$out"
+ok=$(count '^c2 web-' "$out"); bad=$(count FAIL "$out"); pods=$(grep '^c2 web-' "$out" | sort -u | wc -l)
+say "1. eBPF by ClusterSetIP: $ok/40 served by c2 ($pods distinct pods), $bad failed"
+((ok == 40)) || fail "by ClusterSetIP: $bad of 40 failed"
+((pods == 2)) || fail "by ClusterSetIP: served by $pods of c2's 2 pods"
+name="web.$NS.svc.clusterset.local"
+got=$(kc c1 -n "$NS" exec client -- sh -c "nslookup $name. | awk '/^Address: /{print \$2}'" | tail -1)
+say "   $name resolves to ${got:-nothing} in c1's pod (CoreDNS -> mcs-dns -> agent)"
+[[ $got == "$vip" ]] || fail "$name resolved to '${got}', not $vip"
+load "$name" 20 >"$out"
+ok=$(count '^c2 web-' "$out")
+say "   by name: $ok/20 served by c2"
+((ok == 20)) || fail "by name: $((20 - ok)) of 20 failed"
+for i in 1 2; do
+  progs=$(bpftool cgroup show "/sys/fs/cgroup/unified/mcs-c$i" 2>/dev/null | grep -c connect4 || true)
+  hostprogs=$(bpftool cgroup show /sys/fs/cgroup/unified 2>/dev/null | grep -c connect4 || true)
+  say "   c$i: socket LB attached at the kubelet's cgroup root /sys/fs/cgroup/unified/mcs-c$i ($progs connect4), host root ($hostprogs)"
+  ((progs == 1)) || fail "c$i: no connect4 program at /sys/fs/cgroup/unified/mcs-c$i"
+  ((hostprogs == 0)) || fail "a connect4 program is attached at the host's cgroup root"
+done
+kc c1 -n mcs-system exec ds/mcs-agent -- mcs-agent status --bpf-pin-dir /run/mcs/bpf | grep -q "$vip" ||
+  fail "c1's agent status does not list $vip"
+
+# --- 2. Failover ------------------------------------------------------------------------------
+say "2. c1 exports web too (1 pod); local first, then scaled to 0 under load"
+web c1 1
+until_ok 90 "web Ready in c1" kc c1 -n "$NS" rollout status deploy/web --timeout=2s
+until_ok 60 "c1's own pod serving $vip" sh -c "kubectl --context c1 -n $NS exec client -- sh -c 'nc -w 2 $vip 80 </dev/null' | grep -q '^c1 web-'"
+load "$vip" 10 >"$out"
+say "   before: $(count '^c1 web-' "$out")/10 served by c1's own pod"
+(($(count '^c1 web-' "$out") == 10)) || fail "local endpoints not preferred: $(tr '\n' ' ' <"$out")"
+load "$vip" 160 >"$out" &
+lp=$!
+sleep 2
+kc c1 -n "$NS" scale deploy/web --replicas=0 >/dev/null
+wait "$lp"
+c1n=$(count '^c1 web-' "$out"); c2n=$(count '^c2 web-' "$out"); bad=$(count FAIL "$out")
+say "   under load while scaled to 0: $c1n by c1, $c2n by c2, $bad failed (of 160)"
+((bad == 0)) || fail "failover: $bad requests failed"
+tail -20 "$out" | grep -qv '^c2 web-' && fail "failover: the last 20 requests were not all served by c2"
+
+# --- 3. Agent pod deleted under load ----------------------------------------------------------
+old=$(kc c1 -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent -o jsonpath='{.items[0].metadata.name}')
+say "3. c1's agent pod $old deleted under load (eBPF)"
+load "$vip" 200 >"$out" &
+lp=$!
+sleep 1
+kc c1 -n mcs-system delete pod "$old" --wait=false >/dev/null
+wait "$lp"
+ok=$(count '^c2 web-' "$out"); bad=$(count FAIL "$out")
+until_ok 120 "a new agent pod Ready in c1" kc c1 -n mcs-system rollout status ds/mcs-agent --timeout=2s
+new=$(kc c1 -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent -o jsonpath='{.items[0].metadata.name}')
+say "   $ok/200 served, $bad failed; the DaemonSet made $new"
+((bad == 0)) || fail "agent deletion: $bad requests failed"
+[[ $new != "$old" ]] || fail "the agent pod was not replaced"
+
+# --- 4. Userspace -----------------------------------------------------------------------------
+say "4. the chart switched to the userspace dataplane"
+bash scripts/clusterset.sh install --dataplane userspace >/dev/null
+kc c1 -n mcs-system logs ds/mcs-agent | grep -q "removed the eBPF socket LB a previous agent left pinned" ||
+  fail "the userspace agent did not report removing the pinned socket LB"
+progs=$(bpftool cgroup show /sys/fs/cgroup/unified/mcs-c1 2>/dev/null | grep -c connect4 || true)
+((progs == 0)) || fail "eBPF programs still attached at mcs-c1 under the userspace dataplane"
+metric() { curl -s "http://198.19.32.1:9464/metrics" | awk '/^mcs_proxy_connections_total/ {s += $2} END {print s + 0}'; }
+until_ok 30 "a first reply through the forwarder" sh -c "kubectl --context c1 -n $NS exec client -- sh -c 'nc -w 2 $vip 80 </dev/null' | grep -q '^c2 web-'"
+before=$(metric)
+load "$vip" 30 >"$out"
+load "$name" 10 >>"$out"
+after=$(metric)
+ok=$(count '^c2 web-' "$out")
+say "   userspace: $ok/40 served by c2 (by IP and name); forwarder connections $before -> $after"
+((ok == 40)) || fail "userspace: $((40 - ok)) of 40 failed"
+((after - before >= 40)) || fail "userspace: the forwarder counted $((after - before)) connections, not 40"
+say "   back to eBPF"
+bash scripts/clusterset.sh install --dataplane ebpf >/dev/null
+until_ok 30 "a reply through eBPF again" sh -c "kubectl --context c1 -n $NS exec client -- sh -c 'nc -w 2 $vip 80 </dev/null' | grep -q '^c2 web-'"
+
+if ((failures)); then
+  echo "e2e: $failures check(s) failed" >&2
+  exit 1
+fi
+say "all checks passed"
