@@ -505,13 +505,13 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
     // eBPF: the client pod's sockets are those of processes in a cgroup the agent attaches to;
     // here that is this demo process itself (it joins the cgroup once the agent runs). The
     // packets then go straight from the pod to the backend, routed by the node.
-    let mut ebpf_args: Vec<String> = Vec::new();
+    let dataplane_args: Vec<String>;
     if dataplane == "ebpf" {
         let cg =
             mcs_sandbox::cgroup::TestCgroup::new("demo").context("creating the demo cgroup")?;
         let pins =
             Path::new("/sys/fs/bpf").join(format!("{}-demo", mcs_sandbox::resource_prefix()));
-        ebpf_args = vec![
+        dataplane_args = vec![
             "--cgroup-root".into(),
             cg.path().display().to_string(),
             "--bpf-pin-dir".into(),
@@ -523,6 +523,13 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
             pins,
             home: None,
         });
+    } else {
+        // A userspace agent removes an eBPF socket LB pinned in its --bpf-pin-dir (a switched
+        // dataplane): the demo's own empty directory, never the node's /sys/fs/bpf/mcs.
+        dataplane_args = vec![
+            "--bpf-pin-dir".into(),
+            sb.dir.join("no-pins").display().to_string(),
+        ];
     }
     let log_path = sb.dir.join("agent.log");
     let log = std::fs::File::create(&log_path)?;
@@ -554,7 +561,7 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
     )
     .arg("--source")
     .arg(format!("file:{}", sb.dir.display()))
-    .args(&ebpf_args)
+    .args(&dataplane_args)
     .stdout(Stdio::null())
     .stderr(log);
     sb.agent = Some(cmd.spawn().context("starting the agent")?);

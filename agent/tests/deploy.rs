@@ -58,13 +58,14 @@ fn strip_config_checksums(helmed: &mut [serde_json::Value]) {
         .iter_mut()
         .filter(|o| o["kind"] == "DaemonSet" || o["kind"] == "Deployment")
     {
+        let kind = o["kind"].to_string();
         let meta = o["spec"]["template"]["metadata"]
             .as_object_mut()
             .expect("pod template metadata");
         let ann = meta
             .get_mut("annotations")
             .and_then(|a| a.as_object_mut())
-            .unwrap_or_else(|| panic!("no pod template annotations in helm's {}", o["kind"]));
+            .unwrap_or_else(|| panic!("no pod template annotations in helm's {kind}"));
         let sum = ann.remove("checksum/config");
         assert!(
             sum.as_ref()

@@ -415,6 +415,11 @@ impl Bed {
                 .arg(self.cg.path())
                 .arg("--bpf-pin-dir")
                 .arg(&self.pins);
+        } else {
+            // A userspace agent removes an eBPF socket LB pinned in its --bpf-pin-dir: its
+            // own empty one, never a node's.
+            cmd.arg("--bpf-pin-dir")
+                .arg(self.dir.path().join("no-pins"));
         }
         self.agent = Some(cmd.spawn().context("starting the agent")?);
         let deadline = Instant::now() + Duration::from_secs(20);

@@ -128,6 +128,10 @@ impl Sandbox {
         ])
         .arg("--source")
         .arg(format!("file:{}", self.dir.path().display()))
+        // A userspace agent removes an eBPF socket LB pinned in its --bpf-pin-dir (a switched
+        // dataplane): a directory of its own, so it never touches another agent's pins.
+        .arg("--bpf-pin-dir")
+        .arg(self.dir.path().join("no-pins"))
         .args(extra)
         .stdout(Stdio::null())
         .stderr(if std::env::var_os("MCS_TEST_AGENT_LOG").is_some() {

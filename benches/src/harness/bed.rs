@@ -440,6 +440,9 @@ impl Bed {
                 std::fs::create_dir_all(&dir)?;
                 write_objects(&dir, mode, 0, self.web)?;
                 let dir_arg = format!("file:{}", dir.display());
+                // Its own (empty) pin directory: a userspace agent removes an eBPF socket LB
+                // pinned in its --bpf-pin-dir, and must not find the eBPF mode's or a node's.
+                let no_pins = self.work.join("no-pins").display().to_string();
                 let agent = self.agent.to_string_lossy().into_owned();
                 target.cpu_cgroup = Some(self.spawn_in_cgroup(
                     "mcs-userspace",
@@ -466,6 +469,8 @@ impl Bed {
                         "262144",
                         "--source",
                         &dir_arg,
+                        "--bpf-pin-dir",
+                        &no_pins,
                     ],
                 )?);
                 if let Some(p) = self.procs.last() {

@@ -329,11 +329,9 @@ pub fn merge(key: &ServiceKey, exports: &BTreeMap<ClusterId, Export>) -> Merged 
             session_affinity_timeout: w.session_affinity_timeout,
             internal_traffic_policy: w.internal_traffic_policy.clone(),
             traffic_distribution: w.traffic_distribution.clone(),
-            ip_families: if w.headless {
-                Vec::new()
-            } else {
-                w.ip_families.clone()
-            },
+            // Headless too: there is no ClusterSetIP, but clients (and the conformance suite)
+            // read the families to know which address records to ask for.
+            ip_families: w.ip_families.clone(),
             labels: winner.labels.clone(),
             annotations: winner.annotations.clone(),
             clusters,

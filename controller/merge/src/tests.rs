@@ -181,6 +181,16 @@ fn headlessness_and_every_field_conflict_with_their_reason() {
 }
 
 #[test]
+fn a_headless_import_carries_the_families_of_its_services() {
+    let mut h = svc(hello());
+    h.headless = true;
+    let m = merge(&key(), &[("a".to_string(), export(100, Some(h)))].into());
+    let i = m.import.unwrap();
+    assert!(i.headless);
+    assert_eq!(i.ip_families, ["IPv4"]);
+}
+
+#[test]
 fn ties_on_the_timestamp_go_to_the_smaller_cluster_id() {
     let mut h = svc(hello());
     h.headless = true;
