@@ -117,7 +117,7 @@ done
 say "ServiceImport web in c1: ClusterSetIP $vip"
 
 # --- 1. eBPF, by IP and by name ---------------------------------------------------------------
-out=$(mktemp); trap 'rm -f "$out"; cleanup' EXIT
+out=$(mktemp); trap 'rc=$?; rm -f "$out"; (exit "$rc"); cleanup' EXIT
 # The first requests may race the agent's table; wait until one succeeds, then count.
 until_ok 30 "a first reply through $vip" sh -c "kubectl --context c1 -n $NS exec client -- sh -c 'nc -w 2 $vip 80 </dev/null' | grep -q '^c2 web-'"
 load "$vip" 40 >"$out"
@@ -140,8 +140,9 @@ for i in 1 2; do
   ((progs == 1)) || fail "c$i: no connect4 program at /sys/fs/cgroup/unified/mcs-c$i"
   ((hostprogs == 0)) || fail "a connect4 program is attached at the host's cgroup root"
 done
-kc c1 -n mcs-system exec ds/mcs-agent -- mcs-agent status --bpf-pin-dir /run/mcs/bpf | grep -q "$vip" ||
-  fail "c1's agent status does not list $vip"
+# Output captured before matching: with pipefail, `grep -q` leaving early fails the writer.
+st=$(kc c1 -n mcs-system exec ds/mcs-agent -- mcs-agent status --bpf-pin-dir /run/mcs/bpf)
+grep -q "$vip" <<<"$st" || fail "c1's agent status does not list $vip"
 
 # --- 2. Failover ------------------------------------------------------------------------------
 say "2. c1 exports web too (1 pod); local first, then scaled to 0 under load"
@@ -159,7 +160,7 @@ wait "$lp"
 c1n=$(count '^c1 web-' "$out"); c2n=$(count '^c2 web-' "$out"); bad=$(count FAIL "$out")
 say "   under load while scaled to 0: $c1n by c1, $c2n by c2, $bad failed (of 160)"
 ((bad == 0)) || fail "failover: $bad requests failed"
-tail -20 "$out" | grep -qv '^c2 web-' && fail "failover: the last 20 requests were not all served by c2"
+grep -v '^c2 web-' <(tail -20 "$out") >/dev/null && fail "failover: the last 20 requests were not all served by c2"
 
 # --- 3. Agent pod deleted under load ----------------------------------------------------------
 old=$(kc c1 -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent -o jsonpath='{.items[0].metadata.name}')
@@ -179,8 +180,9 @@ say "   $ok/200 served, $bad failed; the DaemonSet made $new"
 # --- 4. Userspace -----------------------------------------------------------------------------
 say "4. the chart switched to the userspace dataplane"
 bash scripts/clusterset.sh install --dataplane userspace >/dev/null
-kc c1 -n mcs-system logs ds/mcs-agent | grep -q "removed the eBPF socket LB a previous agent left pinned" ||
-  fail "the userspace agent did not report removing the pinned socket LB"
+agentlog=$(kc c1 -n mcs-system logs ds/mcs-agent)
+grep -q "removed the eBPF socket LB a previous agent left pinned" <<<"$agentlog" ||
+  fail "the userspace agent did not report removing the pinned socket LB; its log begins: $(head -5 <<<"$agentlog")"
 progs=$(bpftool cgroup show /sys/fs/cgroup/unified/mcs-c1 2>/dev/null | grep -c connect4 || true)
 ((progs == 0)) || fail "eBPF programs still attached at mcs-c1 under the userspace dataplane"
 metric() { curl -s "http://198.19.32.1:9464/metrics" | awk '/^mcs_proxy_connections_total/ {s += $2} END {print s + 0}'; }

@@ -106,7 +106,7 @@ cgroup_dirs() {
 down() {
   local had=0
   [[ -d $STATE ]] && had=1
-  ip netns list 2>/dev/null | grep -q "^$NETNS_PREFIX" && had=1
+  grep -q "^$NETNS_PREFIX" < <(ip netns list 2>/dev/null) && had=1
   ip link show "$BRIDGE" >/dev/null 2>&1 && had=1
   [[ -n $(cgroup_dirs) ]] && had=1
   compgen -G "/sys/fs/bpf/mcs-clusterset-c[0-9]*" >/dev/null && had=1
@@ -192,7 +192,7 @@ down() {
   # What is left, if anything, is said.
   local left=""
   [[ -n $(cgroup_dirs) ]] && left+=" cgroups($(cgroup_dirs | tr '\n' ' '))"
-  ip netns list 2>/dev/null | grep -q "^$NETNS_PREFIX" && left+=" netns"
+  grep -q "^$NETNS_PREFIX" < <(ip netns list 2>/dev/null) && left+=" netns"
   compgen -G "/sys/fs/bpf/mcs-clusterset-c[0-9]*" >/dev/null && left+=" bpffs pins"
   pgrep -f -- "$STATE/" >/dev/null 2>&1 && left+=" processes($(pgrep -f -- "$STATE/" | tr '\n' ' '))"
   [[ -n $left ]] && die "down: left behind:$left"

@@ -472,7 +472,9 @@ impl Index {
                 },
             );
         }
-        // Slices whose ports match none of the import's, said once per slice.
+        // Slices whose ports match none of the import's, said once per slice. A slice with no
+        // endpoints and no ports (a cluster scaled to zero, a slice not yet filled) is empty,
+        // not wrong.
         for key in self.slices_by_service.get(svc).into_iter().flatten() {
             let Some((_, Some(s), _)) = self.slices.get(key) else {
                 continue;
@@ -483,7 +485,8 @@ impl Index {
                         .iter()
                         .any(|(n, p, _)| n == &fe.port_name && *p == fe.protocol)
             });
-            let relevant = import.frontends.iter().any(|fe| s.v4 == fe.vip.is_ipv4());
+            let relevant = import.frontends.iter().any(|fe| s.v4 == fe.vip.is_ipv4())
+                && !(s.ports.is_empty() && s.endpoints.is_empty());
             if relevant && !matched_any && unmatched.iter().any(|(c, _)| c == &s.cluster) {
                 out.rejections.push(Rejection {
                     object: format!("EndpointSlice {}/{}", key.0, key.1),

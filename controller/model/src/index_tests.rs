@@ -162,6 +162,15 @@ fn unnamed_single_port_matches_unnamed_import_port() {
 }
 
 #[test]
+fn an_empty_slice_without_ports_is_not_a_rejection() {
+    let imp = mk_import("web", &["198.18.0.10"], &[("http", "TCP", 80)]);
+    let s = mk_slice("web-c1", "web", "c1", &[], vec![]);
+    let (t, rej) = compute(node("c1"), [imp], [s]);
+    assert!(t.frontends[&fe("198.18.0.10", 80)].backends.is_empty());
+    assert!(rej.is_empty(), "{rej:?}");
+}
+
+#[test]
 fn slice_without_matching_port_contributes_nothing_and_says_so() {
     let imp = mk_import("web", &["198.18.0.10"], &[("http", "TCP", 80)]);
     let s = mk_slice(
