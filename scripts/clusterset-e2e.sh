@@ -43,7 +43,7 @@ until_ok() { # until_ok SECONDS DESCRIPTION CMD...
   done
 }
 cleanup() {
-  local rc=$?
+  local rc=${1:-$?}
   for c in c1 c2; do kc "$c" delete namespace "$NS" --wait=false >/dev/null 2>&1 || true; done
   exit "$rc"
 }
@@ -117,7 +117,7 @@ done
 say "ServiceImport web in c1: ClusterSetIP $vip"
 
 # --- 1. eBPF, by IP and by name ---------------------------------------------------------------
-out=$(mktemp); trap 'rc=$?; rm -f "$out"; (exit "$rc"); cleanup' EXIT
+out=$(mktemp); trap 'rc=$?; rm -f "$out"; cleanup "$rc"' EXIT
 # The first requests may race the agent's table; wait until one succeeds, then count.
 until_ok 30 "a first reply through $vip" sh -c "kubectl --context c1 -n $NS exec client -- sh -c 'nc -w 2 $vip 80 </dev/null' | grep -q '^c2 web-'"
 load "$vip" 40 >"$out"
