@@ -595,6 +595,12 @@ up() {
     [[ -x $MCS_KUBE_BIN_DIR/$t ]] || die "$MCS_KUBE_BIN_DIR/$t missing (run bash scripts/setup.sh)"
   done
   [[ -x /usr/lib/cni/bridge ]] || die "CNI plugins missing (run bash scripts/setup.sh)"
+  # The layout this machine kind has (REALNODE.md): cgroup v1 controllers under /sys/fs/cgroup
+  # and cgroup2 at /sys/fs/cgroup/unified. A pure cgroup v2 host would need other paths for
+  # kubelet's cgroupRoot and the agent's cgroupRoot; not done yet, so say so instead of
+  # making directories in the wrong places.
+  [[ $(stat -fc %T /sys/fs/cgroup/unified 2>/dev/null) == cgroup2fs && -d /sys/fs/cgroup/cpu ]] ||
+    die "needs the hybrid cgroup layout (v1 controllers, cgroup2 at /sys/fs/cgroup/unified); this host has $(stat -fc %T /sys/fs/cgroup 2>/dev/null) at /sys/fs/cgroup"
   down
   local t0=$SECONDS
   mkdir -p "$STATE"
