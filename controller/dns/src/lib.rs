@@ -150,18 +150,10 @@ impl Answerer {
             Node::Service(s) if !s.headless => {
                 self.addresses(&owner, s.ips.iter().copied(), qtype, &mut out.answers);
                 if want(RecordType::SRV) {
-                    // One record per port number: ports that differ only in protocol
-                    // (tcp/42 and udp/42) give the same SRV data, and an RRset holds no
-                    // duplicates (RFC 2181 5).
                     let target = qname.to_lowercase();
-                    let mut seen: Vec<u16> = Vec::with_capacity(s.ports.len());
-                    for p in &s.ports {
-                        if seen.contains(&p.port) {
-                            continue;
-                        }
-                        seen.push(p.port);
+                    for port in port_numbers(&s.ports) {
                         out.answers
-                            .push(self.srv(&owner, 100, p.port, target.clone()));
+                            .push(self.srv(&owner, 100, port, target.clone()));
                     }
                 }
             }
@@ -179,15 +171,9 @@ impl Answerer {
                         let Some(target) = endpoint_name(e, &base) else {
                             continue;
                         };
-                        // As above: one record per (endpoint, port number).
-                        let mut seen: Vec<u16> = Vec::with_capacity(e.ports.len());
-                        for p in &e.ports {
-                            if seen.contains(&p.port) {
-                                continue;
-                            }
-                            seen.push(p.port);
+                        for port in port_numbers(&e.ports) {
                             out.answers
-                                .push(self.srv(&owner, weight, p.port, target.clone()));
+                                .push(self.srv(&owner, weight, port, target.clone()));
                         }
                     }
                 }
@@ -383,6 +369,19 @@ impl Answerer {
 }
 
 /// `<hostname>.<cluster>.<service name>`, if it makes a valid name.
+/// The distinct port numbers of `ports`, in order: ports that differ only in protocol
+/// (tcp/42 and udp/42) give the same SRV data at a bare name, and an RRset holds no duplicates
+/// (RFC 2181 5).
+fn port_numbers(ports: &[DnsPort]) -> Vec<u16> {
+    let mut out: Vec<u16> = Vec::with_capacity(ports.len());
+    for p in ports {
+        if !out.contains(&p.port) {
+            out.push(p.port);
+        }
+    }
+    out
+}
+
 fn endpoint_name(e: &DnsEndpoint, service: &Name) -> Option<Name> {
     Name::from_ascii(format!("{}.{}", e.hostname, e.cluster))
         .ok()?

@@ -83,6 +83,19 @@ impl SetElement {
     }
 }
 
+/// The two frontend sets, as both tables (inet and bridge) declare them.
+const FRONTEND_SETS: &str = "set frontends4 { type ipv4_addr . inet_proto . inet_service; }\n\
+    set frontends6 { type ipv6_addr . inet_proto . inet_service; }\n";
+
+/// `op element <family> <table> <set> { <element> }` lines of an nft script, one per element.
+fn element_lines(op: &str, family: &str, table: &str, elements: &[SetElement]) -> String {
+    elements
+        .iter()
+        .filter_map(SetElement::render)
+        .map(|(set, e)| format!("{op} element {family} {table} {set} {{ {e} }}\n"))
+        .collect()
+}
+
 /// The installed interception.
 #[derive(Debug)]
 pub struct Interception {
@@ -104,8 +117,7 @@ impl Interception {
              delete table inet {t}\n\
              table inet {t} {{\n\
                comment \"mcs-dataplane: ClusterSetIP interception, owned by mcs-agent\"\n\
-               set frontends4 {{ type ipv4_addr . inet_proto . inet_service; }}\n\
-               set frontends6 {{ type ipv6_addr . inet_proto . inet_service; }}\n\
+               {FRONTEND_SETS}\
                chain prerouting {{\n\
                  type filter hook prerouting priority mangle; policy accept;\n\
                  meta l4proto tcp ip daddr . meta l4proto . th dport @frontends4 tproxy ip to :{port} meta mark set {mark} accept\n\
@@ -124,9 +136,7 @@ impl Interception {
                }}\n\
              }}\n"
         );
-        for e in kept.iter().filter_map(SetElement::render) {
-            script.push_str(&format!("add element inet {t} {} {{ {} }}\n", e.0, e.1));
-        }
+        script.push_str(&element_lines("add", "inet", t, &kept));
         nft(&script)?;
         let bridged = Self::install_bridge(t, &kept);
         let this = Self { cfg, kept, bridged };
@@ -186,8 +196,7 @@ impl Interception {
              delete table bridge {t}\n\
              table bridge {t} {{\n\
                comment \"mcs-dataplane: ClusterSetIP frames up to the IP stack before br_netfilter, owned by mcs-agent\"\n\
-               set frontends4 {{ type ipv4_addr . inet_proto . inet_service; }}\n\
-               set frontends6 {{ type ipv6_addr . inet_proto . inet_service; }}\n\
+               {FRONTEND_SETS}\
                chain brouting {{\n\
                  type filter hook prerouting priority -300; policy accept;\n\
                  ip daddr . meta l4proto . th dport @frontends4 meta broute set 1\n\
@@ -195,9 +204,7 @@ impl Interception {
                }}\n\
              }}\n"
         );
-        for e in kept.iter().filter_map(SetElement::render) {
-            script.push_str(&format!("add element bridge {t} {} {{ {} }}\n", e.0, e.1));
-        }
+        script.push_str(&element_lines("add", "bridge", t, kept));
         match nft(&script) {
             Ok(()) => true,
             Err(e) => {
@@ -235,14 +242,9 @@ impl Interception {
             &["inet"]
         };
         for fam in families {
-            for e in remove.iter().filter_map(SetElement::render) {
-                // `destroy` would be idempotent but needs nft ≥ 1.0.8; delete what we know we
-                // added.
-                script.push_str(&format!("delete element {fam} {t} {} {{ {} }}\n", e.0, e.1));
-            }
-            for e in add.iter().filter_map(SetElement::render) {
-                script.push_str(&format!("add element {fam} {t} {} {{ {} }}\n", e.0, e.1));
-            }
+            // `destroy` would be idempotent but needs nft ≥ 1.0.8; delete what we know we added.
+            script.push_str(&element_lines("delete", fam, t, remove));
+            script.push_str(&element_lines("add", fam, t, add));
         }
         if script.is_empty() {
             return Ok(());
