@@ -60,21 +60,13 @@ for b in mcs-agent mcs-controller; do
   [[ -x "$bins/$b" ]] || { echo "image: $bins/$b missing" >&2; exit 1; }
 done
 
-# The mirror apt uses here (deb822 or one-line sources), else Debian's.
-mirror=$(sed -n 's/^URIs: *\([^ ]*\).*/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null | grep -v security | head -1 || true)
-if [[ -z "$mirror" ]]; then
-  mirror=$(awk '$1 == "deb" && $0 !~ /security/ { print $2; exit }' /etc/apt/sources.list 2>/dev/null || true)
-fi
-mirror="${mirror:-http://deb.debian.org/debian}"
+# shellcheck source=deploy/rootfs.sh
+. deploy/rootfs.sh
 # trixie, not bookworm: its nft (1.1) has `meta broute`, which the userspace forwarder needs
 # for pods behind a Linux bridge with br_netfilter (proxy/src/userspace/nft.rs).
-log "Debian trixie rootfs from $mirror (nftables, iproute2, ca-certificates)"
+log "Debian trixie rootfs from $(apt_mirror) (nftables, iproute2, ca-certificates)"
 t0=$(date +%s)
-mmdebstrap --quiet --variant=apt --include=nftables,iproute2,ca-certificates \
-  --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
-  --dpkgopt='path-exclude=/usr/share/locale/*' \
-  --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*' \
-  --format=tar trixie "$work/rootfs.tar" "$mirror" </dev/null
+debian_rootfs trixie nftables,iproute2,ca-certificates "$work/rootfs.tar"
 log "rootfs in $(( $(date +%s) - t0 ))s: $(du -h "$work/rootfs.tar" | cut -f1)"
 
 b() { buildah --root "$work/storage" --runroot "$work/run" --storage-driver vfs "$@"; }

@@ -99,6 +99,8 @@ load() { # load TARGET N
     done'
 }
 count() { grep -c -- "$1" "$2" || true; }
+# Whether one request from c1's client pod to $vip:80 is served by cluster $1's pods.
+served_by() { local r; r=$(kc c1 -n "$NS" exec client -- sh -c "nc -w 2 $vip 80 </dev/null"); [[ $r == "$1 web-"* ]]; }
 
 say "namespace $NS in c1 and c2; web (2 pods) exported by c2; a client pod in c1"
 for c in c1 c2; do kc "$c" create namespace "$NS" >/dev/null; done
@@ -119,7 +121,7 @@ say "ServiceImport web in c1: ClusterSetIP $vip"
 # --- 1. eBPF, by IP and by name ---------------------------------------------------------------
 out=$(mktemp); trap 'rc=$?; rm -f "$out"; cleanup "$rc"' EXIT
 # The first requests may race the agent's table; wait until one succeeds, then count.
-until_ok 30 "a first reply through $vip" sh -c "kubectl --context c1 -n $NS exec client -- sh -c 'nc -w 2 $vip 80 </dev/null' | grep -q '^c2 web-'"
+until_ok 30 "a first reply through $vip" served_by c2
 load "$vip" 40 >"$out"
 ok=$(count '^c2 web-' "$out"); bad=$(count FAIL "$out"); pods=$(grep '^c2 web-' "$out" | sort -u | wc -l)
 say "1. eBPF by ClusterSetIP: $ok/40 served by c2 ($pods distinct pods), $bad failed"
@@ -148,7 +150,7 @@ grep -q "$vip" <<<"$st" || fail "c1's agent status does not list $vip"
 say "2. c1 exports web too (1 pod); local first, then scaled to 0 under load"
 web c1 1
 until_ok 90 "web Ready in c1" kc c1 -n "$NS" rollout status deploy/web --timeout=2s
-until_ok 60 "c1's own pod serving $vip" sh -c "kubectl --context c1 -n $NS exec client -- sh -c 'nc -w 2 $vip 80 </dev/null' | grep -q '^c1 web-'"
+until_ok 60 "c1's own pod serving $vip" served_by c1
 load "$vip" 10 >"$out"
 say "   before: $(count '^c1 web-' "$out")/10 served by c1's own pod"
 (($(count '^c1 web-' "$out") == 10)) || fail "local endpoints not preferred: $(tr '\n' ' ' <"$out")"
@@ -186,7 +188,7 @@ grep -q "removed the eBPF socket LB a previous agent left pinned" <<<"$agentlog"
 progs=$(bpftool cgroup show /sys/fs/cgroup/unified/mcs-c1 2>/dev/null | grep -c connect4 || true)
 ((progs == 0)) || fail "eBPF programs still attached at mcs-c1 under the userspace dataplane"
 metric() { curl -s "http://198.19.32.1:9464/metrics" | awk '/^mcs_proxy_connections_total/ {s += $2} END {print s + 0}'; }
-until_ok 30 "a first reply through the forwarder" sh -c "kubectl --context c1 -n $NS exec client -- sh -c 'nc -w 2 $vip 80 </dev/null' | grep -q '^c2 web-'"
+until_ok 30 "a first reply through the forwarder" served_by c2
 before=$(metric)
 load "$vip" 30 >"$out"
 load "$name" 10 >>"$out"
@@ -197,7 +199,7 @@ say "   userspace: $ok/40 served by c2 (by IP and name); forwarder connections $
 ((after - before >= 40)) || fail "userspace: the forwarder counted $((after - before)) connections, not 40"
 say "   back to eBPF"
 bash scripts/clusterset.sh install --dataplane ebpf >/dev/null
-until_ok 30 "a reply through eBPF again" sh -c "kubectl --context c1 -n $NS exec client -- sh -c 'nc -w 2 $vip 80 </dev/null' | grep -q '^c2 web-'"
+until_ok 30 "a reply through eBPF again" served_by c2
 
 if ((failures)); then
   echo "e2e: $failures check(s) failed" >&2

@@ -200,12 +200,8 @@ down() {
 }
 
 # --- images (no registry: built here, imported into each node's containerd) -----------------
-mirror() {
-  local m
-  m=$(sed -n 's/^URIs: *\([^ ]*\).*/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null | grep -v security | head -1 || true)
-  [[ -z $m ]] && m=$(awk '$1 == "deb" && $0 !~ /security/ { print $2; exit }' /etc/apt/sources.list 2>/dev/null || true)
-  echo "${m:-http://deb.debian.org/debian}"
-}
+# shellcheck source=deploy/rootfs.sh
+. deploy/rootfs.sh
 
 # buildah with a private vfs store under $1.
 bah() { local w=$1; shift; buildah --root "$w/storage" --runroot "$w/run" --storage-driver vfs "$@"; }
@@ -250,11 +246,7 @@ build_images() {
   if [[ ! -f $IMAGES/tools-$key.tar ]]; then
     log "image: Debian tools rootfs ($TOOLS_PKGS), about 1 min"
     local w; w=$(mktemp -d "$IMAGES/tools.XXXXXX")
-    mmdebstrap --quiet --variant=apt --include="$TOOLS_PKGS" \
-      --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
-      --dpkgopt='path-exclude=/usr/share/locale/*' \
-      --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*' \
-      --format=tar bookworm "$w/rootfs.tar" "$(mirror)" </dev/null
+    debian_rootfs bookworm "$TOOLS_PKGS" "$w/rootfs.tar"
     # Entrypoint and command as the originals have them: socat's is socat; netshoot has none
     # (the suite's request pod gives only args, a shell command line).
     image_from docker.io/alpine/socat:1.7.4.4 "$w/rootfs.tar" "$IMAGES/socat.tar.new" \
@@ -312,24 +304,31 @@ cert() {
     -days 30 -extfile "$p/$name.ext" -out "$p/$name.crt" 2>/dev/null
 }
 
-kubeconfig() { # kubeconfig FILE SERVER TOKEN
-  cat >"$1" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: local
-  cluster:
-    server: $2
-    certificate-authority: $STATE/pki/ca.crt
-users:
-- name: local
-  user:
-    token: $3
-contexts:
-- name: local
-  context: {cluster: local, user: local}
-current-context: local
-EOF
+# kubeconfig FILE CURRENT-CONTEXT "NAME SERVER TOKEN"...: one cluster, user and context per
+# entry, all three named NAME, trusting the clusterset's CA (CURRENT-CONTEXT may be empty).
+kubeconfig() {
+  local file=$1 current=$2 e name server token ca
+  shift 2
+  ca=$(base64 -w0 <"$STATE/pki/ca.crt")
+  {
+    echo "apiVersion: v1"; echo "kind: Config"; echo "clusters:"
+    for e in "$@"; do
+      read -r name server token <<<"$e"
+      echo "- name: $name"; echo "  cluster:"; echo "    server: $server"
+      echo "    certificate-authority-data: $ca"
+    done
+    echo "users:"
+    for e in "$@"; do
+      read -r name server token <<<"$e"
+      echo "- name: $name"; echo "  user:"; echo "    token: $token"
+    done
+    echo "contexts:"
+    for e in "$@"; do
+      read -r name server token <<<"$e"
+      echo "- name: $name"; echo "  context: {cluster: $name, user: $name}"
+    done
+    if [[ -n $current ]]; then echo "current-context: $current"; fi
+  } >"$file"
 }
 
 network() {
@@ -375,7 +374,7 @@ control_plane() {
     echo "$(cat "$d/token.proxy"),system:kube-proxy,proxy-c$i"
   } >"$d/tokens.csv"
   for t in node kcm scheduler proxy; do
-    kubeconfig "$d/$t.kubeconfig" https://127.0.0.1:6443 "$(cat "$d/token.$t")"
+    kubeconfig "$d/$t.kubeconfig" local "local https://127.0.0.1:6443 $(cat "$d/token.$t")"
   done
   local p="$STATE/pki"
   start "$i" etcd etcd --name "c$i" --data-dir "$d/etcd" \
@@ -537,26 +536,12 @@ install_chart() {
   done
   # The clusterset kubeconfig of each controller: the other members, by their reader tokens.
   for ((i = 1; i <= N; i++)); do
-    local f="$STATE/c$i/clusterset-for-controller.kubeconfig"
-    {
-      echo "apiVersion: v1"; echo "kind: Config"; echo "clusters:"
-      for ((j = 1; j <= N; j++)); do
-        ((j == i)) && continue
-        echo "- name: c$j"; echo "  cluster:"; echo "    server: https://$(node_ip "$j"):6443"
-        echo "    certificate-authority-data: $(base64 -w0 <"$STATE/pki/ca.crt")"
-      done
-      echo "users:"
-      for ((j = 1; j <= N; j++)); do
-        ((j == i)) && continue
-        local tok; tok=$(kc "$j" -n mcs-system create token mcs-controller-reader --duration=720h)
-        echo "- name: c$j"; echo "  user:"; echo "    token: $tok"
-      done
-      echo "contexts:"
-      for ((j = 1; j <= N; j++)); do
-        ((j == i)) && continue
-        echo "- name: c$j"; echo "  context: {cluster: c$j, user: c$j}"
-      done
-    } >"$f"
+    local f="$STATE/c$i/clusterset-for-controller.kubeconfig" members=()
+    for ((j = 1; j <= N; j++)); do
+      ((j == i)) && continue
+      members+=("c$j https://$(node_ip "$j"):6443 $(kc "$j" -n mcs-system create token mcs-controller-reader --duration=720h)")
+    done
+    kubeconfig "$f" "" "${members[@]}"
     kc "$i" -n mcs-system create secret generic mcs-clusterset-kubeconfig \
       --from-file=kubeconfig="$f" --dry-run=client -o yaml | kc "$i" apply -f - >/dev/null
     kc "$i" -n mcs-system rollout restart deployment/mcs-controller >/dev/null
@@ -620,20 +605,11 @@ up() {
   local i
   for ((i = 1; i <= N; i++)); do control_plane "$i"; done
   # The user's kubeconfig: one context per cluster, named by its cluster id.
-  {
-    echo "apiVersion: v1"; echo "kind: Config"; echo "clusters:"
-    for ((i = 1; i <= N; i++)); do
-      echo "- name: c$i"; echo "  cluster:"; echo "    server: https://$(node_ip "$i"):6443"
-      echo "    certificate-authority-data: $(base64 -w0 <"$STATE/pki/ca.crt")"
-    done
-    echo "users:"
-    for ((i = 1; i <= N; i++)); do
-      echo "- name: c$i-admin"; echo "  user:"; echo "    token: $(cat "$STATE/c$i/token.admin")"
-    done
-    echo "contexts:"
-    for ((i = 1; i <= N; i++)); do echo "- name: c$i"; echo "  context: {cluster: c$i, user: c$i-admin}"; done
-    echo "current-context: c1"
-  } >"$STATE/kubeconfig"
+  local admins=()
+  for ((i = 1; i <= N; i++)); do
+    admins+=("c$i https://$(node_ip "$i"):6443 $(cat "$STATE/c$i/token.admin")")
+  done
+  kubeconfig "$STATE/kubeconfig" c1 "${admins[@]}"
   for ((i = 1; i <= N; i++)); do
     wait_for "kube-apiserver c$i" 60 "$STATE/c$i/logs/kube-apiserver.log" kc "$i" get --raw /readyz
     controllers "$i"
