@@ -711,6 +711,57 @@ fn a_backend_reset_reaches_the_client_as_a_reset() {
     sb.stop_agent();
 }
 
+/// A backend that answers and closes at once, or answers and resets at once: the reply and
+/// its end often reach the forwarder in one wake-up, where the forwarder sends the reply
+/// with its FIN in one segment (issue 16). Either way the client gets the whole reply and a
+/// clean end after a FIN, and a reset after a reset — never a reset taken for an end.
+#[test]
+fn a_reply_with_its_fin_or_reset_right_behind_keeps_how_it_ended() {
+    if !prerequisites() {
+        return;
+    }
+    const REPLY: &[u8] = b"the-whole-reply";
+    let mut sb = Sandbox::new(&[]);
+    // The request says how to end: "fin" or "rst".
+    let _b = special_backends(&sb, |mut s| {
+        let mut req = [0u8; 3];
+        if s.read_exact(&mut req).is_err() {
+            return;
+        }
+        let _ = s.write_all(REPLY);
+        if &req == b"rst" {
+            reset_close(s);
+        }
+    });
+    sb.start_agent(&[]);
+    for round in 0..40 {
+        let how: &'static [u8; 3] = if round % 2 == 0 { b"fin" } else { b"rst" };
+        let (got, end) = sb
+            .cli
+            .run(move || {
+                let s =
+                    TcpStream::connect_timeout(&"198.18.100.10:80".parse().unwrap(), IO_TIMEOUT)
+                        .unwrap();
+                s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+                (&s).write_all(how).unwrap();
+                read_until_end(&s)
+            })
+            .unwrap();
+        if how == b"fin" {
+            assert!(end.is_ok(), "round {round}: a clean end arrived as {end:?}");
+            assert_eq!(got, REPLY, "round {round}: the reply was cut");
+        } else {
+            assert_eq!(
+                end.map_err(|e| e.kind()),
+                Err(std::io::ErrorKind::ConnectionReset),
+                "round {round}: a reset arrived as a clean end"
+            );
+            assert!(REPLY.starts_with(&got), "round {round}: bytes differ");
+        }
+    }
+    sb.stop_agent();
+}
+
 /// A client that resets: the backend sees a reset, not a clean end of stream.
 #[test]
 fn a_client_reset_reaches_the_backend_as_a_reset() {

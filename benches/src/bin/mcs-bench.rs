@@ -26,8 +26,9 @@ struct Cli {
 
 #[derive(clap::Args, Debug)]
 struct RunArgs {
-    /// Modes, comma-separated: direct, mcs-ebpf, mcs-userspace, iptables, ipvs, nftables,
-    /// haproxy, nginx (default: all).
+    /// Modes, comma-separated: direct, mcs-ebpf, mcs-userspace, mcs-userspace-b, iptables,
+    /// ipvs, nftables, haproxy, haproxy-tproxy, nginx (default: all; mcs-userspace-b only
+    /// with --agent-b or --agent-b-args).
     #[arg(long, value_delimiter = ',')]
     modes: Vec<String>,
     /// Workloads, comma-separated: crr (new connections), rr (keep-alive requests with
@@ -58,6 +59,14 @@ struct RunArgs {
     /// The mcs-agent binary (default: next to this one).
     #[arg(long)]
     agent: Option<PathBuf>,
+    /// A/B runs: the mcs-agent binary of mode `mcs-userspace-b` (default: --agent's), e.g. a
+    /// build of the previous commit, measured interleaved with `mcs-userspace`.
+    #[arg(long)]
+    agent_b: Option<PathBuf>,
+    /// A/B runs: flags added to `mcs-userspace-b`'s `mcs-agent run`, space-separated (e.g.
+    /// "--tcp-delayed-ack").
+    #[arg(long, allow_hyphen_values = true)]
+    agent_b_args: Option<String>,
     /// Output directory.
     #[arg(long, default_value = "target/mcs-bench")]
     out: PathBuf,
@@ -414,8 +423,12 @@ fn bench(mut a: RunArgs) -> ExitCode {
         a.repetitions = 1;
         a.scales = vec![1, 100];
     }
+    let ab = a.agent_b.is_some() || a.agent_b_args.is_some();
     let modes: Result<Vec<Mode>, String> = if a.modes.is_empty() {
-        Ok(Mode::ALL.to_vec())
+        Ok(Mode::ALL
+            .into_iter()
+            .filter(|m| ab || *m != Mode::McsUserspaceB)
+            .collect())
     } else {
         a.modes
             .iter()
@@ -453,7 +466,20 @@ fn bench(mut a: RunArgs) -> ExitCode {
     let agent = a
         .agent
         .unwrap_or_else(|| mcs_bench::harness::procs::sibling("mcs-agent"));
+    let agent_b = modes
+        .contains(&Mode::McsUserspaceB)
+        .then(|| harness::bed::AgentB {
+            agent: a.agent_b.clone().unwrap_or_else(|| agent.clone()),
+            args: a
+                .agent_b_args
+                .as_deref()
+                .unwrap_or_default()
+                .split_whitespace()
+                .map(String::from)
+                .collect(),
+        });
     let opts = harness::Options {
+        agent_b,
         modes,
         workloads,
         repetitions: a.repetitions,

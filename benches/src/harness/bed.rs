@@ -47,28 +47,36 @@ pub enum Mode {
     McsEbpf,
     /// Our userspace TPROXY forwarder.
     McsUserspace,
+    /// A second userspace forwarder, for A/B runs: another agent binary and/or other flags
+    /// (`--agent-b`, `--agent-b-args`), measured interleaved with `mcs-userspace`.
+    McsUserspaceB,
     /// kube-proxy iptables mode analog.
     Iptables,
     /// kube-proxy IPVS mode analog.
     Ipvs,
     /// kube-proxy nftables mode analog.
     Nftables,
-    /// HAProxy, mode tcp.
+    /// HAProxy, mode tcp, listening on a node address.
     Haproxy,
+    /// HAProxy, mode tcp, behind the same kind of TPROXY interception as our forwarder (an
+    /// nftables set of frontends, `tproxy to :port`, a fwmark route, `bind ... transparent`).
+    HaproxyTproxy,
     /// nginx stream module.
     Nginx,
 }
 
 impl Mode {
     /// All modes, in report order.
-    pub const ALL: [Mode; 8] = [
+    pub const ALL: [Mode; 10] = [
         Mode::Direct,
         Mode::McsEbpf,
         Mode::McsUserspace,
+        Mode::McsUserspaceB,
         Mode::Iptables,
         Mode::Ipvs,
         Mode::Nftables,
         Mode::Haproxy,
+        Mode::HaproxyTproxy,
         Mode::Nginx,
     ];
 
@@ -78,10 +86,12 @@ impl Mode {
             Mode::Direct => "direct",
             Mode::McsEbpf => "mcs-ebpf",
             Mode::McsUserspace => "mcs-userspace",
+            Mode::McsUserspaceB => "mcs-userspace-b",
             Mode::Iptables => "iptables",
             Mode::Ipvs => "ipvs",
             Mode::Nftables => "nftables",
             Mode::Haproxy => "haproxy",
+            Mode::HaproxyTproxy => "haproxy-tproxy",
             Mode::Nginx => "nginx",
         }
     }
@@ -110,6 +120,8 @@ impl Mode {
             Mode::Ipvs => Ipv4Addr::new(198, 18, 128, 0),
             Mode::Haproxy => Ipv4Addr::new(198, 18, 200, 0),
             Mode::Nginx => Ipv4Addr::new(198, 18, 201, 0),
+            Mode::McsUserspaceB => Ipv4Addr::new(198, 18, 202, 0),
+            Mode::HaproxyTproxy => Ipv4Addr::new(198, 18, 203, 0),
             Mode::Direct => Ipv4Addr::UNSPECIFIED,
         }
     }
@@ -122,7 +134,7 @@ impl Mode {
         let prefix = match self {
             Mode::Direct | Mode::McsEbpf => return None,
             Mode::McsUserspace | Mode::Iptables | Mode::Ipvs | Mode::Nftables => "/18",
-            Mode::Haproxy | Mode::Nginx => "/24",
+            Mode::Haproxy | Mode::Nginx | Mode::McsUserspaceB | Mode::HaproxyTproxy => "/24",
         };
         let index = Mode::ALL.iter().position(|m| *m == self).unwrap_or(0) as u8;
         Some((Ipv4Addr::new(198, 18, 10, 10 + index), prefix))
@@ -184,7 +196,32 @@ pub struct Bed {
     agents: BTreeMap<Mode, u32>,
     /// Backends of `web` (one, or one per cluster).
     web: &'static [Ipv4Addr],
+    /// The agent and flags of `mcs-userspace-b`.
+    agent_b: Option<AgentB>,
 }
+
+/// The second userspace forwarder of an A/B run.
+#[derive(Debug, Clone)]
+pub struct AgentB {
+    /// Its binary.
+    pub agent: PathBuf,
+    /// Flags added to its `run`.
+    pub args: Vec<String>,
+}
+
+/// Metrics port (in the node namespace) of a userspace mode's agent.
+fn userspace_metrics_port(mode: Mode) -> u16 {
+    if mode == Mode::McsUserspaceB {
+        9465
+    } else {
+        9464
+    }
+}
+
+/// Firewall mark and routing table of `haproxy-tproxy`'s interception.
+const HAPROXY_TPROXY_MARK: u32 = 0x4d54;
+/// Port HAProxy listens on (transparent) behind its interception.
+const HAPROXY_TPROXY_PORT: u16 = 15100;
 
 impl Drop for Bed {
     fn drop(&mut self) {
@@ -203,7 +240,13 @@ impl Bed {
     /// Builds the topology and backends, then sets up each of `modes` (a mode that fails is
     /// recorded, the others go on). `spread`: `web` has a backend in each cluster (balanced
     /// modes then pay for uneven placement, which `direct` splits exactly); else one, in c2.
-    pub fn build(modes: &[Mode], agent: &Path, work: &Path, spread: bool) -> anyhow::Result<Self> {
+    pub fn build(
+        modes: &[Mode],
+        agent: &Path,
+        agent_b: Option<AgentB>,
+        work: &Path,
+        spread: bool,
+    ) -> anyhow::Result<Self> {
         sweep_stale_pins(agent);
         let topo = TwoClusters::build().context("building the namespaces")?;
         topo.node.enable_forwarding()?;
@@ -242,6 +285,7 @@ impl Bed {
             services: 1,
             agents: BTreeMap::new(),
             web: if spread { &BACKENDS } else { &BACKENDS[1..] },
+            agent_b,
         };
         bed.start_backends()?;
         for &mode in modes {
@@ -366,7 +410,7 @@ impl Bed {
                     return Ok(ModeState::Failed("haproxy is not installed".into()));
                 }
                 let conf = self.work.join("haproxy.cfg");
-                std::fs::write(&conf, haproxy_config(mode.vip(1), self.web))?;
+                std::fs::write(&conf, haproxy_config(Some(mode.vip(1)), self.web))?;
                 let conf = conf.to_string_lossy().into_owned();
                 target.cpu_cgroup = Some(self.spawn_in_cgroup(
                     "haproxy",
@@ -435,55 +479,55 @@ impl Bed {
                 }
                 self.program_ipvs(0)?;
             }
-            Mode::McsUserspace => {
-                let dir = self.work.join("objects-userspace");
-                std::fs::create_dir_all(&dir)?;
-                write_objects(&dir, mode, 0, self.web)?;
-                let dir_arg = format!("file:{}", dir.display());
-                // Its own (empty) pin directory: a userspace agent removes an eBPF socket LB
-                // pinned in its --bpf-pin-dir, and must not find the eBPF mode's or a node's.
-                let no_pins = self.work.join("no-pins").display().to_string();
-                let agent = self.agent.to_string_lossy().into_owned();
-                target.cpu_cgroup = Some(self.spawn_in_cgroup(
-                    "mcs-userspace",
-                    |t| &t.node,
-                    &agent,
-                    &[
-                        "run",
-                        "--dataplane",
-                        "userspace",
-                        "--cluster-id",
-                        "bench",
-                        "--log-level",
-                        "warn",
-                        "--metrics-addr",
-                        "127.0.0.1:9464",
-                        "--file-poll-ms",
-                        "100",
-                        "--clusterset-ip-cidr",
-                        "198.19.128.0/18",
-                        // The scaling step holds 10k fillers plus the measured services.
-                        "--max-frontends",
-                        "65536",
-                        "--max-backends",
-                        "262144",
-                        "--source",
-                        &dir_arg,
-                        "--bpf-pin-dir",
-                        &no_pins,
-                    ],
-                )?);
-                if let Some(p) = self.procs.last() {
-                    self.agents.insert(Mode::McsUserspace, p.pid());
+            Mode::McsUserspace | Mode::McsUserspaceB => {
+                target.cpu_cgroup = Some(self.start_userspace(mode)?);
+            }
+            Mode::HaproxyTproxy => {
+                if !have("haproxy") {
+                    return Ok(ModeState::Failed("haproxy is not installed".into()));
                 }
-                self.wait_frontends(Mode::McsUserspace, 3)?;
+                self.load_rules(
+                    "haproxy-tproxy.nft",
+                    &haproxy_tproxy_rules(mode.vip(1)),
+                    "nft",
+                    &["-f"],
+                    false,
+                )?;
+                let (mark, table) = (
+                    HAPROXY_TPROXY_MARK.to_string(),
+                    HAPROXY_TPROXY_MARK.to_string(),
+                );
+                self.topo.node.ip(&[
+                    "rule", "add", "fwmark", &mark, "lookup", &table, "priority", "9044",
+                ])?;
+                self.topo.node.ip(&[
+                    "route",
+                    "add",
+                    "local",
+                    "0.0.0.0/0",
+                    "dev",
+                    "lo",
+                    "table",
+                    &table,
+                ])?;
+                let conf = self.work.join("haproxy-tproxy.cfg");
+                std::fs::write(&conf, haproxy_config(None, self.web))?;
+                let conf = conf.to_string_lossy().into_owned();
+                target.cpu_cgroup = Some(self.spawn_in_cgroup(
+                    "haproxy-tproxy",
+                    |t| &t.node,
+                    "haproxy",
+                    &["-db", "-f", &conf],
+                )?);
+                target.bulk = SocketAddr::from((mode.vip(1), BULK_PORT));
+                target.udp = None;
             }
             Mode::McsEbpf => {
                 if let Err(why) = mcs_sandbox::cgroup::prerequisite() {
                     return Ok(ModeState::Unavailable(why));
                 }
                 let cg = TestCgroup::new("benchcli")?;
-                let dir = self.work.join("objects-ebpf");
+                let dir = self.work.join(format!("objects-{}", mode.name()));
                 std::fs::create_dir_all(&dir)?;
                 write_objects(&dir, mode, 0, self.web)?;
                 let port = free_port()?;
@@ -529,12 +573,80 @@ impl Bed {
         Ok(ModeState::Ready(target))
     }
 
+    /// Starts the userspace agent of `mode` (`mcs-userspace`, or the A/B variant with its own
+    /// binary, flags, table, mark and port) and waits for its frontends; returns its cgroup.
+    fn start_userspace(&mut self, mode: Mode) -> anyhow::Result<PathBuf> {
+        let b = mode == Mode::McsUserspaceB;
+        let dir = self.work.join(format!("objects-{}", mode.name()));
+        std::fs::create_dir_all(&dir)?;
+        write_objects(&dir, mode, 0, self.web)?;
+        let dir_arg = format!("file:{}", dir.display());
+        // Its own (empty) pin directory: a userspace agent removes an eBPF socket LB
+        // pinned in its --bpf-pin-dir, and must not find the eBPF mode's or a node's.
+        let no_pins = self.work.join("no-pins").display().to_string();
+        let (agent, extra) = match (&self.agent_b, b) {
+            (Some(ab), true) => (ab.agent.clone(), ab.args.clone()),
+            _ => (self.agent.clone(), vec![]),
+        };
+        let agent = agent.to_string_lossy().into_owned();
+        let cidr = format!("{}/{}", mode.vip_base(), if b { 24 } else { 18 });
+        let metrics = format!("127.0.0.1:{}", userspace_metrics_port(mode));
+        let mut args: Vec<String> = [
+            "run",
+            "--dataplane",
+            "userspace",
+            "--cluster-id",
+            "bench",
+            "--log-level",
+            "warn",
+            "--metrics-addr",
+            &metrics,
+            "--file-poll-ms",
+            "100",
+            "--clusterset-ip-cidr",
+            &cidr,
+            // The scaling step holds 10k fillers plus the measured services.
+            "--max-frontends",
+            "65536",
+            "--max-backends",
+            "262144",
+            "--source",
+            &dir_arg,
+            "--bpf-pin-dir",
+            &no_pins,
+        ]
+        .map(String::from)
+        .into();
+        if b {
+            // Its own interception, beside mcs-userspace's.
+            args.extend(
+                [
+                    "--nft-table",
+                    "mcs_bench_b",
+                    "--fwmark",
+                    "19780",
+                    "--proxy-port",
+                    "15002",
+                ]
+                .map(String::from),
+            );
+        }
+        args.extend(extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let cg = self.spawn_in_cgroup(mode.name(), |t| &t.node, &agent, &args)?;
+        if let Some(p) = self.procs.last() {
+            self.agents.insert(mode, p.pid());
+        }
+        self.wait_frontends(mode, 3)?;
+        Ok(cg)
+    }
+
     /// Waits until the agent of `mode` reports `n` frontends programmed.
     fn wait_frontends(&mut self, mode: Mode, n: usize) -> anyhow::Result<()> {
         let limit = Duration::from_secs(30 + n as u64 / 200);
         let addr = match mode {
             Mode::McsEbpf => self.ebpf_metrics.context("no eBPF agent")?,
-            _ => SocketAddr::from(([127, 0, 0, 1], 9464)),
+            _ => SocketAddr::from(([127, 0, 0, 1], userspace_metrics_port(mode))),
         };
         let procs = &mut self.procs;
         let node = &self.topo.node;
@@ -571,11 +683,7 @@ impl Bed {
                 Mode::Nftables => self.program_nftables(fillers)?,
                 Mode::Ipvs => self.program_ipvs(fillers)?,
                 Mode::McsEbpf | Mode::McsUserspace => {
-                    let dir = self.work.join(if mode == Mode::McsEbpf {
-                        "objects-ebpf"
-                    } else {
-                        "objects-userspace"
-                    });
+                    let dir = self.work.join(format!("objects-{}", mode.name()));
                     write_objects(&dir, mode, fillers, self.web)?;
                     self.wait_frontends(mode, 3 + fillers)?;
                 }
@@ -806,18 +914,43 @@ fn service_eps(web: &[Ipv4Addr]) -> (Vec<SocketAddr>, Vec<SocketAddr>, Vec<Socke
     )
 }
 
-fn haproxy_config(vip: Ipv4Addr, web: &[Ipv4Addr]) -> String {
+/// HAProxy's configuration: listening on `vip` (a node address), or with `vip` `None` behind
+/// TPROXY: one transparent listener for every intercepted frontend (as our forwarder has),
+/// the backend chosen by the original destination port.
+fn haproxy_config(vip: Option<Ipv4Addr>, web: &[Ipv4Addr]) -> String {
     let b = BACKENDS[1];
     let servers: String = web
         .iter()
         .enumerate()
         .map(|(i, ip)| format!("  server s{i} {ip}:{HTTP_PORT}\n"))
         .collect();
+    let proxies = match vip {
+        Some(vip) => format!(
+            "listen web\n  bind {vip}:80\n  balance roundrobin\n{servers}\
+             listen bulk\n  bind {vip}:{BULK_PORT}\n  server c2 {b}:{BULK_PORT}\n"
+        ),
+        None => format!(
+            "frontend intercepted\n  bind 0.0.0.0:{HAPROXY_TPROXY_PORT} transparent\n  use_backend bulk if {{ dst_port {BULK_PORT} }}\n  default_backend web\n\
+             backend web\n  balance roundrobin\n{servers}\
+             backend bulk\n  server c2 {b}:{BULK_PORT}\n"
+        ),
+    };
     format!(
         "global\n  nbthread 2\n  maxconn 4096\n\
          defaults\n  mode tcp\n  timeout connect 2s\n  timeout client 60s\n  timeout server 60s\n  option splice-auto\n\
-         listen web\n  bind {vip}:80\n  balance roundrobin\n{servers}\
-         listen bulk\n  bind {vip}:{BULK_PORT}\n  server c2 {b}:{BULK_PORT}\n"
+         {proxies}"
+    )
+}
+
+/// The interception of `haproxy-tproxy`, shaped like our forwarder's: a set of frontends,
+/// `tproxy` to the listener and a mark for the local route.
+fn haproxy_tproxy_rules(vip: Ipv4Addr) -> String {
+    format!(
+        "table ip mcs_bench_haproxy_tp {{\n\
+           set frontends {{ type ipv4_addr . inet_proto . inet_service; elements = {{ {vip} . tcp . 80, {vip} . tcp . {BULK_PORT} }}; }}\n\
+           chain prerouting {{ type filter hook prerouting priority mangle; policy accept;\n\
+             meta l4proto tcp ip daddr . meta l4proto . th dport @frontends tproxy to :{HAPROXY_TPROXY_PORT} meta mark set {HAPROXY_TPROXY_MARK} accept; }}\n\
+         }}\n"
     )
 }
 

@@ -36,6 +36,8 @@ pub struct Options {
     pub load: LoadConfig,
     /// The mcs-agent binary.
     pub agent: PathBuf,
+    /// The agent and flags of `mcs-userspace-b` (A/B runs).
+    pub agent_b: Option<bed::AgentB>,
     /// Output directory.
     pub out: PathBuf,
     /// Install missing peers with apt-get.
@@ -152,7 +154,13 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
         web_backends: if opts.spread { 2 } else { 1 },
     };
     eprintln!("mcs-bench: setting up {} modes", opts.modes.len());
-    let mut bed = Bed::build(&opts.modes, &opts.agent, &work, opts.spread)?;
+    let mut bed = Bed::build(
+        &opts.modes,
+        &opts.agent,
+        opts.agent_b.clone(),
+        &work,
+        opts.spread,
+    )?;
     let modes = bed
         .modes
         .iter()

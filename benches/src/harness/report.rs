@@ -65,6 +65,10 @@ pub struct Cell {
     /// Median load-balancer CPU (% of a core).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lb_cpu_pct: Option<f64>,
+    /// Median over the repetitions of the load balancer's CPU seconds per unit of the figure
+    /// (per connection for `crr`, per Gbit for bulk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lb_cpu_per_unit: Option<f64>,
     /// Latency percentiles of the repetition with the median figure.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub latency_us: Vec<(f64, f64)>,
@@ -111,7 +115,13 @@ impl Cell {
         let value = Spread::of(&values);
         let median_run = value.and_then(|s| runs.iter().find(|r| r.value == s.median));
         let cpus: Vec<f64> = runs.iter().filter_map(|r| r.lb_cpu_pct).collect();
+        let per_unit: Vec<f64> = runs
+            .iter()
+            .filter_map(|r| Some(r.lb_cpu_pct? / 100.0 / r.value))
+            .filter(|v| v.is_finite())
+            .collect();
         Self {
+            lb_cpu_per_unit: Spread::of(&per_unit).map(|s| s.median),
             workload,
             mode,
             latency_us: median_run.map(|r| r.latency_us.clone()).unwrap_or_default(),
@@ -235,6 +245,8 @@ impl Report {
             }
         }
         head.push("LB CPU % of a core (CRR)".into());
+        head.push("LB CPU µs per conn (CRR)".into());
+        head.push("LB CPU s per GB (bulk 1)".into());
         let _ = writeln!(s, "| {} |", head.join(" | "));
         let _ = writeln!(s, "|{}", "---|".repeat(head.len()));
         for mr in self.modes.iter().filter(|m| m.status == "ok") {
@@ -263,6 +275,15 @@ impl Report {
                         .into()
                     }),
             );
+            let per_unit = |w: Workload, scale: f64, digits: usize| {
+                self.cell(mode, w)
+                    .and_then(|c| c.lb_cpu_per_unit)
+                    .map(|v| format!("{:.digits$}", v * scale))
+                    .unwrap_or_else(|| "–".into())
+            };
+            row.push(per_unit(Workload::Crr, 1e6, 0));
+            // Per Gbit × 8: per GB.
+            row.push(per_unit(Workload::Bulk1, 8.0, 2));
             let _ = writeln!(s, "| {} |", row.join(" | "));
         }
         for mr in self.modes.iter().filter(|m| m.status != "ok") {

@@ -295,6 +295,8 @@ fn listeners(
                 s.set_only_v6(true)?;
             }
             transparent(&s)?;
+            // Accepted sockets inherit it: no setsockopt per connection.
+            s.set_tcp_nodelay(true)?;
             s.set_reuse_address(true)?;
             s.set_reuse_port(true)?;
             s.set_nonblocking(true)?;

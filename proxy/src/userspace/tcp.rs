@@ -5,6 +5,19 @@
 //! the buffer — a bulk transfer — switches to `splice(2)` through a pipe (zero copy), unless
 //! splice is off. Half-close is passed on; idle connections are closed; a connection whose
 //! backend was removed keeps going up to the drain bound.
+//!
+//! Per connection the path does as little as the kernel lets it (measured in issue 16):
+//! - `TCP_NODELAY` is set once on the listener; accepted sockets inherit it.
+//! - The backend connect is judged by its first readiness: an error or hang-up means it
+//!   failed (only then is `SO_ERROR` read, for the message), so a good connect costs no
+//!   `getsockopt`.
+//! - When the peer's FIN came with its last data (the readiness says read-closed), the data
+//!   is sent corked (`MSG_MORE`) and the FIN follows at once, so both leave in one segment and
+//!   the other side answers both with one ACK: two packets fewer per short connection.
+//! - The direction that ends second leaves its FIN to `close(2)`, which follows at once,
+//!   instead of a `shutdown(2)` first.
+//! - Bulk transfers splice through pipes grown to the system's `pipe-max-size` (at most
+//!   1 MiB), in chunks of the pipe's size, and shrunk again before they go back to the pool.
 
 use std::{
     io,
@@ -12,14 +25,14 @@ use std::{
     os::fd::OwnedFd,
     sync::{
         Arc,
-        atomic::{AtomicU32, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
 
 use mcs_model::Protocol;
 use nix::fcntl::{SpliceFFlags, splice};
-use socket2::SockRef;
+use socket2::{Domain, SockRef, Socket, Type};
 use tokio::{
     io::Interest,
     net::{TcpListener, TcpStream},
@@ -28,8 +41,11 @@ use tokio::{
 
 use super::{Shared, routes::normalize};
 
-/// Bytes moved per splice call.
-const SPLICE_CHUNK_BYTES: usize = 1 << 16;
+/// Most a bulk pipe is grown to (bounded further by `/proc/sys/fs/pipe-max-size`).
+const BULK_PIPE_MAX_BYTES: usize = 1 << 20;
+/// A pipe's size when it is not in use (the kernel's default), so pooled pipes do not hold
+/// the user's pipe-page quota.
+const IDLE_PIPE_BYTES: usize = 1 << 16;
 /// Size of the copy buffer of each direction; a read that fills it switches to splice.
 const COPY_BUF_BYTES: usize = 16 << 10;
 /// Pause after an accept error (e.g. out of file descriptors), doubling up to a second.
@@ -166,8 +182,7 @@ async fn handle(client_stream: TcpStream, client: SocketAddr, dst: SocketAddr, s
         if attempt > 0 {
             route.frontend_counters.retries.inc();
         }
-        match tokio::time::timeout(shared.config.connect_timeout, TcpStream::connect(backend)).await
-        {
+        match tokio::time::timeout(shared.config.connect_timeout, connect(backend)).await {
             Ok(Ok(s)) => {
                 upstream = Some((i, backend, s));
                 break;
@@ -190,8 +205,6 @@ async fn handle(client_stream: TcpStream, client: SocketAddr, dst: SocketAddr, s
     };
     let counters = &route.counters[i];
     counters.connections.inc();
-    let _ = client_stream.set_nodelay(true);
-    let _ = up.set_nodelay(true);
 
     let mut generation = shared.routes.subscribe();
     let mut shutdown = shared.shutdown.clone();
@@ -247,6 +260,47 @@ async fn handle(client_stream: TcpStream, client: SocketAddr, dst: SocketAddr, s
     }
 }
 
+/// Connects to `backend` with `TCP_NODELAY` set. A connect that fails shows as an error or
+/// hang-up in its first readiness (the kernel reports `EPOLLERR | EPOLLHUP` with `EPOLLOUT`);
+/// only then is `SO_ERROR` read, for the reason.
+async fn connect(backend: SocketAddr) -> io::Result<TcpStream> {
+    let s = Socket::new(
+        Domain::for_address(backend),
+        Type::STREAM.nonblocking().cloexec(),
+        None,
+    )?;
+    s.set_tcp_nodelay(true)?;
+    match s.connect(&backend.into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(nix::libc::EINPROGRESS) => {}
+        Err(e) => return Err(e),
+    }
+    let stream = TcpStream::from_std(std::net::TcpStream::from(s))?;
+    let ready = stream.ready(Interest::WRITABLE | Interest::ERROR).await?;
+    if ready.is_error() || ready.is_write_closed() {
+        return Err(stream.take_error()?.unwrap_or_else(|| {
+            io::Error::new(io::ErrorKind::ConnectionRefused, "connect failed")
+        }));
+    }
+    Ok(stream)
+}
+
+/// Which directions of a connection reached EOF: the one that ends second does not shut its
+/// destination down, because both sockets are closed as soon as it returns and `close(2)`
+/// sends the FIN (nothing is left unread on it: its own direction ended first).
+struct Ends([AtomicBool; 2]);
+
+impl Ends {
+    /// Direction `me` reached EOF: passes the half-close on to `dst` unless the other
+    /// direction ended already.
+    fn finish(&self, me: usize, dst: &TcpStream) {
+        self.0[me].store(true, Ordering::Relaxed);
+        if !self.0[1 - me].load(Ordering::Relaxed) {
+            let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
+        }
+    }
+}
+
 /// Relays both ways until both sides closed, an error, or idleness.
 async fn relay(
     a: &TcpStream,
@@ -268,10 +322,11 @@ async fn relay(
             tokio::time::sleep_until(deadline.into()).await;
         }
     };
+    let ends = Ends([AtomicBool::new(false), AtomicBool::new(false)]);
     let copy = async {
         tokio::try_join!(
-            pump(a, b, use_splice, &counters.bytes_tx, &touch),
-            pump(b, a, use_splice, &counters.bytes_rx, &touch),
+            pump(a, b, 0, &ends, use_splice, &counters.bytes_tx, &touch),
+            pump(b, a, 1, &ends, use_splice, &counters.bytes_rx, &touch),
         )
         .map(|_| ())
     };
@@ -281,7 +336,12 @@ async fn relay(
     }
 }
 
-type Pipe = (OwnedFd, OwnedFd);
+/// A pipe for splicing: read end, write end, and its size now.
+struct Pipe {
+    r: OwnedFd,
+    w: OwnedFd,
+    size: usize,
+}
 
 /// Empty pipes and copy buffers kept per worker thread (each worker is a single-threaded
 /// runtime, so its connections never migrate): a new connection reuses them instead of
@@ -293,15 +353,53 @@ thread_local! {
     static BUF_POOL: std::cell::RefCell<Vec<Box<[u8]>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-fn take_pipe() -> Option<Pipe> {
-    PIPE_POOL.with(|p| p.borrow_mut().pop()).or_else(|| {
-        let flags = nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_CLOEXEC;
-        nix::unistd::pipe2(flags).ok()
+/// The size bulk pipes are grown to: the system's `pipe-max-size`, at most 1 MiB.
+fn bulk_pipe_bytes() -> usize {
+    static SIZE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *SIZE.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/fs/pipe-max-size")
+            .ok()
+            .and_then(|t| t.trim().parse::<usize>().ok())
+            .unwrap_or(IDLE_PIPE_BYTES)
+            .clamp(IDLE_PIPE_BYTES, BULK_PIPE_MAX_BYTES)
     })
 }
 
-/// Returns an empty pipe to this thread's pool (or closes it when the pool is full).
-fn give_back_pipe(p: Pipe) {
+/// Sets the pipe's size (the kernel rounds it up to pages); returns the size it has now.
+fn resize_pipe(p: &mut Pipe, bytes: usize) {
+    let arg = nix::fcntl::FcntlArg::F_SETPIPE_SZ(i32::try_from(bytes).unwrap_or(i32::MAX));
+    match nix::fcntl::fcntl(&p.w, arg) {
+        Ok(size) => p.size = usize::try_from(size).unwrap_or(p.size),
+        // Over the user's pipe-page quota (pipe-user-pages-soft) without CAP_SYS_RESOURCE:
+        // the pipe keeps its size.
+        Err(e) => tracing::debug!(error = %e, bytes, "resizing a splice pipe"),
+    }
+}
+
+/// An empty pipe grown for bulk: from this thread's pool or new.
+fn take_pipe() -> Option<Pipe> {
+    let mut p = PIPE_POOL.with(|p| p.borrow_mut().pop()).or_else(|| {
+        let flags = nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_CLOEXEC;
+        let (r, w) = nix::unistd::pipe2(flags).ok()?;
+        Some(Pipe {
+            r,
+            w,
+            size: IDLE_PIPE_BYTES,
+        })
+    })?;
+    let want = bulk_pipe_bytes();
+    if p.size < want {
+        resize_pipe(&mut p, want);
+    }
+    Some(p)
+}
+
+/// Returns an empty pipe, shrunk to the default size, to this thread's pool (or closes it when
+/// the pool is full).
+fn give_back_pipe(mut p: Pipe) {
+    if p.size > IDLE_PIPE_BYTES {
+        resize_pipe(&mut p, IDLE_PIPE_BYTES);
+    }
     PIPE_POOL.with(|pool| {
         let mut v = pool.borrow_mut();
         if v.len() < POOL_MAX {
@@ -350,40 +448,52 @@ impl Drop for PooledBuf {
 
 /// One direction until EOF (passed on as a half-close) or an error. Copies through a buffer
 /// while messages are small; once a read fills the buffer, continues with splice if allowed
-/// and a pipe is available.
+/// and a pipe is available. `me` is this direction's index in `ends`.
 async fn pump(
     src: &TcpStream,
     dst: &TcpStream,
+    me: usize,
+    ends: &Ends,
     use_splice: bool,
     bytes: &prometheus_client::metrics::counter::Counter,
     touch: &impl Fn(),
 ) -> io::Result<()> {
     let mut buf = PooledBuf::take();
     loop {
-        let read = read_or_eof(src, dst, || {
+        let read = read_some(src, || {
             nix::unistd::read(src, &mut buf).map_err(io::Error::from)
         });
-        let Some(n) = read.await? else {
+        let Got::Data { n, peer_closed } = read.await? else {
+            ends.finish(me, dst);
             return Ok(());
         };
-        if n < buf.len() {
-            // A short read drained the socket: forget its readiness now rather than learn
-            // it from one more recv returning EAGAIN. Safe: data that arrives later raises
-            // a new edge, and a pending EOF keeps the socket readable (closed states are
-            // never cleared).
+        // The peer's FIN arrived before this wake-up (read-closed without an error: not a
+        // reset), and it follows all of the peer's data in the receive queue; a short read took
+        // all of that, so this is the last data. Send it corked so that our FIN leaves in the
+        // same segment, without one more read to learn the EOF.
+        let eof = n < buf.len() && peer_closed;
+        if n < buf.len() && !peer_closed {
+            // A short read drained the socket: forget its readiness now rather than learn it
+            // from one more recv returning EAGAIN. Safe: data that arrives later raises a new
+            // edge, and a pending EOF keeps the socket readable (closed states are never
+            // cleared).
             let _ = src.try_io(Interest::READABLE, || {
                 Err::<(), _>(io::Error::from(io::ErrorKind::WouldBlock))
             });
         }
-        write_all(dst, &buf[..n]).await?;
+        write_all(dst, &buf[..n], eof).await?;
         bytes.inc_by(n as u64);
         touch();
+        if eof {
+            ends.finish(me, dst);
+            return Ok(());
+        }
         if n == buf.len()
             && use_splice
             && let Some(pipe) = take_pipe()
         {
             drop(buf);
-            splice_dir(src, dst, &pipe.0, &pipe.1, bytes, touch).await?;
+            splice_dir(src, dst, me, ends, &pipe, bytes, touch).await?;
             // Ended at EOF with every spliced byte written: the pipe is empty.
             give_back_pipe(pipe);
             return Ok(());
@@ -391,31 +501,51 @@ async fn pump(
     }
 }
 
+/// What a read got.
+enum Got {
+    /// `n` bytes; `peer_closed`: the readiness it ran on said the peer had sent its FIN (read
+    /// closed, no error: a reset also closes the read side, but sets the error first).
+    Data { n: usize, peer_closed: bool },
+    /// End of stream.
+    Eof,
+}
+
 /// Waits until `src` is readable and runs `op` (a read from it); readiness that turns out
-/// stale is waited for again. At EOF passes the half-close on to `dst` and returns `None`.
-async fn read_or_eof(
-    src: &TcpStream,
-    dst: &TcpStream,
-    mut op: impl FnMut() -> io::Result<usize>,
-) -> io::Result<Option<usize>> {
+/// stale is waited for again.
+async fn read_some(src: &TcpStream, mut op: impl FnMut() -> io::Result<usize>) -> io::Result<Got> {
     loop {
-        src.readable().await?;
-        match src.try_io(Interest::READABLE, &mut op) {
-            Ok(0) => {
-                let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
-                return Ok(None);
+        let ready = src.ready(Interest::READABLE | Interest::ERROR).await?;
+        // An error alone (no read readiness) is read as well, so that it is reported; trying
+        // it under ERROR clears it if it was stale.
+        let interest = if ready.is_readable() || ready.is_read_closed() {
+            Interest::READABLE
+        } else {
+            Interest::ERROR
+        };
+        match src.try_io(interest, &mut op) {
+            Ok(0) => return Ok(Got::Eof),
+            Ok(n) => {
+                return Ok(Got::Data {
+                    n,
+                    peer_closed: ready.is_read_closed() && !ready.is_error(),
+                });
             }
-            Ok(n) => return Ok(Some(n)),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) => return Err(e),
         }
     }
 }
 
-async fn write_all(dst: &TcpStream, mut data: &[u8]) -> io::Result<()> {
+/// Sends all of `data`; `more`: corked (`MSG_MORE`), because a FIN follows at once and should
+/// leave in the same segment.
+async fn write_all(dst: &TcpStream, mut data: &[u8], more: bool) -> io::Result<()> {
+    // socket2 adds MSG_NOSIGNAL.
+    let flags = if more { nix::libc::MSG_MORE } else { 0 };
     while !data.is_empty() {
         dst.writable().await?;
-        match dst.try_write(data) {
+        match dst.try_io(Interest::WRITABLE, || {
+            SockRef::from(dst).send_with_flags(data, flags)
+        }) {
             Ok(m) => data = &data[m..],
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) => return Err(e),
@@ -428,24 +558,26 @@ async fn write_all(dst: &TcpStream, mut data: &[u8]) -> io::Result<()> {
 async fn splice_dir(
     src: &TcpStream,
     dst: &TcpStream,
-    pipe_r: &OwnedFd,
-    pipe_w: &OwnedFd,
+    me: usize,
+    ends: &Ends,
+    pipe: &Pipe,
     bytes: &prometheus_client::metrics::counter::Counter,
     touch: &impl Fn(),
 ) -> io::Result<()> {
     let flags = SpliceFFlags::SPLICE_F_MOVE | SpliceFFlags::SPLICE_F_NONBLOCK;
     loop {
-        let read = read_or_eof(src, dst, || {
-            splice(src, None, pipe_w, None, SPLICE_CHUNK_BYTES, flags).map_err(io::Error::from)
+        let read = read_some(src, || {
+            splice(src, None, &pipe.w, None, pipe.size, flags).map_err(io::Error::from)
         });
-        let Some(n) = read.await? else {
+        let Got::Data { n, .. } = read.await? else {
+            ends.finish(me, dst);
             return Ok(());
         };
         let mut left = n;
         while left > 0 {
             dst.writable().await?;
             match dst.try_io(Interest::WRITABLE, || {
-                splice(pipe_r, None, dst, None, left, flags).map_err(io::Error::from)
+                splice(&pipe.r, None, dst, None, left, flags).map_err(io::Error::from)
             }) {
                 Ok(m) => left -= m,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
@@ -454,5 +586,37 @@ async fn splice_dir(
         }
         bytes.inc_by(n as u64);
         touch();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The forwarder sets TCP_NODELAY only on its listeners: accepted sockets must inherit it.
+    #[test]
+    fn accepted_sockets_inherit_nodelay_from_the_listener() {
+        let l = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        l.set_tcp_nodelay(true).unwrap();
+        l.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .unwrap();
+        l.listen(1).unwrap();
+        let addr = l.local_addr().unwrap().as_socket().unwrap();
+        let _c = std::net::TcpStream::connect(addr).unwrap();
+        let (accepted, _) = l.accept().unwrap();
+        assert!(accepted.tcp_nodelay().unwrap());
+    }
+
+    /// A bulk pipe is grown when taken and shrunk to the default when given back.
+    #[test]
+    fn bulk_pipes_grow_when_taken_and_shrink_when_pooled() {
+        let p = take_pipe().unwrap();
+        let size = |p: &Pipe| nix::fcntl::fcntl(&p.w, nix::fcntl::FcntlArg::F_GETPIPE_SZ).unwrap();
+        assert_eq!(p.size, bulk_pipe_bytes());
+        assert_eq!(size(&p) as usize, p.size);
+        give_back_pipe(p);
+        let pooled = PIPE_POOL.with(|pool| pool.borrow_mut().pop()).unwrap();
+        assert_eq!(pooled.size, IDLE_PIPE_BYTES);
+        assert_eq!(size(&pooled) as usize, IDLE_PIPE_BYTES);
     }
 }
