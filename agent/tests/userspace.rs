@@ -122,21 +122,8 @@ fn drain_keeps_an_open_stream_while_new_connections_go_elsewhere() {
     let mut sb = Sandbox::new(&ALL);
     sb.start_agent(&["--drain-timeout-s", "60"]);
     // An open stream through the VIP.
-    let stream = sb
-        .cli
-        .run(|| {
-            let s = TcpStream::connect_timeout(&"198.18.100.10:80".parse().unwrap(), IO_TIMEOUT)
-                .unwrap();
-            s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
-            s
-        })
-        .unwrap();
-    let ask = |mut s: &TcpStream, m: &str| -> String {
-        s.write_all(m.as_bytes()).unwrap();
-        let mut buf = [0u8; 256];
-        let n = s.read(&mut buf).unwrap();
-        String::from_utf8_lossy(&buf[..n]).to_string()
-    };
+    let stream = open_web(&sb).unwrap();
+    let ask = |s: &TcpStream, m: &str| ask_once(s, m).unwrap();
     let first = ask(&stream, "one");
     let backend = first.split_whitespace().next().unwrap().to_string();
     let (other, kept) = if backend == "198.18.1.2:8080" {
@@ -163,6 +150,36 @@ fn drain_keeps_an_open_stream_while_new_connections_go_elsewhere() {
     assert_eq!(again, format!("{backend} two"));
     drop(stream);
     sb.stop_agent();
+}
+
+/// Shutdown (SIGTERM) refuses new connections at once, while a connection open at that
+/// moment keeps working until the drain bound and is then cut with a reset; then the
+/// interception is gone.
+#[test]
+fn a_connection_open_at_shutdown_works_until_the_drain_bound_then_is_reset() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&ALL);
+    sb.start_agent(&["--drain-timeout-s", "2"]);
+    let stream = open_web(&sb).unwrap();
+    let first = ask_once(&stream, "one").unwrap();
+    let backend = first.split_whitespace().next().unwrap().to_string();
+    sb.terminate_agent();
+    wait_until("shutdown closed the listeners", || open_web(&sb).is_err());
+    assert_eq!(
+        ask_once(&stream, "two").unwrap(),
+        format!("{backend} two"),
+        "the open connection stopped working at shutdown"
+    );
+    let (_, end) = read_until_end(&stream);
+    assert_eq!(
+        end.map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::ConnectionReset),
+        "a connection cut at the drain bound must end with a reset"
+    );
+    sb.wait_agent();
+    assert!(sb.nft_table().is_none(), "the interception was left behind");
 }
 
 #[test]

@@ -161,12 +161,23 @@ impl Sandbox {
 
     /// Stops the agent with SIGTERM; returns its log.
     pub fn stop_agent(&mut self) -> String {
-        let mut a = self.agent.take().unwrap();
+        self.terminate_agent();
+        self.wait_agent()
+    }
+
+    /// Sends the agent SIGTERM without waiting for it to exit.
+    pub fn terminate_agent(&self) {
+        let a = self.agent.as_ref().unwrap();
         nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(a.id() as i32),
             nix::sys::signal::Signal::SIGTERM,
         )
         .unwrap();
+    }
+
+    /// Waits for the agent to exit, which must be a success; returns its log.
+    pub fn wait_agent(&mut self) -> String {
+        let mut a = self.agent.take().unwrap();
         let status = a.wait().unwrap();
         let mut log = String::new();
         if let Some(mut e) = a.stderr.take() {

@@ -210,13 +210,12 @@ impl Userspace {
         self.shared.routes.load().len()
     }
 
-    /// Stops accepting, removes the interception, and waits (up to the drain bound) for open
-    /// connections to finish.
+    /// Stops accepting (the listeners close, so new connections are refused at once), waits
+    /// up to the drain bound for open connections to finish, then removes the interception.
+    /// The interception stays while they drain: without it their packets no longer reach
+    /// the forwarder's sockets, and the kernel answers them with resets.
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(true);
-        if let Err(e) = self.intercept.uninstall() {
-            tracing::warn!(error = %e, "removing interception");
-        }
         let max = self.shared.config.max_connections as u32;
         let drained = tokio::time::timeout(
             self.shared.config.drain_timeout + Duration::from_secs(1),
@@ -228,6 +227,9 @@ impl Userspace {
         }
         for t in self.tasks {
             t.abort();
+        }
+        if let Err(e) = self.intercept.uninstall() {
+            tracing::warn!(error = %e, "removing interception");
         }
     }
 }
@@ -253,11 +255,16 @@ fn spawn_worker(
                     return;
                 };
                 let mut stop = shared.shutdown.clone();
-                let accept = tokio::spawn(tcp::accept_loop(listener, shared.clone(), cap));
+                let signals = tcp::WorkerSignals::start(&shared);
+                let accept = tokio::spawn(tcp::accept_loop(listener, shared.clone(), cap, signals));
                 stopped(&mut stop).await;
                 let _ = accept.await;
-                // Let this thread's connections finish within the drain bound.
-                let deadline = tokio::time::Instant::now() + shared.config.drain_timeout;
+                // Let this thread's connections finish within the drain bound. Wait a little
+                // longer than it: at the bound each connection cuts itself with resets, while
+                // one dropped with the runtime would end with a FIN and look complete.
+                let deadline = tokio::time::Instant::now()
+                    + shared.config.drain_timeout
+                    + Duration::from_millis(500);
                 while tokio::time::Instant::now() < deadline
                     && shared.metrics.active_connections.get() > 0
                 {

@@ -36,7 +36,7 @@ use socket2::{Domain, SockRef, Socket, Type};
 use tokio::{
     io::Interest,
     net::{TcpListener, TcpStream},
-    sync::Semaphore,
+    sync::{Semaphore, watch},
 };
 
 use super::{Shared, routes::normalize};
@@ -92,14 +92,72 @@ impl Drop for ClientSlot<'_> {
     }
 }
 
+/// What a worker's connections watch: the route generation and whether the forwarder is
+/// stopping.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Signal {
+    /// Bumped by every route swap.
+    pub generation: u64,
+    /// Shutdown began.
+    pub stopping: bool,
+}
+
+/// One worker thread's copy of the shared route generation and shutdown flag. A single task
+/// per worker watches the shared channels and republishes into this one, so a connection's
+/// wake-ups only ever touch its own thread's channel (no lock shared across cores on every
+/// wake-up).
+#[derive(Clone, Debug)]
+pub struct WorkerSignals(watch::Receiver<Signal>);
+
+impl WorkerSignals {
+    /// Starts this worker's watcher task (on the current runtime).
+    pub fn start(shared: &Shared) -> Self {
+        let mut generation = shared.routes.subscribe();
+        let mut shutdown = shared.shutdown.clone();
+        let first = Signal {
+            generation: *generation.borrow_and_update(),
+            stopping: *shutdown.borrow_and_update(),
+        };
+        let (tx, rx) = watch::channel(first);
+        // It lives as long as a connection of this worker does (they drain after shutdown and
+        // still need route changes), ending when the last receiver is gone.
+        tokio::spawn(async move {
+            let mut stopping = first.stopping;
+            loop {
+                tokio::select! {
+                    changed = generation.changed() => {
+                        if changed.is_err() { return; }
+                        let g = *generation.borrow_and_update();
+                        tx.send_modify(|s| s.generation = g);
+                    }
+                    changed = shutdown.changed(), if !stopping => {
+                        stopping = changed.is_err() || *shutdown.borrow_and_update();
+                        if stopping {
+                            tx.send_modify(|s| s.stopping = true);
+                        }
+                    }
+                    () = tx.closed() => return,
+                }
+            }
+        });
+        Self(rx)
+    }
+}
+
 /// Accepts until shutdown.
-pub async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, cap: Arc<Semaphore>) {
-    let mut shutdown = shared.shutdown.clone();
+pub async fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    cap: Arc<Semaphore>,
+    signals: WorkerSignals,
+) {
+    let mut stop = signals.0.clone();
     let mut backoff = ACCEPT_BACKOFF_START_MS;
     loop {
         let accepted = tokio::select! {
+            biased;
             r = listener.accept() => r,
-            () = super::stopped(&mut shutdown) => return,
+            _ = stop.wait_for(|s| s.stopping) => return,
         };
         let (stream, client) = match accepted {
             Ok(a) => {
@@ -126,6 +184,7 @@ pub async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, cap: Arc<Se
             continue;
         };
         let shared = shared.clone();
+        let signals = signals.0.clone();
         tokio::spawn(async move {
             let Some(slot) = shared.per_client.take(client) else {
                 // This client has its share open already: refuse it alone.
@@ -136,7 +195,7 @@ pub async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, cap: Arc<Se
                 return;
             };
             shared.metrics.active_connections.inc();
-            handle(stream, client, dst, &shared).await;
+            handle(stream, client, dst, &shared, signals).await;
             shared.metrics.active_connections.dec();
             drop(slot);
             drop(permit);
@@ -153,7 +212,13 @@ fn reset(stream: &TcpStream) {
 /// intercepted) waits for it.
 const FIRST_TABLE_WAIT: Duration = Duration::from_secs(3);
 
-async fn handle(client_stream: TcpStream, client: SocketAddr, dst: SocketAddr, shared: &Shared) {
+async fn handle(
+    client_stream: TcpStream,
+    client: SocketAddr,
+    dst: SocketAddr,
+    shared: &Shared,
+    mut signals: watch::Receiver<Signal>,
+) {
     let mut route = shared.routes.load().get(dst, Protocol::Tcp).cloned();
     if route.is_none() {
         let mut generation = shared.routes.subscribe();
@@ -206,8 +271,7 @@ async fn handle(client_stream: TcpStream, client: SocketAddr, dst: SocketAddr, s
     let counters = &route.counters[i];
     counters.connections.inc();
 
-    let mut generation = shared.routes.subscribe();
-    let mut shutdown = shared.shutdown.clone();
+    let mut seen = *signals.borrow_and_update();
     let relay = relay(
         &client_stream,
         &up,
@@ -217,6 +281,9 @@ async fn handle(client_stream: TcpStream, client: SocketAddr, dst: SocketAddr, s
     );
     tokio::pin!(relay);
     let mut drain_at: Option<tokio::time::Instant> = None;
+    if seen.stopping {
+        drain_at = Some(tokio::time::Instant::now() + shared.config.drain_timeout);
+    }
     loop {
         let drain_sleep = async {
             match drain_at {
@@ -224,7 +291,9 @@ async fn handle(client_stream: TcpStream, client: SocketAddr, dst: SocketAddr, s
                 None => std::future::pending().await,
             }
         };
+        // Biased: a wake-up is nearly always the relay's; the others are only looked at after.
         tokio::select! {
+            biased;
             r = &mut relay => {
                 if let Err(e) = r {
                     tracing::debug!(%client, %backend, error = %e, "connection ended with an error");
@@ -237,12 +306,20 @@ async fn handle(client_stream: TcpStream, client: SocketAddr, dst: SocketAddr, s
                 }
                 return;
             }
-            changed = generation.changed() => {
+            changed = signals.changed() => {
                 if changed.is_err() { return; }
-                let still = shared.routes.load().get(dst, Protocol::Tcp).is_some_and(|r| r.has_backend(backend));
-                drain_at = if still { None } else {
-                    drain_at.or(Some(tokio::time::Instant::now() + shared.config.drain_timeout))
-                };
+                let now = *signals.borrow_and_update();
+                if now.generation != seen.generation {
+                    let still = shared.routes.load().get(dst, Protocol::Tcp).is_some_and(|r| r.has_backend(backend));
+                    drain_at = if still { None } else {
+                        drain_at.or(Some(tokio::time::Instant::now() + shared.config.drain_timeout))
+                    };
+                }
+                if now.stopping {
+                    // Graceful shutdown: let the connection finish within the drain bound.
+                    drain_at = drain_at.or(Some(tokio::time::Instant::now() + shared.config.drain_timeout));
+                }
+                seen = now;
             }
             () = drain_sleep => {
                 shared.metrics.drained.inc();
@@ -251,10 +328,6 @@ async fn handle(client_stream: TcpStream, client: SocketAddr, dst: SocketAddr, s
                 reset(&client_stream);
                 reset(&up);
                 return;
-            }
-            () = super::stopped(&mut shutdown), if drain_at.is_none() => {
-                // Graceful shutdown: let the connection finish within the drain bound.
-                drain_at = Some(tokio::time::Instant::now() + shared.config.drain_timeout);
             }
         }
     }
