@@ -262,12 +262,13 @@ impl Report {
                     row.push(c.map(|c| latency(&c.latency_us)).unwrap_or("n/a".into()));
                 }
             }
+            let crr = self.cell(mode, Workload::Crr);
             row.push(
-                self.cell(mode, Workload::Crr)
-                    .and_then(|c| c.lb_cpu_pct)
+                crr.and_then(|c| c.lb_cpu_pct)
                     .map(|p| format!("{p:.0}"))
                     .unwrap_or_else(|| {
                         match mode {
+                            _ if crr.is_none() => "n/a (no crr run)",
                             Mode::Direct => "–",
                             Mode::McsEbpf => "– (in the client's connect)",
                             _ => "– (kernel, softirq)",
