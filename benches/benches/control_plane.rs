@@ -52,14 +52,22 @@ fn rss_mib() -> f64 {
     mcs_bench::rss_bytes().unwrap_or(0) as f64 / (1 << 20) as f64
 }
 
+/// Most imports the bench's address plan holds: VIPs are 198.18.0.0 + i, below the
+/// endpoints' 198.19.192.0/18.
+const MAX_IMPORTS: usize = 0x1_c000;
+/// The ranges that hold every VIP (`--clusterset-ip-cidr`); the endpoints are outside.
+const VIP_CIDRS: [&str; 3] = ["198.18.0.0/16", "198.19.0.0/17", "198.19.128.0/18"];
+
 fn vip(i: usize) -> String {
-    let base = u32::from(std::net::Ipv4Addr::new(198, 18, 128, 0));
+    let base = u32::from(std::net::Ipv4Addr::new(198, 18, 0, 0));
     std::net::Ipv4Addr::from(base + i as u32).to_string()
 }
 
+/// Endpoint `e` of cluster `c` of import `i`: in 198.19.192.0/18, so shared by many imports
+/// at large sizes (as pods' addresses are not, but the index does not care).
 fn endpoint(i: usize, c: usize, e: usize) -> String {
-    let base = u32::from(std::net::Ipv4Addr::new(198, 19, 0, 0));
-    std::net::Ipv4Addr::from(base + ((i * 16 + c * 8 + e) % 65_000) as u32).to_string()
+    let base = u32::from(std::net::Ipv4Addr::new(198, 19, 192, 0));
+    std::net::Ipv4Addr::from(base + ((i * 16 + c * 8 + e) % 16_000) as u32).to_string()
 }
 
 fn slice(ns: &str, i: usize, c: usize, unready: Option<usize>) -> EndpointSlice {
@@ -88,6 +96,10 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(100);
+    assert!(
+        imports <= MAX_IMPORTS,
+        "MCS_BENCH_IMPORTS={imports}: the address plan holds at most {MAX_IMPORTS}"
+    );
     let Some(api) = mcs_test_support::apiserver::shared() else {
         return;
     };
@@ -118,15 +130,20 @@ fn main() {
                 }
             })
             .await;
-        eprintln!("created {imports} imports and {} slices in {:.1}s", imports * 2, t.elapsed().as_secs_f64());
+        let created = t.elapsed();
+        eprintln!("created {imports} imports and {} slices in {:.1}s", imports * 2, created.as_secs_f64());
 
         let rss0 = rss_mib();
         let mut registry = prometheus_client::registry::Registry::default();
         let metrics = Arc::new(Metrics::new(&mut registry));
         let health = Health::default();
         let dp = Timed::default();
+        // Caps as high as the agent process's below: every import is admitted at any size.
+        let mut node = NodeConfig { cluster_id: "c0".into(), ..Default::default() };
+        node.guard.limits.frontends = 1_000_000;
+        node.guard.limits.backends = 10_000_000;
         let controller = SyncLoop::new(
-            NodeConfig { cluster_id: "c0".into(), ..Default::default() },
+            node,
             dp.clone(),
             SyncConfig { cluster_id_fixed: true, ..Default::default() },
             metrics,
@@ -188,6 +205,11 @@ fn main() {
             "control plane, {imports} ServiceImports x 2 clusters x 5 endpoints ({} endpoints):",
             imports * 10
         );
+        println!(
+            "  created {imports} ServiceImports and {} EndpointSlices in {:.1} s (16 writers)",
+            imports * 2,
+            created.as_secs_f64()
+        );
         println!("  full sync (start → first full table applied): {:.2} s", full_sync.as_secs_f64());
         println!(
             "  EndpointSlice write → diff applied: p50 {:.1} ms, p99 {:.1} ms ({samples} writes)",
@@ -228,7 +250,11 @@ async fn agent_rss(kubeconfig: &std::path::Path) -> Result<f64, String> {
             "c0",
             // The bench's VIPs (see `vip`); its endpoints are outside.
             "--clusterset-ip-cidr",
-            "198.18.128.0/17",
+            VIP_CIDRS[0],
+            "--clusterset-ip-cidr",
+            VIP_CIDRS[1],
+            "--clusterset-ip-cidr",
+            VIP_CIDRS[2],
             "--max-frontends",
             "1000000",
             "--max-backends",
