@@ -493,12 +493,10 @@ impl Bed {
                     &["-f"],
                     false,
                 )?;
-                let (mark, table) = (
-                    HAPROXY_TPROXY_MARK.to_string(),
-                    HAPROXY_TPROXY_MARK.to_string(),
-                );
+                // The mark is also the routing table's number.
+                let mark = HAPROXY_TPROXY_MARK.to_string();
                 self.topo.node.ip(&[
-                    "rule", "add", "fwmark", &mark, "lookup", &table, "priority", "9044",
+                    "rule", "add", "fwmark", &mark, "lookup", &mark, "priority", "9044",
                 ])?;
                 self.topo.node.ip(&[
                     "route",
@@ -508,7 +506,7 @@ impl Bed {
                     "dev",
                     "lo",
                     "table",
-                    &table,
+                    &mark,
                 ])?;
                 let conf = self.work.join("haproxy-tproxy.cfg");
                 std::fs::write(&conf, haproxy_config(None, self.web))?;

@@ -220,13 +220,11 @@ async fn handle(
     mut signals: watch::Receiver<Signal>,
 ) {
     let mut route = shared.routes.load().get(dst, Protocol::Tcp).cloned();
-    if route.is_none() {
-        let mut generation = shared.routes.subscribe();
-        if *generation.borrow_and_update() == 0 {
-            // No table yet: wait for the first one (bounded), then look again.
-            let _ = tokio::time::timeout(FIRST_TABLE_WAIT, generation.changed()).await;
-            route = shared.routes.load().get(dst, Protocol::Tcp).cloned();
-        }
+    if route.is_none() && signals.borrow().generation == 0 {
+        // No table yet: wait for the first one (bounded), then look again.
+        let first = signals.wait_for(|s| s.generation != 0);
+        let _ = tokio::time::timeout(FIRST_TABLE_WAIT, first).await;
+        route = shared.routes.load().get(dst, Protocol::Tcp).cloned();
     }
     let Some(route) = route else {
         tracing::debug!(%dst, "no route (frontend removed?)");
