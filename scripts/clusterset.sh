@@ -88,6 +88,33 @@ wait_for() {
   done
 }
 
+# Why the pods of namespace $2 in cluster $1 are not ready: the pods, their events (scheduling,
+# mounts, probes), the node's taints and conditions, the free space kubelet's eviction sees, and
+# the scheduler's and kubelet's last lines. Printed when a wait in `up` fails.
+explain_pods() {
+  local i=$1 ns=$2 d="$STATE/c$1"
+  {
+    echo "--- pods in $ns of c$i"
+    kc "$i" -n "$ns" get pods -o wide
+    echo "--- events in $ns of c$i (oldest first)"
+    kc "$i" -n "$ns" get events --sort-by=.lastTimestamp
+    echo "--- node c$i-node: taints, conditions"
+    kc "$i" get node "c$i-node" -o jsonpath='{range .spec.taints[*]}taint {.key}={.value}:{.effect}{"\n"}{end}{range .status.conditions[*]}{.type}={.status} ({.reason}) since {.lastTransitionTime}{"\n"}{end}'
+    echo "--- components of c$i"
+    local f
+    for f in "$d"/pids/*; do
+      if kill -0 "$(cat "$f")" 2>/dev/null; then echo "${f##*/}: running"; else echo "${f##*/}: NOT RUNNING"; fi
+    done
+    echo "--- free space under $STATE"
+    df -h "$STATE"
+    # (The scheduler's complaints about its own serving CA bundle, repeated, are left out.)
+    echo "--- kube-scheduler c$i (last lines)"
+    grep -v extension-apiserver-authentication "$d/logs/kube-scheduler.log" | tail -15
+    echo "--- kubelet c$i (last errors and warnings)"
+    grep -E '^[EW][0-9]' "$d/logs/kubelet.log" | tail -15
+  } >&2 2>&1 || true
+}
+
 # --- down: undo everything, whatever state a previous run left -------------------------------
 kill_pidfile() {
   local f=$1 pid
@@ -405,7 +432,7 @@ controllers() {
   start "$i" kube-scheduler "$MCS_KUBE_BIN_DIR/kube-scheduler" \
     --kubeconfig "$d/scheduler.kubeconfig" --authentication-kubeconfig "$d/scheduler.kubeconfig" \
     --authorization-kubeconfig "$d/scheduler.kubeconfig" --bind-address 127.0.0.1 \
-    --leader-elect=false --v 1
+    --leader-elect=false --v 2
 }
 
 start_node() {
@@ -557,13 +584,14 @@ $block" --dry-run=client -o yaml | kc "$i" apply -f - >/dev/null
   done
   for ((i = 1; i <= N; i++)); do
     wait_for "mcs-agent in c$i" 120 /dev/null kc "$i" -n mcs-system rollout status ds/mcs-agent --timeout=2s ||
-      { kc "$i" -n mcs-system get pods -o wide >&2; kc "$i" -n mcs-system logs ds/mcs-agent --tail=30 >&2 || true; return 1; }
+      { explain_pods "$i" mcs-system; kc "$i" -n mcs-system logs ds/mcs-agent --tail=30 >&2 || true; return 1; }
     wait_for "mcs-controller in c$i" 120 /dev/null kc "$i" -n mcs-system rollout status deploy/mcs-controller --timeout=2s ||
-      { kc "$i" -n mcs-system get pods -o wide >&2; kc "$i" -n mcs-system logs deploy/mcs-controller --tail=30 >&2 || true; return 1; }
+      { explain_pods "$i" mcs-system; kc "$i" -n mcs-system logs deploy/mcs-controller --tail=30 >&2 || true; return 1; }
   done
   # clusterset.local answered through each cluster's DNS (CoreDNS -> mcs-dns -> the agents).
   for ((i = 1; i <= N; i++)); do
-    wait_for "CoreDNS in c$i" 90 /dev/null kc "$i" -n kube-system rollout status deploy/coredns --timeout=2s
+    wait_for "CoreDNS in c$i" 90 /dev/null kc "$i" -n kube-system rollout status deploy/coredns --timeout=2s ||
+      { explain_pods "$i" kube-system; return 1; }
     wait_for "clusterset.local through c$i's DNS" 60 /dev/null sh -c \
       "nsenter --net=/run/netns/$(netns "$i") -- dig +short +time=1 +tries=1 @$(svc_ip "$i" 10) dns-version.clusterset.local TXT | grep -q ."
   done
@@ -623,7 +651,8 @@ up() {
   done
   for ((i = 1; i <= N; i++)); do
     wait_for "CoreDNS in c$i" 90 "$STATE/c$i/logs/kubelet.log" \
-      kc "$i" -n kube-system rollout status deploy/coredns --timeout=2s
+      kc "$i" -n kube-system rollout status deploy/coredns --timeout=2s ||
+      { explain_pods "$i" kube-system; return 1; }
   done
   ((BARE)) || install_chart
   trap - EXIT
