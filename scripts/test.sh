@@ -59,6 +59,16 @@ trap 'bash scripts/clusterset.sh down >/dev/null 2>&1 || true' EXIT
 cargo build --locked -q -p mcs-agent -p mcs-controller --bins &&
   MCS_IMAGE_BIN_DIR=target/debug bash scripts/clusterset.sh up >target/clusterset-up.out
 up=$?
+# Bringing up two clusters on two shared cores once failed in CI with the controller's pods left
+# Pending and no reason kept (before up explained its failed waits). One second attempt, said
+# out loud here and in the summary; the tests below run once, as always.
+up_note=""
+if ((up != 0)); then
+  echo "clusterset up: failed once (its explanation is above); taking it down and trying once more"
+  up_note="clusterset up needed a second attempt (the first one's explanation is in the log)"
+  MCS_IMAGE_BIN_DIR=target/debug bash scripts/clusterset.sh up >target/clusterset-up.out
+  up=$?
+fi
 if ((up == 0)); then
   echo "clusterset up: ok ($(tail -1 target/clusterset-up.out))"
   bash scripts/clusterset-e2e.sh
@@ -83,5 +93,6 @@ awk '/^test result:/ { for (i=1;i<=NF;i++) { if ($(i+1) ~ /^passed;?$/) p+=$i; i
      END { printf "%d passed, %d failed, %d skipped\n", p, f, ig }' "${MCS_TEST_LOG:-/tmp/mcs-test.log}"
 grep -E 'Passed \| ' target/conformance/suite.log 2>/dev/null | sed 's/^/conformance: /' || true
 cat target/conformance/summary.txt 2>/dev/null || true
+[[ -z ${up_note:-} ]] || echo "note: $up_note"
 echo "total wall time: $(( $(date +%s) - t0 ))s (after set-up)"
 exit "$status"
