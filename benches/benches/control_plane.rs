@@ -10,6 +10,11 @@
 //! `MCS_BENCH_IMPORTS=10000 cargo bench -p mcs-bench --bench control_plane` (default 1000
 //! imports, each with 2 clusters × 5 endpoints). Needs root-free prerequisites only: etcd and
 //! kube-apiserver (`bash scripts/setup.sh`).
+//!
+//! `MCS_BENCH_KUBECONFIG=FILE` runs against an API server that is already up (its current
+//! context; e.g. `mcs-testbed --clusters c0 --kubeconfig-out FILE`) in namespace
+//! `mcs-bench-<imports>`, and reuses the objects a previous run left there. One size per API
+//! server: every size uses the same VIPs.
 
 use std::{
     sync::{Arc, Mutex},
@@ -17,7 +22,7 @@ use std::{
 };
 
 use futures::{StreamExt as _, stream};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::{core::v1::Namespace, discovery::v1::EndpointSlice};
 use kube::{
     Api,
     api::{Patch, PatchParams, PostParams},
@@ -100,8 +105,16 @@ fn main() {
         imports <= MAX_IMPORTS,
         "MCS_BENCH_IMPORTS={imports}: the address plan holds at most {MAX_IMPORTS}"
     );
-    let Some(api) = mcs_test_support::apiserver::shared() else {
-        return;
+    // An API server of the bench's own, or (MCS_BENCH_KUBECONFIG) one that is already up, e.g.
+    // `mcs-testbed`'s, whose namespace keeps the objects between runs: creating 100k imports
+    // takes minutes, so a second run at the same size reuses them.
+    let external = std::env::var_os("MCS_BENCH_KUBECONFIG").map(std::path::PathBuf::from);
+    let api = match &external {
+        Some(_) => None,
+        None => match mcs_test_support::apiserver::shared() {
+            Some(api) => Some(api),
+            None => return,
+        },
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -109,29 +122,80 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let ns = api.fresh_namespace("bench").await;
-        let client = api.client().await;
+        let (client, ns, kubeconfig) = match (&external, api) {
+            (Some(path), _) => {
+                let client = mcs_test_support::apiserver::client_from(path)
+                    .await
+                    .unwrap_or_else(|e| panic!("MCS_BENCH_KUBECONFIG={}: {e:#}", path.display()));
+                let ns = format!("mcs-bench-{imports}");
+                // Every size uses the same VIPs (198.18.0.0 + i): another size's imports, older,
+                // would own them, and this run's writes would rightly change nothing.
+                let others: Vec<String> = Api::<Namespace>::all(client.clone())
+                    .list_metadata(&Default::default())
+                    .await
+                    .unwrap_or_else(|e| panic!("listing namespaces: {e}"))
+                    .items
+                    .into_iter()
+                    .filter_map(|n| n.metadata.name)
+                    .filter(|n| n.starts_with("mcs-bench-") && *n != ns)
+                    .collect();
+                assert!(
+                    others.is_empty(),
+                    "MCS_BENCH_KUBECONFIG={}: namespaces {others:?} hold another size's imports with the same VIPs; delete them or use another API server",
+                    path.display()
+                );
+                let namespace: Namespace =
+                    serde_json::from_value(serde_json::json!({ "metadata": { "name": ns } })).unwrap();
+                match Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &namespace).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(e)) if e.code == 409 => {}
+                    Err(e) => panic!("creating namespace {ns}: {e}"),
+                }
+                (client, ns, path.clone())
+            }
+            (None, Some(api)) => (
+                api.client().await,
+                api.fresh_namespace("bench").await,
+                api.kubeconfig(mcs_test_support::apiserver::User::Admin),
+            ),
+            (None, None) => unreachable!("no API server"),
+        };
         let si: Api<ServiceImport> = Api::namespaced(client.clone(), &ns);
         let es: Api<EndpointSlice> = Api::namespaced(client.clone(), &ns);
         let t = Instant::now();
-        stream::iter(0..imports)
-            .for_each_concurrent(16, |i| {
-                let (si, es, ns) = (si.clone(), es.clone(), ns.clone());
-                async move {
-                    let import: ServiceImport = serde_json::from_value(serde_json::json!({
-                        "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceImport",
-                        "metadata": { "name": format!("svc{i}"), "namespace": ns },
-                        "spec": { "type": "ClusterSetIP", "ips": [vip(i)], "ports": [{ "name": "http", "protocol": "TCP", "port": 80 }] }
-                    })).unwrap();
-                    si.create(&PostParams::default(), &import).await.unwrap();
-                    for c in 0..2 {
-                        es.create(&PostParams::default(), &slice(&ns, i, c, None)).await.unwrap();
+        let held = si.list_metadata(&Default::default()).await.map(|l| l.items.len()).unwrap_or(0);
+        let reused = held == imports
+            && es.list_metadata(&Default::default()).await.map(|l| l.items.len()).unwrap_or(0) == 2 * imports;
+        if !reused {
+            // Already there (an earlier run that stopped half-way): kept as it is.
+            let create = |r: Result<(), kube::Error>| match r {
+                Ok(()) => {}
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => panic!("creating: {e}"),
+            };
+            stream::iter(0..imports)
+                .for_each_concurrent(16, |i| {
+                    let (si, es, ns) = (si.clone(), es.clone(), ns.clone());
+                    async move {
+                        let import: ServiceImport = serde_json::from_value(serde_json::json!({
+                            "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceImport",
+                            "metadata": { "name": format!("svc{i}"), "namespace": ns },
+                            "spec": { "type": "ClusterSetIP", "ips": [vip(i)], "ports": [{ "name": "http", "protocol": "TCP", "port": 80 }] }
+                        })).unwrap();
+                        create(si.create(&PostParams::default(), &import).await.map(drop));
+                        for c in 0..2 {
+                            create(es.create(&PostParams::default(), &slice(&ns, i, c, None)).await.map(drop));
+                        }
                     }
-                }
-            })
-            .await;
+                })
+                .await;
+        }
         let created = t.elapsed();
-        eprintln!("created {imports} imports and {} slices in {:.1}s", imports * 2, created.as_secs_f64());
+        if reused {
+            eprintln!("reusing {imports} imports and {} slices in namespace {ns}", imports * 2);
+        } else {
+            eprintln!("created {imports} imports and {} slices in {:.1}s", imports * 2, created.as_secs_f64());
+        }
 
         let rss0 = rss_mib();
         let mut registry = prometheus_client::registry::Registry::default();
@@ -167,13 +231,18 @@ fn main() {
         let rss = rss_mib() - rss0;
 
         let mut lat = Vec::with_capacity(samples);
-        // Every write changes something (a write that changes nothing rightly yields no diff).
-        let mut unready: std::collections::HashMap<usize, Option<usize>> = Default::default();
         for k in 0..samples {
             let i = (k * 7919) % imports;
-            let now = unready.entry(i).or_insert(None);
-            *now = if now.is_none() { Some(k % 5) } else { None };
-            let flip = *now;
+            // Every write changes something (a write that changes nothing rightly yields no
+            // diff): one endpoint unready if all are ready, else all ready, from what the API
+            // server holds now (a reused namespace keeps an earlier run's writes).
+            let held = es.get(&format!("svc{i}-c0")).await.unwrap();
+            let all_ready = held
+                .endpoints
+                .iter()
+                .flatten()
+                .all(|e| e.conditions.as_ref().and_then(|c| c.ready) != Some(false));
+            let flip = all_ready.then_some(k % 5);
             let before = dp.diffs.lock().unwrap().len();
             let t0 = Instant::now();
             let s = slice(&ns, i, 0, flip);
@@ -205,11 +274,15 @@ fn main() {
             "control plane, {imports} ServiceImports x 2 clusters x 5 endpoints ({} endpoints):",
             imports * 10
         );
-        println!(
-            "  created {imports} ServiceImports and {} EndpointSlices in {:.1} s (16 writers)",
-            imports * 2,
-            created.as_secs_f64()
-        );
+        if reused {
+            println!("  reused {imports} ServiceImports and {} EndpointSlices of an earlier run", imports * 2);
+        } else {
+            println!(
+                "  created {imports} ServiceImports and {} EndpointSlices in {:.1} s (16 writers)",
+                imports * 2,
+                created.as_secs_f64()
+            );
+        }
         println!("  full sync (start → first full table applied): {:.2} s", full_sync.as_secs_f64());
         println!(
             "  EndpointSlice write → diff applied: p50 {:.1} ms, p99 {:.1} ms ({samples} writes)",
@@ -217,7 +290,7 @@ fn main() {
             q(0.99)
         );
         println!("  RSS growth while holding the ClusterSet: {rss:.1} MiB");
-        match agent_rss(&api.kubeconfig(mcs_test_support::apiserver::User::Admin)).await {
+        match agent_rss(&kubeconfig).await {
             Ok(mib) => println!(
                 "  mcs-agent process (--dataplane log, kube source) RSS when ready: {mib:.1} MiB"
             ),

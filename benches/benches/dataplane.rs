@@ -36,7 +36,7 @@ fn routes(c: &mut Criterion) {
     // 10k frontends, 3 clusters × 10 endpoints each, the first cluster selected.
     let mut table: ForwardingTable = fixtures::table_10k();
     if let Some(s) = table.frontends.values_mut().nth(7) {
-        s.affinity = Some(Affinity {
+        std::sync::Arc::make_mut(s).affinity = Some(Affinity {
             timeout_seconds: 60,
         });
     }

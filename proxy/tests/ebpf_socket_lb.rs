@@ -278,7 +278,7 @@ fn pinned_state_outlives_the_loader_is_adopted_and_uninstall_detaches() {
     };
     diff.upsert.insert(
         f,
-        mcs_model::Service {
+        std::sync::Arc::new(mcs_model::Service {
             service: "ns/web".into(),
             affinity: None,
             backends: vec![mcs_model::Backend {
@@ -291,7 +291,7 @@ fn pinned_state_outlives_the_loader_is_adopted_and_uninstall_detaches() {
                 terminating: false,
                 selected: true,
             }],
-        },
+        }),
     );
     mcs_model::Dataplane::apply(&mut lb, &diff).unwrap();
     assert_eq!(
@@ -471,11 +471,11 @@ fn a_frontend_that_does_not_fit_is_rejected_alone_and_nothing_leaks() {
     let one = [good];
     let mut diff = TableDiff::default();
     diff.upsert
-        .insert(frontend("198.18.0.10:80"), service("good", &one));
+        .insert(frontend("198.18.0.10:80"), service("good", &one).into());
     diff.upsert
-        .insert(frontend("198.18.0.11:80"), service("huge", &many));
+        .insert(frontend("198.18.0.11:80"), service("huge", &many).into());
     diff.upsert
-        .insert(frontend("198.18.0.12:80"), service("nofit", &three));
+        .insert(frontend("198.18.0.12:80"), service("nofit", &three).into());
     for _ in 0..3 {
         // Applied three times (as a retrying controller would): the same outcome, no leak.
         lb.apply(&diff)

@@ -15,6 +15,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
+    sync::Arc,
 };
 
 use crate::{
@@ -40,8 +41,9 @@ pub struct NodeConfig {
 }
 
 type SliceKey = (String, String);
-/// An import as given, validated, and what validation said.
-type ImportEntry = (ImportInput, Option<ValidImport>, Vec<Rejection>);
+/// An import as validated, and what validation said (the input itself is not kept: validation
+/// is a function of it and the node's guard, so equal results mean nothing changed).
+type ImportEntry = (Option<ValidImport>, Vec<Rejection>);
 /// A slice's service, its validated form, and what validation said.
 type SliceEntry = (Option<ServiceRef>, Option<ValidSlice>, Vec<Rejection>);
 
@@ -51,7 +53,7 @@ type SliceEntry = (Option<ServiceRef>, Option<ValidSlice>, Vec<Rejection>);
 struct Derived {
     age_key: Option<AgeKey>,
     vips: BTreeSet<IpAddr>,
-    frontends: BTreeMap<Frontend, Service>,
+    frontends: BTreeMap<Frontend, Arc<Service>>,
     /// Backends summed over `frontends`.
     backends: usize,
     rejections: Vec<Rejection>,
@@ -104,16 +106,16 @@ impl Index {
     /// Adds or replaces a ServiceImport.
     pub fn upsert_import(&mut self, input: ImportInput) {
         let key = input.service_ref();
+        let mut rejections = Vec::new();
+        let valid = validate::import(&input, &self.node.guard, &mut rejections);
         if self
             .imports
             .get(&key)
-            .is_some_and(|(old, _, _)| old == &input)
+            .is_some_and(|(old_valid, old_rej)| old_valid == &valid && old_rej == &rejections)
         {
             return;
         }
-        let mut rejections = Vec::new();
-        let valid = validate::import(&input, &self.node.guard, &mut rejections);
-        self.imports.insert(key.clone(), (input, valid, rejections));
+        self.imports.insert(key.clone(), (valid, rejections));
         self.dirty.insert(key);
     }
 
@@ -181,7 +183,7 @@ impl Index {
                 .filter_map(|(svc, valid, _)| {
                     valid
                         .as_ref()
-                        .filter(|v| v.cluster == cluster)
+                        .filter(|v| &*v.cluster == cluster)
                         .and(svc.clone())
                 })
                 .collect();
@@ -323,7 +325,7 @@ impl Index {
                 .collect();
             Some((first.2.clone(), losers))
         });
-        let mut desired: BTreeMap<Frontend, &Service> = BTreeMap::new();
+        let mut desired: BTreeMap<Frontend, &Arc<Service>> = BTreeMap::new();
         match owner {
             Some((svc, losers)) => {
                 if losers.is_empty() {
@@ -367,20 +369,20 @@ impl Index {
             .into_iter()
             .flatten()
             .filter_map(|k| self.slices.get(k).and_then(|(_, v, _)| v.as_ref()))
-            .filter(|s| !self.stale.contains(&s.cluster))
+            .filter(|s| !self.stale.contains(&*s.cluster))
     }
 
     /// The service's frontends and candidates from its import and slices.
     fn derive(&self, svc: &ServiceRef) -> Derived {
         let mut out = Derived::default();
-        let Some((_, Some(import), _)) = self.imports.get(svc) else {
+        let Some((Some(import), _)) = self.imports.get(svc) else {
             return out;
         };
         out.age_key = Some(import.age_key.clone());
         out.vips = import.vips.iter().copied().collect();
         let limits = self.node.guard.limits;
         let slices: Vec<&ValidSlice> = self.live_slices(svc).collect();
-        let mut unmatched: BTreeSet<(String, String)> = BTreeSet::new();
+        let mut unmatched: BTreeSet<(Arc<str>, String)> = BTreeSet::new();
         for fe in &import.frontends {
             let frontend = Frontend {
                 vip: fe.vip,
@@ -402,7 +404,7 @@ impl Index {
                 };
                 for ep in &s.endpoints {
                     if import.node_local
-                        && s.cluster == self.node.cluster_id
+                        && *s.cluster == *self.node.cluster_id
                         && ep.node.is_some()
                         && ep.node == self.node.node_name
                     {
@@ -465,11 +467,11 @@ impl Index {
             out.backends += backends.len();
             out.frontends.insert(
                 frontend,
-                Service {
+                Arc::new(Service {
                     service: svc.to_string(),
                     affinity: import.affinity,
                     backends,
-                },
+                }),
             );
         }
         // Slices whose ports match none of the import's, said once per slice. A slice with no
@@ -487,7 +489,7 @@ impl Index {
             });
             let relevant = import.frontends.iter().any(|fe| s.v4 == fe.vip.is_ipv4())
                 && !(s.ports.is_empty() && s.endpoints.is_empty());
-            if relevant && !matched_any && unmatched.iter().any(|(c, _)| c == &s.cluster) {
+            if relevant && !matched_any && unmatched.iter().any(|(c, _)| *c == s.cluster) {
                 out.rejections.push(Rejection {
                     object: format!("EndpointSlice {}/{}", key.0, key.1),
                     reason: Reason::NoMatchingPort,
@@ -518,7 +520,7 @@ impl Index {
         let mut all: Vec<Rejection> = self
             .imports
             .values()
-            .flat_map(|(_, _, r)| r.iter().cloned())
+            .flat_map(|(_, r)| r.iter().cloned())
             .chain(self.slices.values().flat_map(|(_, _, r)| r.iter().cloned()))
             .chain(
                 self.derived
@@ -559,7 +561,7 @@ impl Index {
     /// VIPs this node programs for it (none: no name), for a headless one its ready
     /// endpoints of clusters that are not stale.
     pub fn dns_records(&self, svc: &ServiceRef) -> Option<ServiceRecords> {
-        let (_, Some(import), _) = self.imports.get(svc)? else {
+        let (Some(import), _) = self.imports.get(svc)? else {
             return None;
         };
         if self.over_capacity.contains_key(svc) {
@@ -597,7 +599,7 @@ impl Index {
                     .iter()
                     .filter(|e| e.ready)
                     .map(move |e| DnsEndpoint {
-                        cluster: s.cluster.clone(),
+                        cluster: s.cluster.to_string(),
                         hostname: e
                             .hostname
                             .clone()
@@ -646,7 +648,7 @@ fn port_desc(fe: &validate::ImportFrontend) -> String {
 
 /// Lower is better: ready, serving, local, then cluster name.
 fn rank<'a>(b: &'a Backend, local: &str) -> (bool, bool, bool, &'a str) {
-    (!b.ready, !b.serving, b.cluster != local, b.cluster.as_str())
+    (!b.ready, !b.serving, &*b.cluster != local, &*b.cluster)
 }
 
 /// The table and rejections of a set of objects, from scratch.

@@ -222,7 +222,7 @@ fn local_cluster_first_then_remote_failover() {
     let clusters: Vec<&str> = idx.table().frontends[&f]
         .backends
         .iter()
-        .map(|b| b.cluster.as_str())
+        .map(|b| &*b.cluster)
         .collect();
     assert_eq!(clusters, vec!["c1", "c2"]);
 }

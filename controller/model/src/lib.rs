@@ -37,7 +37,7 @@ pub use guard::{Guard, IpCidr, Limits};
 pub use index::{Index, NodeConfig, compute};
 pub use validate::{Reason, Rejection};
 
-use std::{collections::BTreeMap, fmt, net::IpAddr};
+use std::{collections::BTreeMap, fmt, net::IpAddr, sync::Arc};
 
 use serde::Serialize;
 
@@ -90,10 +90,10 @@ pub struct Backend {
     pub address: IpAddr,
     /// Target port (from the EndpointSlice port matching the import port's name).
     pub port: u16,
-    /// Source cluster id.
-    pub cluster: String,
-    /// Zone, if the slice says.
-    pub zone: Option<String>,
+    /// Source cluster id (shared by every backend of that cluster's slice).
+    pub cluster: Arc<str>,
+    /// Zone, if the slice says (shared likewise).
+    pub zone: Option<Arc<str>>,
     /// `conditions.ready`.
     pub ready: bool,
     /// `conditions.serving`.
@@ -130,18 +130,20 @@ impl Service {
     }
 }
 
-/// The whole forwarding table of a node.
+/// The whole forwarding table of a node. Each frontend's [`Service`] is shared (`Arc`) between
+/// the index, the table, its diffs and the dataplanes that keep a copy: one allocation per
+/// frontend, however many hold it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ForwardingTable {
     /// Frontends in (vip, port, protocol) order.
-    pub frontends: BTreeMap<Frontend, Service>,
+    pub frontends: BTreeMap<Frontend, Arc<Service>>,
 }
 
 /// The minimal change from one table to another.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TableDiff {
     /// Frontends that are new or whose service changed, with their new value.
-    pub upsert: BTreeMap<Frontend, Service>,
+    pub upsert: BTreeMap<Frontend, Arc<Service>>,
     /// Frontends that are gone.
     pub remove: Vec<Frontend>,
 }

@@ -28,8 +28,8 @@ pub fn mark_selected(
         }
     };
     let local = node.cluster_id.as_str();
-    let any_local = !local.is_empty() && backends.iter().any(|b| usable(b) && b.cluster == local);
-    let in_scope = |b: &Backend| usable(b) && (!any_local || b.cluster == local);
+    let any_local = !local.is_empty() && backends.iter().any(|b| usable(b) && &*b.cluster == local);
+    let in_scope = |b: &Backend| usable(b) && (!any_local || &*b.cluster == local);
     let zone = node.zone.as_deref();
     let zone_pref = prefer_close
         && zone.is_some()

@@ -12,8 +12,8 @@ fn frontend(i: u8, port: u16) -> Frontend {
     }
 }
 
-fn service(name: &str, backends: &[(u8, bool)]) -> Service {
-    Service {
+fn service(name: &str, backends: &[(u8, bool)]) -> Arc<Service> {
+    Arc::new(Service {
         service: name.into(),
         affinity: None,
         backends: backends
@@ -29,7 +29,7 @@ fn service(name: &str, backends: &[(u8, bool)]) -> Service {
                 selected,
             })
             .collect(),
-    }
+    })
 }
 
 fn arb_table() -> impl Strategy<Value = ForwardingTable> {

@@ -6,6 +6,7 @@ use std::{
     collections::BTreeSet,
     fmt,
     net::{IpAddr, Ipv4Addr},
+    sync::Arc,
 };
 
 use serde::Serialize;
@@ -524,8 +525,8 @@ pub struct ValidEndpoint {
     pub serving: bool,
     /// Terminating (nil → false).
     pub terminating: bool,
-    /// Zone.
-    pub zone: Option<String>,
+    /// Zone (shared with the backends made from it).
+    pub zone: Option<Arc<str>>,
     /// `nodeName` (for `internalTrafficPolicy: Local`).
     pub node: Option<String>,
     /// `hostname`, when it is a valid DNS label (its DNS name under a headless service).
@@ -537,8 +538,8 @@ pub struct ValidEndpoint {
 pub struct ValidSlice {
     /// The service it belongs to.
     pub service: ServiceRef,
-    /// Source cluster.
-    pub cluster: String,
+    /// Source cluster (shared with the backends made from it).
+    pub cluster: Arc<str>,
     /// IPv4 (else IPv6) addresses.
     pub v4: bool,
     /// Ports: (name, protocol, target port).
@@ -662,15 +663,22 @@ pub fn slice(input: &SliceInput, guard: &Guard, out: &mut Vec<Rejection>) -> Opt
         };
         ports.push((p.name.clone().filter(|n| !n.is_empty()), protocol, port));
     }
-    let mut endpoints = Vec::new();
+    let mut endpoints: Vec<ValidEndpoint> = Vec::new();
     for ep in &input.endpoints {
-        if let Some(e) = endpoint(&object, ep, v4, guard, out) {
+        if let Some(mut e) = endpoint(&object, ep, v4, guard, out) {
+            // A slice's endpoints mostly share a zone or two: one allocation per run of them.
+            if let (Some(prev), Some(zone)) =
+                (endpoints.last().and_then(|p| p.zone.as_ref()), &e.zone)
+                && prev == zone
+            {
+                e.zone = Some(prev.clone());
+            }
             endpoints.push(e);
         }
     }
     Some(ValidSlice {
         service,
-        cluster: cluster.clone(),
+        cluster: Arc::from(cluster.as_str()),
         v4,
         ports,
         endpoints,
@@ -718,7 +726,7 @@ fn endpoint(
         ready,
         serving: ep.serving.unwrap_or(ready),
         terminating: ep.terminating.unwrap_or(false),
-        zone: ep.zone.clone().filter(|z| !z.is_empty()),
+        zone: ep.zone.as_deref().filter(|z| !z.is_empty()).map(Arc::from),
         node: ep.node_name.clone().filter(|n| !n.is_empty()),
         hostname: ep.hostname.clone().filter(|h| dns_label(h)),
     })

@@ -423,7 +423,7 @@ impl Dataplane for SocketLb {
         }
         if freed && !self.failed.is_empty() {
             // Room may have freed: try the frontends that did not fit.
-            let retry: Vec<(Frontend, Service)> = self
+            let retry: Vec<(Frontend, std::sync::Arc<Service>)> = self
                 .failed
                 .iter()
                 .filter(|(f, _)| !diff.upsert.contains_key(*f))
@@ -468,4 +468,4 @@ impl Dataplane for SocketLb {
 }
 
 /// Frontends that could not be programmed, with the service and why.
-pub(super) type Failed = BTreeMap<Frontend, (Service, String)>;
+pub(super) type Failed = BTreeMap<Frontend, (std::sync::Arc<Service>, String)>;

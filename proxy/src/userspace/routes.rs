@@ -249,12 +249,12 @@ mod tests {
         };
         let mut d = TableDiff::default();
         d.upsert
-            .insert(f, service(&["198.18.1.2:8080", "198.18.1.3:8080"]));
+            .insert(f, service(&["198.18.1.2:8080", "198.18.1.3:8080"]).into());
         routes.apply(&d, 1021, &metrics);
         let text = exposed(&registry);
         assert!(text.contains("backend=\"198.18.1.3:8080\""), "{text}");
         let mut d = TableDiff::default();
-        d.upsert.insert(f, service(&["198.18.1.2:8080"]));
+        d.upsert.insert(f, service(&["198.18.1.2:8080"]).into());
         routes.apply(&d, 1021, &metrics);
         let text = exposed(&registry);
         assert!(!text.contains("198.18.1.3:8080"), "{text}");

@@ -17,7 +17,6 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use mcs_api::{ClusterProperty, ServiceImport};
 use mcs_model::validate::{Reason, Rejection};
 use tokio::sync::mpsc;
@@ -462,7 +461,7 @@ fn object(v: serde_json::Value) -> Result<Option<(Key, Object)>, (Reason, String
             Ok(Some((key, Object::Import(input))))
         }
         "EndpointSlice" => {
-            let es: EndpointSlice =
+            let es: convert::LeanSlice =
                 serde_json::from_value(v).map_err(|e| unparsable(format!("EndpointSlice: {e}")))?;
             let input = convert::slice(&es);
             let key = (
