@@ -36,6 +36,13 @@ smoke=$?
 set -e
 if ((smoke == 0)); then cat target/mcs-bench-smoke.md; echo "harness smoke: ok"; else echo "harness smoke: FAILED"; status=1; fi
 
+step "control-plane bench, smoke size (20 imports against a real API server and the real agent binary; proves it runs, asserts no speed)"
+set +e
+MCS_BENCH_IMPORTS=20 MCS_BENCH_SAMPLES=5 cargo test --locked -q -p mcs-bench --bench control_plane
+cp=$?
+set -e
+if ((cp == 0)); then echo "control-plane bench smoke: ok"; else echo "control-plane bench smoke: FAILED"; status=1; fi
+
 step "fault suite, smoke mode (3 s per scenario; asserts no cut reply and that load was served, not speed)"
 set +e
 target/debug/mcs-bench faults --smoke --out target/mcs-bench-smoke
