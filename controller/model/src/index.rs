@@ -23,6 +23,7 @@ use crate::{
     dns::{DnsEndpoint, DnsPort, ServiceRecords},
     guard::Guard,
     input::{ImportInput, ServiceRef, SliceInput},
+    intern::Strings,
     select,
     validate::{self, AgeKey, Reason, Rejection, ValidImport, ValidSlice},
 };
@@ -48,12 +49,15 @@ type ImportEntry = (Option<ValidImport>, Vec<Rejection>);
 type SliceEntry = (Option<ServiceRef>, Option<ValidSlice>, Vec<Rejection>);
 
 /// What one service contributes: its frontends with their candidates, and the problems found
-/// while matching its slices to its ports.
+/// while matching its slices to its ports. Small sorted vectors, not trees: a service has one
+/// or two VIPs and a few ports, and a tree node costs hundreds of bytes even when it holds one.
 #[derive(Clone, Debug, Default)]
 struct Derived {
     age_key: Option<AgeKey>,
-    vips: BTreeSet<IpAddr>,
-    frontends: BTreeMap<Frontend, Arc<Service>>,
+    /// The import's VIPs (distinct).
+    vips: Vec<IpAddr>,
+    /// Sorted by frontend.
+    frontends: Vec<(Frontend, Arc<Service>)>,
     /// Backends summed over `frontends`.
     backends: usize,
     rejections: Vec<Rejection>,
@@ -65,10 +69,15 @@ pub struct Index {
     node: NodeConfig,
     stale: BTreeSet<String>,
     imports: HashMap<ServiceRef, ImportEntry>,
-    slices: HashMap<SliceKey, SliceEntry>,
-    slices_by_service: HashMap<ServiceRef, BTreeSet<SliceKey>>,
+    /// Keyed by `(namespace, name)`, shared with `slices_by_service`.
+    slices: HashMap<Arc<SliceKey>, SliceEntry>,
+    /// The slices naming each service (distinct; a service has a few per cluster).
+    slices_by_service: HashMap<ServiceRef, Vec<Arc<SliceKey>>>,
     derived: HashMap<ServiceRef, Derived>,
-    claims: HashMap<IpAddr, BTreeSet<AgeKey>>,
+    /// Who claims each VIP, oldest first (distinct; almost always one).
+    claims: HashMap<IpAddr, Vec<AgeKey>>,
+    /// Cluster, zone and node names, one allocation each however many slices name them.
+    strings: Strings,
     conflicts: BTreeMap<IpAddr, Vec<Rejection>>,
     /// Frontends and backends over every derived import (admitted or not).
     totals: (usize, usize),
@@ -131,7 +140,7 @@ impl Index {
     pub fn upsert_slice(&mut self, input: SliceInput) {
         let key = (input.namespace.clone(), input.name.clone());
         let mut rejections = Vec::new();
-        let valid = validate::slice(&input, &self.node.guard, &mut rejections);
+        let valid = validate::slice(&input, &self.node.guard, &mut self.strings, &mut rejections);
         let service = validate::slice_service(&input);
         if let Some((Some(old_service), old_valid, old_rej)) = self.slices.get(&key)
             && Some(old_service) == service.as_ref()
@@ -141,11 +150,14 @@ impl Index {
             return;
         }
         self.remove_slice_entry(&key);
+        let key = Arc::new(key);
         if let Some(svc) = &service {
-            self.slices_by_service
-                .entry(svc.clone())
-                .or_default()
-                .insert(key.clone());
+            let keys = self.slices_by_service.entry(svc.clone()).or_default();
+            // Most services have a slice or two per cluster: no spare room for those.
+            if keys.len() < 4 {
+                keys.reserve_exact(1);
+            }
+            keys.push(key.clone());
             self.dirty.insert(svc.clone());
         }
         self.slices.insert(key, (service, valid, rejections));
@@ -159,7 +171,7 @@ impl Index {
     fn remove_slice_entry(&mut self, key: &SliceKey) {
         if let Some((Some(svc), _, _)) = self.slices.remove(key) {
             if let Some(set) = self.slices_by_service.get_mut(&svc) {
-                set.remove(key);
+                set.retain(|k| **k != *key);
                 if set.is_empty() {
                     self.slices_by_service.remove(&svc);
                 }
@@ -213,7 +225,9 @@ impl Index {
             if let Some(age) = &old.age_key {
                 for vip in &old.vips {
                     if let Some(set) = self.claims.get_mut(vip) {
-                        set.remove(age);
+                        if let Ok(at) = set.binary_search(age) {
+                            set.remove(at);
+                        }
                         if set.is_empty() {
                             self.claims.remove(vip);
                         }
@@ -225,7 +239,10 @@ impl Index {
             }
             if let Some(age) = &new.age_key {
                 for vip in &new.vips {
-                    self.claims.entry(*vip).or_default().insert(age.clone());
+                    let set = self.claims.entry(*vip).or_default();
+                    if let Err(at) = set.binary_search(age) {
+                        set.insert(at, age.clone());
+                    }
                     touched.insert(*vip);
                 }
                 self.totals.0 += new.frontends.len();
@@ -317,8 +334,8 @@ impl Index {
             let mut it = set.iter();
             let first = it.next()?;
             let losers: Vec<Rejection> = it
-                .map(|(_, _, loser)| Rejection {
-                    object: format!("ServiceImport {loser}"),
+                .map(|loser| Rejection {
+                    object: format!("ServiceImport {}", loser.2),
                     reason: Reason::VipConflict,
                     message: format!("VIP {vip} belongs to the older ServiceImport {}", first.2),
                 })
@@ -336,7 +353,12 @@ impl Index {
                 if !self.over_capacity.contains_key(&svc)
                     && let Some(d) = self.derived.get(&svc)
                 {
-                    desired.extend(d.frontends.range(vip_range(vip)).map(|(f, s)| (*f, s)));
+                    desired.extend(
+                        d.frontends
+                            .iter()
+                            .filter(|(f, _)| f.vip == vip)
+                            .map(|(f, s)| (*f, s)),
+                    );
                 }
             }
             None => {
@@ -379,7 +401,7 @@ impl Index {
             return out;
         };
         out.age_key = Some(import.age_key.clone());
-        out.vips = import.vips.iter().copied().collect();
+        out.vips = import.vips.clone();
         let limits = self.node.guard.limits;
         let slices: Vec<&ValidSlice> = self.live_slices(svc).collect();
         let mut unmatched: BTreeSet<(Arc<str>, String)> = BTreeSet::new();
@@ -406,7 +428,7 @@ impl Index {
                     if import.node_local
                         && *s.cluster == *self.node.cluster_id
                         && ep.node.is_some()
-                        && ep.node == self.node.node_name
+                        && ep.node.as_deref() == self.node.node_name.as_deref()
                     {
                         on_node.insert((ep.address, target));
                     }
@@ -465,15 +487,17 @@ impl Index {
                 (&a.cluster, a.address, a.port).cmp(&(&b.cluster, b.address, b.port))
             });
             out.backends += backends.len();
-            out.frontends.insert(
+            out.frontends.push((
                 frontend,
                 Arc::new(Service {
                     service: svc.to_string(),
                     affinity: import.affinity,
                     backends,
                 }),
-            );
+            ));
         }
+        // Validation leaves one frontend per (VIP, port, protocol); sorted for `decide_vip`.
+        out.frontends.sort_by_key(|(f, _)| *f);
         // Slices whose ports match none of the import's, said once per slice. A slice with no
         // endpoints and no ports (a cluster scaled to zero, a slice not yet filled) is empty,
         // not wrong.
@@ -602,8 +626,8 @@ impl Index {
                         cluster: s.cluster.to_string(),
                         hostname: e
                             .hostname
-                            .clone()
-                            .unwrap_or_else(|| crate::dns::dashed(e.address)),
+                            .as_deref()
+                            .map_or_else(|| crate::dns::dashed(e.address), str::to_string),
                         address: e.address,
                         ports: s.ports.iter().map(port).collect(),
                     })

@@ -18,6 +18,7 @@
 //!   slice managers, caps).
 //! - [`input`]: the fields of ServiceImports and EndpointSlices the table depends on.
 //! - [`validate`]: rejects or trims invalid input, each time with a [`validate::Rejection`].
+//! - [`intern`]: shared cluster, zone and node names.
 //! - [`index`]: the incremental index (objects → table, minimal diffs); [`index::compute`].
 //! - [`select`]: which backends get new connections (readiness, locality, zone).
 //! - [`render`]: `mcs-agent table` output (JSON and text).
@@ -29,6 +30,7 @@ pub mod dns;
 pub mod guard;
 pub mod index;
 pub mod input;
+pub mod intern;
 pub mod render;
 pub mod select;
 pub mod validate;

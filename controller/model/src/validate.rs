@@ -15,6 +15,7 @@ use crate::{
     Affinity, Protocol,
     guard::{Guard, noncanonical},
     input::{EndpointInput, ImportInput, ServiceRef, SliceInput},
+    intern::Strings,
 };
 
 /// Label of an MCS EndpointSlice naming the imported service.
@@ -316,14 +317,13 @@ pub struct ImportFrontend {
 
 /// Conflict order of imports: `creationTimestamp` (older first; none sorts last), then the
 /// uid (assigned by the API server, so nobody can choose a winning tie), then `ns/name`.
-pub type AgeKey = (String, String, ServiceRef);
+/// Shared: the index keeps it once per import and refers to it from each VIP it claims.
+pub type AgeKey = Arc<(String, String, ServiceRef)>;
 
 /// A validated ServiceImport.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ValidImport {
-    /// `namespace/name`.
-    pub service: ServiceRef,
-    /// Conflict order.
+    /// Conflict order (its last part is the import's `namespace/name`).
     pub age_key: AgeKey,
     /// The usable VIPs; the import owns each (all ports) unless an older import does.
     pub vips: Vec<IpAddr>,
@@ -355,11 +355,11 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
     }
     let service = input.service_ref();
     // A missing timestamp (file source) sorts after every real one.
-    let age_key = (
+    let age_key = Arc::new((
         input.created.clone().unwrap_or_else(|| "~".into()),
         input.uid.clone().unwrap_or_default(),
-        service.clone(),
-    );
+        service,
+    ));
     let headless = match input.type_.as_str() {
         "ClusterSetIP" | "" => false,
         "Headless" => true,
@@ -387,7 +387,6 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
         }
     };
     let mut valid = ValidImport {
-        service,
         age_key,
         vips: Vec::new(),
         frontends: Vec::new(),
@@ -480,6 +479,7 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
         return Some(valid);
     }
     valid.vips.clone_from(&vips);
+    valid.frontends.reserve_exact(vips.len() * ports.len());
     for vip in &vips {
         for (port, protocol, name) in &ports {
             valid.frontends.push(ImportFrontend {
@@ -525,19 +525,17 @@ pub struct ValidEndpoint {
     pub serving: bool,
     /// Terminating (nil → false).
     pub terminating: bool,
-    /// Zone (shared with the backends made from it).
+    /// Zone (interned; shared with the backends made from it).
     pub zone: Option<Arc<str>>,
-    /// `nodeName` (for `internalTrafficPolicy: Local`).
-    pub node: Option<String>,
+    /// `nodeName` (for `internalTrafficPolicy: Local`; interned).
+    pub node: Option<Arc<str>>,
     /// `hostname`, when it is a valid DNS label (its DNS name under a headless service).
-    pub hostname: Option<String>,
+    pub hostname: Option<Box<str>>,
 }
 
 /// A validated MCS EndpointSlice.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ValidSlice {
-    /// The service it belongs to.
-    pub service: ServiceRef,
     /// Source cluster (shared with the backends made from it).
     pub cluster: Arc<str>,
     /// IPv4 (else IPv6) addresses.
@@ -557,8 +555,14 @@ pub fn slice_service(input: &SliceInput) -> Option<ServiceRef> {
         .map(|s| ServiceRef::new(&input.namespace, s))
 }
 
-/// Validates an EndpointSlice against the node's `guard`.
-pub fn slice(input: &SliceInput, guard: &Guard, out: &mut Vec<Rejection>) -> Option<ValidSlice> {
+/// Validates an EndpointSlice against the node's `guard`. Cluster, zone and node names come
+/// from `strings`.
+pub fn slice(
+    input: &SliceInput,
+    guard: &Guard,
+    strings: &mut Strings,
+    out: &mut Vec<Rejection>,
+) -> Option<ValidSlice> {
     let object = format!("EndpointSlice {}/{}", input.namespace, input.name);
     if input.name.is_empty() {
         out.push(Rejection::new(
@@ -568,14 +572,14 @@ pub fn slice(input: &SliceInput, guard: &Guard, out: &mut Vec<Rejection>) -> Opt
         ));
         return None;
     }
-    let Some(service) = slice_service(input) else {
+    if slice_service(input).is_none() {
         out.push(Rejection::new(
             &object,
             Reason::MissingServiceLabel,
             format!("no {LABEL_SERVICE_NAME} label"),
         ));
         return None;
-    };
+    }
     let manager = input.labels.get(LABEL_MANAGED_BY).map(String::as_str);
     if let Some(m) = manager.filter(|m| KUBERNETES_SLICE_CONTROLLERS.contains(m)) {
         out.push(Rejection::new(
@@ -653,7 +657,7 @@ pub fn slice(input: &SliceInput, guard: &Guard, out: &mut Vec<Rejection>) -> Opt
         ));
         return None;
     }
-    let mut ports = Vec::new();
+    let mut ports = Vec::with_capacity(input.ports.len());
     for p in &input.ports {
         let label = format!("{:?}", p.name.as_deref().unwrap_or(""));
         let Some((protocol, port)) =
@@ -663,22 +667,17 @@ pub fn slice(input: &SliceInput, guard: &Guard, out: &mut Vec<Rejection>) -> Opt
         };
         ports.push((p.name.clone().filter(|n| !n.is_empty()), protocol, port));
     }
-    let mut endpoints: Vec<ValidEndpoint> = Vec::new();
+    let mut endpoints: Vec<ValidEndpoint> = Vec::with_capacity(input.endpoints.len());
     for ep in &input.endpoints {
-        if let Some(mut e) = endpoint(&object, ep, v4, guard, out) {
-            // A slice's endpoints mostly share a zone or two: one allocation per run of them.
-            if let (Some(prev), Some(zone)) =
-                (endpoints.last().and_then(|p| p.zone.as_ref()), &e.zone)
-                && prev == zone
-            {
-                e.zone = Some(prev.clone());
-            }
+        if let Some(e) = endpoint(&object, ep, v4, guard, strings, out) {
             endpoints.push(e);
         }
     }
+    // Held for as long as the slice is: no spare capacity.
+    ports.shrink_to_fit();
+    endpoints.shrink_to_fit();
     Some(ValidSlice {
-        service,
-        cluster: Arc::from(cluster.as_str()),
+        cluster: strings.get(cluster),
         v4,
         ports,
         endpoints,
@@ -690,6 +689,7 @@ fn endpoint(
     ep: &EndpointInput,
     v4: bool,
     guard: &Guard,
+    strings: &mut Strings,
     out: &mut Vec<Rejection>,
 ) -> Option<ValidEndpoint> {
     let Some(raw) = ep.addresses.first() else {
@@ -726,9 +726,21 @@ fn endpoint(
         ready,
         serving: ep.serving.unwrap_or(ready),
         terminating: ep.terminating.unwrap_or(false),
-        zone: ep.zone.as_deref().filter(|z| !z.is_empty()).map(Arc::from),
-        node: ep.node_name.clone().filter(|n| !n.is_empty()),
-        hostname: ep.hostname.clone().filter(|h| dns_label(h)),
+        zone: ep
+            .zone
+            .as_deref()
+            .filter(|z| !z.is_empty())
+            .map(|z| strings.get(z)),
+        node: ep
+            .node_name
+            .as_deref()
+            .filter(|n| !n.is_empty())
+            .map(|n| strings.get(n)),
+        hostname: ep
+            .hostname
+            .as_deref()
+            .filter(|h| dns_label(h))
+            .map(Box::from),
     })
 }
 
