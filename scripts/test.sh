@@ -43,6 +43,13 @@ cp=$?
 set -e
 if ((cp == 0)); then echo "control-plane bench smoke: ok"; else echo "control-plane bench smoke: FAILED"; status=1; fi
 
+step "agent memory bench, smoke size (200 imports from files; the real agent with each dataplane, in a netns / cgroup of its own; asserts no size)"
+set +e
+MCS_BENCH_IMPORTS=200 cargo test --locked -q -p mcs-bench --bench agent_memory
+am=$?
+set -e
+if ((am == 0)); then echo "agent memory bench smoke: ok"; else echo "agent memory bench smoke: FAILED"; status=1; fi
+
 step "fault suite, smoke mode (3 s per scenario; asserts no cut reply and that load was served, not speed)"
 set +e
 target/debug/mcs-bench faults --smoke --out target/mcs-bench-smoke

@@ -1,7 +1,9 @@
 //! `mcs-agent`: the node agent of mcs-dataplane. Wiring only; the work lives in the library
 //! crates (`mcs-model`, `mcs-controller`, `mcs-proxy`).
-#![forbid(unsafe_code)]
+// `deny`, not `forbid`: `allocator` alone allows it, and says why.
+#![deny(unsafe_code)]
 
+mod allocator;
 mod cli;
 mod commands;
 mod demo;
@@ -13,6 +15,7 @@ use std::process::ExitCode;
 use clap::Parser as _;
 
 fn main() -> ExitCode {
+    let tuned = allocator::tune();
     let cli = cli::Cli::parse();
     // `table` prints a result: only warnings and errors go to stderr unless asked.
     let default_level = match cli.command {
@@ -35,6 +38,9 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    for note in tuned {
+        tracing::debug!("allocator: {note}");
+    }
     match commands::run(cli) {
         Ok(code) => code,
         Err(e) => {

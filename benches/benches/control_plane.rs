@@ -3,6 +3,8 @@
 //! - full sync: time from starting the kube source to the first full table applied;
 //! - event latency: time from an EndpointSlice write (one endpoint flips readiness) to the
 //!   dataplane having the diff, p50/p99 over `MCS_BENCH_SAMPLES` writes;
+//! - burst: one write to each of up to 10,000 slices by 16 writers; every written state must
+//!   reach the table (else the bench fails), and how many diffs it took is shown;
 //! - memory: RSS growth of this process while the controller holds the ClusterSet, and the
 //!   RSS of a real `mcs-agent run --dataplane log` process (built next to this bench:
 //!   `cargo build --release -p mcs-agent` first) once it is ready with the same ClusterSet.
@@ -28,14 +30,17 @@ use kube::{
     api::{Patch, PatchParams, PostParams},
 };
 use mcs_api::ServiceImport;
-use mcs_model::{Dataplane, DataplaneError, NodeConfig, TableDiff};
+use mcs_model::{
+    Dataplane, DataplaneError, ForwardingTable, Frontend, NodeConfig, Protocol, TableDiff,
+};
 use mcs_sync::{SyncConfig, SyncLoop, http::Health, metrics::Metrics};
 use tokio::sync::Notify;
 
-/// Records when diffs arrive.
+/// Records when diffs arrive, and keeps the table they make.
 #[derive(Clone, Default)]
 struct Timed {
     diffs: Arc<Mutex<Vec<(Instant, usize)>>>,
+    table: Arc<Mutex<ForwardingTable>>,
     notify: Arc<Notify>,
 }
 
@@ -48,6 +53,7 @@ impl Dataplane for Timed {
             .lock()
             .unwrap()
             .push((Instant::now(), diff.upsert.len() + diff.remove.len()));
+        self.table.lock().unwrap().apply(diff);
         self.notify.notify_waiters();
         Ok(())
     }
@@ -57,50 +63,37 @@ fn rss_mib() -> f64 {
     mcs_bench::rss_bytes().unwrap_or(0) as f64 / (1 << 20) as f64
 }
 
-/// Most imports the bench's address plan holds: VIPs are 198.18.0.0 + i, below the
-/// endpoints' 198.19.192.0/18.
-const MAX_IMPORTS: usize = 0x1_c000;
-/// The ranges that hold every VIP (`--clusterset-ip-cidr`); the endpoints are outside.
-const VIP_CIDRS: [&str; 3] = ["198.18.0.0/16", "198.19.0.0/17", "198.19.128.0/18"];
-
-fn vip(i: usize) -> String {
-    let base = u32::from(std::net::Ipv4Addr::new(198, 18, 0, 0));
-    std::net::Ipv4Addr::from(base + i as u32).to_string()
-}
-
-/// Endpoint `e` of cluster `c` of import `i`: in 198.19.192.0/18, so shared by many imports
-/// at large sizes (as pods' addresses are not, but the index does not care).
-fn endpoint(i: usize, c: usize, e: usize) -> String {
-    let base = u32::from(std::net::Ipv4Addr::new(198, 19, 192, 0));
-    std::net::Ipv4Addr::from(base + ((i * 16 + c * 8 + e) % 16_000) as u32).to_string()
-}
+use mcs_bench::scale::{MAX_IMPORTS, VIP_CIDRS, endpoint, env_count, import_json, slice_json, vip};
 
 fn slice(ns: &str, i: usize, c: usize, unready: Option<usize>) -> EndpointSlice {
-    serde_json::from_value(serde_json::json!({
-        "metadata": { "name": format!("svc{i}-c{c}"), "namespace": ns, "labels": {
-            "multicluster.kubernetes.io/service-name": format!("svc{i}"),
-            "multicluster.kubernetes.io/source-cluster": format!("c{c}"),
-            "endpointslice.kubernetes.io/managed-by": "bench" } },
-        "addressType": "IPv4",
-        "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
-        "endpoints": (0..5).map(|e| serde_json::json!({
-            "addresses": [endpoint(i, c, e)], "conditions": { "ready": unready != Some(e) } })).collect::<Vec<_>>()
-    }))
-    .unwrap()
+    serde_json::from_value(slice_json(ns, i, c, unready)).unwrap()
+}
+
+/// The readiness of import `i`'s c1 endpoints (by `e`) in `table`, if all five are there.
+fn c1_ready(table: &ForwardingTable, i: usize) -> Option<Vec<bool>> {
+    let frontend = Frontend {
+        vip: vip(i).parse().ok()?,
+        port: 80,
+        protocol: Protocol::Tcp,
+    };
+    let svc = table.frontends.get(&frontend)?;
+    (0..5)
+        .map(|e| {
+            let address: std::net::IpAddr = endpoint(i, 1, e).parse().ok()?;
+            svc.backends
+                .iter()
+                .find(|b| &*b.cluster == "c1" && b.address == address)
+                .map(|b| b.ready)
+        })
+        .collect()
 }
 
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return; // `cargo test --benches` asks for a listing
     }
-    let imports: usize = std::env::var("MCS_BENCH_IMPORTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1000);
-    let samples: usize = std::env::var("MCS_BENCH_SAMPLES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(100);
+    let imports = env_count("MCS_BENCH_IMPORTS", 1000);
+    let samples = env_count("MCS_BENCH_SAMPLES", 100);
     assert!(
         imports <= MAX_IMPORTS,
         "MCS_BENCH_IMPORTS={imports}: the address plan holds at most {MAX_IMPORTS}"
@@ -177,11 +170,7 @@ fn main() {
                 .for_each_concurrent(16, |i| {
                     let (si, es, ns) = (si.clone(), es.clone(), ns.clone());
                     async move {
-                        let import: ServiceImport = serde_json::from_value(serde_json::json!({
-                            "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceImport",
-                            "metadata": { "name": format!("svc{i}"), "namespace": ns },
-                            "spec": { "type": "ClusterSetIP", "ips": [vip(i)], "ports": [{ "name": "http", "protocol": "TCP", "port": 80 }] }
-                        })).unwrap();
+                        let import: ServiceImport = serde_json::from_value(import_json(&ns, i)).unwrap();
                         create(si.create(&PostParams::default(), &import).await.map(drop));
                         for c in 0..2 {
                             create(es.create(&PostParams::default(), &slice(&ns, i, c, None)).await.map(drop));
@@ -269,6 +258,58 @@ fn main() {
             lat.push(t0.elapsed());
         }
         lat.sort();
+
+        // A burst: one write to each of `burst` slices (cluster c1 of imports 0..burst) by 16
+        // writers, each moving the unready endpoint on from what the controller's table holds,
+        // so every write changes something. Then wait until the table shows every written
+        // state (none lost) and count the diffs it took (coalescing).
+        let burst = imports.min(10_000);
+        let want: Vec<usize> = {
+            let t = dp.table.lock().unwrap();
+            (0..burst)
+                .map(|i| match c1_ready(&t, i) {
+                    Some(ready) => ready.iter().position(|r| !r).map_or(0, |u| (u + 1) % 5),
+                    None => panic!("svc{i} has no c1 backends in the synced table"),
+                })
+                .collect()
+        };
+        let diffs_before = dp.diffs.lock().unwrap().len();
+        let burst_start = Instant::now();
+        stream::iter(0..burst)
+            .for_each_concurrent(16, |i| {
+                let (es, ns, u) = (es.clone(), ns.clone(), want[i]);
+                async move {
+                    let s = slice(&ns, i, 1, Some(u));
+                    es.patch(&format!("svc{i}-c1"), &PatchParams::apply("bench").force(), &Patch::Apply(&s))
+                        .await
+                        .unwrap_or_else(|e| panic!("writing svc{i}-c1: {e}"));
+                }
+            })
+            .await;
+        let writes_done = burst_start.elapsed();
+        let burst_deadline = Instant::now() + Duration::from_secs(120);
+        let missing = loop {
+            let notified = dp.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let missing = {
+                let t = dp.table.lock().unwrap();
+                (0..burst)
+                    .filter(|&i| c1_ready(&t, i).is_none_or(|r| r.iter().position(|r| !r) != Some(want[i])))
+                    .count()
+            };
+            if missing == 0 || Instant::now() > burst_deadline {
+                break missing;
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(1), notified).await;
+        };
+        assert_eq!(missing, 0, "{missing} of {burst} burst writes never reached the table within 120 s");
+        let (burst_diffs, burst_changes, last_diff) = {
+            let d = dp.diffs.lock().unwrap();
+            let new = &d[diffs_before..];
+            (new.len(), new.iter().map(|(_, n)| n).sum::<usize>(), new.last().map(|(t, _)| *t))
+        };
+        let settled = last_diff.map_or(Duration::ZERO, |t| t.duration_since(burst_start));
         let q = |p: f64| lat[((lat.len() - 1) as f64 * p) as usize].as_secs_f64() * 1e3;
         println!(
             "control plane, {imports} ServiceImports x 2 clusters x 5 endpoints ({} endpoints):",
@@ -289,10 +330,15 @@ fn main() {
             q(0.5),
             q(0.99)
         );
+        println!(
+            "  burst of {burst} EndpointSlice writes (16 writers, {:.1} s): all {burst} in the table {:.2} s after the first write, in {burst_diffs} diffs ({burst_changes} frontend changes); none lost",
+            writes_done.as_secs_f64(),
+            settled.as_secs_f64()
+        );
         println!("  RSS growth while holding the ClusterSet: {rss:.1} MiB");
         match agent_rss(&kubeconfig).await {
-            Ok(mib) => println!(
-                "  mcs-agent process (--dataplane log, kube source) RSS when ready: {mib:.1} MiB"
+            Ok(AgentMemory { secs, ready, settled, peak }) => println!(
+                "  mcs-agent process (--dataplane log, kube source): ready in {secs:.2} s; RSS {ready:.1} MiB then, {settled:.1} MiB 2 s later, peak {peak:.1} MiB"
             ),
             // In CI the agent binary is there: not measuring it is a failure, not a skip.
             Err(e) if std::env::var("CI").as_deref() == Ok("true") => {
@@ -303,8 +349,28 @@ fn main() {
     });
 }
 
-/// Starts the real agent binary against the apiserver, waits for /readyz, returns its RSS.
-async fn agent_rss(kubeconfig: &std::path::Path) -> Result<f64, String> {
+/// The agent process's memory, in MiB.
+struct AgentMemory {
+    /// Seconds from starting the process to `/readyz` (polled every 50 ms).
+    secs: f64,
+    /// VmRSS when `/readyz` turned ready.
+    ready: f64,
+    /// VmRSS 2 s later (what was freed after the sync given back).
+    settled: f64,
+    /// VmHWM then: the most it ever held.
+    peak: f64,
+}
+
+/// Reads VmRSS and VmHWM of a process, in MiB.
+fn vm(pid: u32) -> Result<(f64, f64), String> {
+    let field = |name| {
+        mcs_bench::harness::procs::status_mib(pid, name).ok_or(format!("no {name} of {pid}"))
+    };
+    Ok((field("VmRSS")?, field("VmHWM")?))
+}
+
+/// Starts the real agent binary against the apiserver, waits for /readyz, returns its memory.
+async fn agent_rss(kubeconfig: &std::path::Path) -> Result<AgentMemory, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let agent = exe
         .parent()
@@ -348,7 +414,8 @@ async fn agent_rss(kubeconfig: &std::path::Path) -> Result<f64, String> {
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| format!("starting {}: {e}", agent.display()))?;
-    let deadline = Instant::now() + Duration::from_secs(300);
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(300);
     loop {
         let ready = tokio::task::spawn_blocking(move || {
             use std::io::{Read, Write};
@@ -370,14 +437,17 @@ async fn agent_rss(kubeconfig: &std::path::Path) -> Result<f64, String> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let secs = started.elapsed().as_secs_f64();
     let pid = child.id().ok_or("agent exited")?;
-    let status =
-        std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| e.to_string())?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .ok_or("no VmRSS")?;
+    let (ready, _) = vm(pid)?;
+    // A measurement interval, not synchronisation: what the agent holds once it is idle.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (settled, peak) = vm(pid)?;
     let _ = child.kill().await;
-    Ok(kib / 1024.0)
+    Ok(AgentMemory {
+        secs,
+        ready,
+        settled,
+        peak,
+    })
 }

@@ -114,19 +114,15 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let imports: usize = std::env::var("MCS_BENCH_IMPORTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(100_000);
-    assert!(imports <= 0x1_c000, "the VIP ranges hold 114,688 imports");
+    let imports = mcs_bench::scale::env_count("MCS_BENCH_IMPORTS", 100_000);
+    assert!(
+        imports <= mcs_bench::scale::MAX_IMPORTS,
+        "the VIP ranges hold 114,688 imports"
+    );
     let endpoints = imports * CLUSTERS * ENDPOINTS;
     let guard = Guard {
-        clusterset_cidrs: mcs_model::guard::parse_clusterset_ranges(&[
-            "198.18.0.0/16",
-            "198.19.0.0/17",
-            "198.19.128.0/18",
-        ])
-        .expect("valid range"),
+        clusterset_cidrs: mcs_model::guard::parse_clusterset_ranges(&mcs_bench::scale::VIP_CIDRS)
+            .expect("valid range"),
         limits: mcs_model::Limits {
             frontends: 1_000_000,
             backends: 10_000_000,

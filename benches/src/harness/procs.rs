@@ -126,10 +126,15 @@ pub fn sibling(name: &str) -> PathBuf {
 
 /// Resident memory of process `pid` (MiB), from `/proc/<pid>/status`.
 pub fn rss_mib(pid: u32) -> Option<f64> {
+    status_mib(pid, "VmRSS")
+}
+
+/// A memory field of `/proc/<pid>/status` (`VmRSS`, `VmHWM`, ...), in MiB.
+pub fn status_mib(pid: u32, field: &str) -> Option<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let kib: f64 = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
         .trim()
         .trim_end_matches("kB")
         .trim()

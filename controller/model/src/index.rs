@@ -84,6 +84,10 @@ pub struct Index {
     /// Imports not admitted because the table is full.
     over_capacity: BTreeMap<ServiceRef, Rejection>,
     table: ForwardingTable,
+    /// Backends summed over `table` (kept as it changes, for the gauges).
+    table_backends: usize,
+    /// Bumped whenever what [`Index::rejections`] returns may have changed.
+    rejections_version: u64,
     dirty: BTreeSet<ServiceRef>,
     /// Services whose DNS records may have changed since [`Index::take_dns_changes`]
     /// (`None`: DNS is not tracked).
@@ -124,14 +128,25 @@ impl Index {
         {
             return;
         }
-        self.imports.insert(key.clone(), (valid, rejections));
+        let new_rejects = !rejections.is_empty();
+        let old = self.imports.insert(key.clone(), (valid, rejections));
+        if new_rejects || old.is_some_and(|(_, r)| !r.is_empty()) {
+            self.rejections_changed();
+        }
         self.dirty.insert(key);
+    }
+
+    fn rejections_changed(&mut self) {
+        self.rejections_version = self.rejections_version.wrapping_add(1);
     }
 
     /// Removes a ServiceImport.
     pub fn delete_import(&mut self, namespace: &str, name: &str) {
         let key = ServiceRef::new(namespace, name);
-        if self.imports.remove(&key).is_some() {
+        if let Some((_, rejections)) = self.imports.remove(&key) {
+            if !rejections.is_empty() {
+                self.rejections_changed();
+            }
             self.dirty.insert(key);
         }
     }
@@ -142,8 +157,8 @@ impl Index {
         let mut rejections = Vec::new();
         let valid = validate::slice(&input, &self.node.guard, &mut self.strings, &mut rejections);
         let service = validate::slice_service(&input);
-        if let Some((Some(old_service), old_valid, old_rej)) = self.slices.get(&key)
-            && Some(old_service) == service.as_ref()
+        if let Some((old_service, old_valid, old_rej)) = self.slices.get(&key)
+            && old_service == &service
             && old_valid == &valid
             && old_rej == &rejections
         {
@@ -160,6 +175,9 @@ impl Index {
             keys.push(key.clone());
             self.dirty.insert(svc.clone());
         }
+        if !rejections.is_empty() {
+            self.rejections_changed();
+        }
         self.slices.insert(key, (service, valid, rejections));
     }
 
@@ -169,7 +187,13 @@ impl Index {
     }
 
     fn remove_slice_entry(&mut self, key: &SliceKey) {
-        if let Some((Some(svc), _, _)) = self.slices.remove(key) {
+        let Some((service, _, rejections)) = self.slices.remove(key) else {
+            return;
+        };
+        if !rejections.is_empty() {
+            self.rejections_changed();
+        }
+        if let Some(svc) = service {
             if let Some(set) = self.slices_by_service.get_mut(&svc) {
                 set.retain(|k| **k != *key);
                 if set.is_empty() {
@@ -248,6 +272,9 @@ impl Index {
                 self.totals.0 += new.frontends.len();
                 self.totals.1 += new.backends;
             }
+            if old.rejections != new.rejections {
+                self.rejections_changed();
+            }
             if new.age_key.is_some() || !new.rejections.is_empty() {
                 self.derived.insert(svc, new);
             }
@@ -268,6 +295,7 @@ impl Index {
                 }
             }
             self.over_capacity = over;
+            self.rejections_changed();
         }
         // Whoever claims a touched VIP may have won or lost it: its A/AAAA records follow.
         if let Some(d) = self.dns_changed.as_mut() {
@@ -345,6 +373,9 @@ impl Index {
         let mut desired: BTreeMap<Frontend, &Arc<Service>> = BTreeMap::new();
         match owner {
             Some((svc, losers)) => {
+                if self.conflicts.get(&vip).map_or(&[][..], Vec::as_slice) != losers.as_slice() {
+                    self.rejections_changed();
+                }
                 if losers.is_empty() {
                     self.conflicts.remove(&vip);
                 } else {
@@ -362,7 +393,9 @@ impl Index {
                 }
             }
             None => {
-                self.conflicts.remove(&vip);
+                if self.conflicts.remove(&vip).is_some() {
+                    self.rejections_changed();
+                }
             }
         }
         let gone: Vec<Frontend> = self
@@ -373,12 +406,17 @@ impl Index {
             .filter(|f| !desired.contains_key(f))
             .collect();
         for f in gone {
-            self.table.frontends.remove(&f);
+            if let Some(old) = self.table.frontends.remove(&f) {
+                self.table_backends -= old.backends.len();
+            }
             diff.remove.push(f);
         }
         for (f, value) in desired {
             if self.table.frontends.get(&f) != Some(value) {
-                self.table.frontends.insert(f, value.clone());
+                self.table_backends += value.backends.len();
+                if let Some(old) = self.table.frontends.insert(f, value.clone()) {
+                    self.table_backends -= old.backends.len();
+                }
                 diff.upsert.insert(f, value.clone());
             }
         }
@@ -537,6 +575,17 @@ impl Index {
     /// The current table (as of the last flush).
     pub fn table(&self) -> &ForwardingTable {
         &self.table
+    }
+
+    /// Backends summed over the table's frontends.
+    pub fn table_backends(&self) -> usize {
+        self.table_backends
+    }
+
+    /// Changes whenever [`Index::rejections`] may return something else: a caller that
+    /// keeps its last answer asks again only then (O(1) per flush otherwise).
+    pub fn rejections_version(&self) -> u64 {
+        self.rejections_version
     }
 
     /// Everything rejected or trimmed, sorted by object then reason.

@@ -632,19 +632,44 @@ fn incremental_equals_fresh(
     if flush_mask.is_multiple_of(2) {
         idx.track_dns();
     }
+    // A caller that keeps the rejections until the version changes never misses a change.
+    let mut seen = (idx.rejections_version(), idx.rejections());
+    let mut check_seen = |idx: &Index| -> Result<(), TestCaseError> {
+        let now = idx.rejections();
+        if now != seen.1 {
+            prop_assert_ne!(
+                idx.rejections_version(),
+                seen.0,
+                "rejections changed: {:?}",
+                now
+            );
+        }
+        seen = (idx.rejections_version(), now);
+        let sum: usize = idx
+            .table()
+            .frontends
+            .values()
+            .map(|s| s.backends.len())
+            .sum();
+        prop_assert_eq!(idx.table_backends(), sum);
+        Ok(())
+    };
     for (i, op) in ops.iter().enumerate() {
         apply_op(&mut idx, op);
+        check_seen(&idx)?;
         if i == ops.len() / 2 {
             idx.track_dns();
         }
         if flush_mask & (1 << (i % 64)) != 0 {
             replica.apply(&idx.flush());
+            check_seen(&idx)?;
             for (svc, r) in idx.take_dns_changes() {
                 zone.set(&svc, r);
             }
         }
     }
     replica.apply(&idx.flush());
+    check_seen(&idx)?;
     for (svc, r) in idx.take_dns_changes() {
         zone.set(&svc, r);
     }

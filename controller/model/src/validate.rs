@@ -168,7 +168,7 @@ pub struct Rejection {
 
 impl Rejection {
     /// A rejection of `object` (`Kind ns/name`).
-    pub fn new(object: &str, reason: Reason, message: impl Into<String>) -> Self {
+    pub fn new(object: impl fmt::Display, reason: Reason, message: impl Into<String>) -> Self {
         Self {
             object: object.to_string(),
             reason,
@@ -187,10 +187,22 @@ pub fn parse_protocol(p: Option<&str>) -> Option<Protocol> {
     }
 }
 
-/// The protocol (default TCP) and port (1..=65535) of a port entry, or a rejection.
+/// `Kind namespace/name` of an object, formatted only when a rejection needs it (a full sync
+/// validates hundreds of thousands of objects, almost all fine).
+#[derive(Clone, Copy)]
+struct ObjectName<'a>(&'static str, &'a str, &'a str);
+
+impl fmt::Display for ObjectName<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}/{}", self.0, self.1, self.2)
+    }
+}
+
+/// The protocol (default TCP) and port (1..=65535) of a port entry, or a rejection. `label`
+/// names the port in messages.
 fn protocol_and_port(
-    object: &str,
-    label: &str,
+    object: ObjectName<'_>,
+    label: &dyn fmt::Display,
     protocol: Option<&str>,
     port: Option<i64>,
     out: &mut Vec<Rejection>,
@@ -344,10 +356,10 @@ pub struct ValidImport {
 /// Validates an import against the node's `guard`. `None` when nothing of it is usable;
 /// rejections either way.
 pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> Option<ValidImport> {
-    let object = format!("ServiceImport {}/{}", input.namespace, input.name);
+    let object = ObjectName("ServiceImport", &input.namespace, &input.name);
     if input.name.is_empty() {
         out.push(Rejection::new(
-            &object,
+            object,
             Reason::MissingName,
             "metadata.name is empty",
         ));
@@ -365,7 +377,7 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
         "Headless" => true,
         other => {
             out.push(Rejection::new(
-                &object,
+                object,
                 Reason::InvalidType,
                 format!("type {other:?} is neither ClusterSetIP nor Headless"),
             ));
@@ -377,7 +389,7 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
         Some("Local") => true,
         Some(other) => {
             out.push(Rejection::new(
-                &object,
+                object,
                 Reason::InvalidPolicy,
                 format!(
                     "internalTrafficPolicy {other:?} is neither Cluster nor Local; using Cluster"
@@ -398,7 +410,7 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
     };
     if !headless && input.ips.len() > 2 {
         out.push(Rejection::new(
-            &object,
+            object,
             Reason::TooManyIps,
             format!("{} ips; at most two (one per family)", input.ips.len()),
         ));
@@ -407,7 +419,7 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
     let max_ports = guard.limits.ports_per_import;
     if input.ports.len() > max_ports {
         out.push(Rejection::new(
-            &object,
+            object,
             Reason::TooManyPorts,
             format!(
                 "{} ports; at most {max_ports} per import",
@@ -422,14 +434,14 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
     for (i, raw) in ips.iter().enumerate() {
         let Ok(ip) = raw.trim().parse::<IpAddr>() else {
             out.push(Rejection::new(
-                &object,
+                object,
                 Reason::InvalidIp,
                 format!("ip {raw:?} does not parse"),
             ));
             continue;
         };
         if let Some((reason, message)) = refused(ip, guard, true) {
-            out.push(Rejection::new(&object, reason, format!("ip {message}")));
+            out.push(Rejection::new(object, reason, format!("ip {message}")));
             continue;
         }
         let want = input.ip_families.get(i).map(String::as_str);
@@ -441,7 +453,7 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
         };
         if !family_ok || vips.iter().any(|v: &IpAddr| v.is_ipv4() == is_v4) {
             out.push(Rejection::new(
-                &object,
+                object,
                 Reason::WrongFamily,
                 format!(
                     "ip {ip} is not of family {} or repeats a family",
@@ -455,15 +467,14 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
     let mut seen = BTreeSet::new();
     let mut ports = Vec::new();
     for p in &input.ports {
-        let label = p.port.to_string();
         let Some((protocol, port)) =
-            protocol_and_port(&object, &label, p.protocol.as_deref(), Some(p.port), out)
+            protocol_and_port(object, &p.port, p.protocol.as_deref(), Some(p.port), out)
         else {
             continue;
         };
         if !seen.insert((port, protocol)) {
             out.push(Rejection::new(
-                &object,
+                object,
                 Reason::DuplicatePort,
                 format!("port {port}/{protocol} appears twice; the first is used"),
             ));
@@ -497,7 +508,7 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
                 Ok(t) if (1..=MAX_AFFINITY_TIMEOUT_S).contains(&t) => t,
                 _ => {
                     out.push(Rejection::new(
-                        &object,
+                        object,
                         Reason::InvalidAffinity,
                         format!(
                             "timeoutSeconds {t} out of 1..{MAX_AFFINITY_TIMEOUT_S}; using {DEFAULT_AFFINITY_TIMEOUT_S}"
@@ -563,10 +574,10 @@ pub fn slice(
     strings: &mut Strings,
     out: &mut Vec<Rejection>,
 ) -> Option<ValidSlice> {
-    let object = format!("EndpointSlice {}/{}", input.namespace, input.name);
+    let object = ObjectName("EndpointSlice", &input.namespace, &input.name);
     if input.name.is_empty() {
         out.push(Rejection::new(
-            &object,
+            object,
             Reason::MissingName,
             "metadata.name is empty",
         ));
@@ -574,7 +585,7 @@ pub fn slice(
     }
     if slice_service(input).is_none() {
         out.push(Rejection::new(
-            &object,
+            object,
             Reason::MissingServiceLabel,
             format!("no {LABEL_SERVICE_NAME} label"),
         ));
@@ -583,7 +594,7 @@ pub fn slice(
     let manager = input.labels.get(LABEL_MANAGED_BY).map(String::as_str);
     if let Some(m) = manager.filter(|m| KUBERNETES_SLICE_CONTROLLERS.contains(m)) {
         out.push(Rejection::new(
-            &object,
+            object,
             Reason::DefaultController,
             format!("managed by {m}: a slice of an ordinary Service or of Endpoints, not MCS"),
         ));
@@ -598,7 +609,7 @@ pub fn slice(
             .map(String::as_str)
             .collect();
         out.push(Rejection::new(
-            &object,
+            object,
             Reason::UntrustedManager,
             format!(
                 "{LABEL_MANAGED_BY} is {:?}, not one of --trusted-managed-by ({})",
@@ -614,7 +625,7 @@ pub fn slice(
         .filter(|c| !c.is_empty())
     else {
         out.push(Rejection::new(
-            &object,
+            object,
             Reason::MissingClusterLabel,
             format!("no {LABEL_SOURCE_CLUSTER} label"),
         ));
@@ -625,7 +636,7 @@ pub fn slice(
         "IPv6" => false,
         other => {
             out.push(Rejection::new(
-                &object,
+                object,
                 Reason::UnsupportedAddressType,
                 format!("addressType {other:?}; only IPv4 and IPv6 are supported"),
             ));
@@ -651,7 +662,7 @@ pub fn slice(
     .find(|(_, _, n, max)| n > max);
     if let Some((reason, what, n, max)) = over {
         out.push(Rejection::new(
-            &object,
+            object,
             reason,
             format!("{n} {what}; at most {max} per slice"),
         ));
@@ -659,17 +670,21 @@ pub fn slice(
     }
     let mut ports = Vec::with_capacity(input.ports.len());
     for p in &input.ports {
-        let label = format!("{:?}", p.name.as_deref().unwrap_or(""));
-        let Some((protocol, port)) =
-            protocol_and_port(&object, &label, p.protocol.as_deref(), p.port, out)
-        else {
+        let name = p.name.as_deref().unwrap_or("");
+        let Some((protocol, port)) = protocol_and_port(
+            object,
+            &format_args!("{name:?}"),
+            p.protocol.as_deref(),
+            p.port,
+            out,
+        ) else {
             continue;
         };
         ports.push((p.name.clone().filter(|n| !n.is_empty()), protocol, port));
     }
     let mut endpoints: Vec<ValidEndpoint> = Vec::with_capacity(input.endpoints.len());
     for ep in &input.endpoints {
-        if let Some(e) = endpoint(&object, ep, v4, guard, strings, out) {
+        if let Some(e) = endpoint(object, ep, v4, guard, strings, out) {
             endpoints.push(e);
         }
     }
@@ -685,7 +700,7 @@ pub fn slice(
 }
 
 fn endpoint(
-    object: &str,
+    object: ObjectName<'_>,
     ep: &EndpointInput,
     v4: bool,
     guard: &Guard,

@@ -178,37 +178,39 @@ fn import_parts(meta: &ObjectMeta, spec: &ServiceImportSpec) -> ImportInput {
     }
 }
 
-/// An EndpointSlice as index input.
-pub fn slice(es: &LeanSlice) -> SliceInput {
+/// An EndpointSlice as index input. Takes the object: its strings move, none is copied (a
+/// full sync converts a million endpoints).
+pub fn slice(es: LeanSlice) -> SliceInput {
+    let meta = es.metadata;
     SliceInput {
-        namespace: namespace(&es.metadata),
-        name: es.metadata.name.clone().unwrap_or_default(),
-        labels: es.metadata.labels.clone().unwrap_or_default(),
-        address_type: es.address_type.clone(),
+        namespace: meta.namespace.unwrap_or_else(|| "default".into()),
+        name: meta.name.unwrap_or_default(),
+        labels: meta.labels.unwrap_or_default(),
+        address_type: es.address_type,
         ports: es
             .ports
-            .iter()
+            .into_iter()
             .flatten()
             .map(|p| SlicePortInput {
-                name: p.name.clone(),
-                protocol: p.protocol.clone(),
+                name: p.name,
+                protocol: p.protocol,
                 port: p.port.map(i64::from),
             })
             .collect(),
         endpoints: es
             .endpoints
-            .iter()
+            .into_iter()
             .flatten()
             .map(|e| {
                 let c = e.conditions.as_ref();
                 EndpointInput {
-                    addresses: e.addresses.clone(),
                     ready: c.and_then(|c| c.ready),
                     serving: c.and_then(|c| c.serving),
                     terminating: c.and_then(|c| c.terminating),
-                    zone: e.zone.clone(),
-                    node_name: e.node_name.clone(),
-                    hostname: e.hostname.clone(),
+                    addresses: e.addresses,
+                    zone: e.zone,
+                    node_name: e.node_name,
+                    hostname: e.hostname,
                 }
             })
             .collect(),
@@ -249,7 +251,7 @@ mod tests {
         assert_eq!(lean.metadata.resource_version.as_deref(), Some("42"));
         assert!(lean.metadata.managed_fields.is_none());
         assert!(lean.metadata.annotations.is_none());
-        let input = slice(&lean);
+        let input = slice(lean);
         assert_eq!(input.namespace, "ns");
         assert_eq!(input.name, "web-c1");
         assert_eq!(input.labels.len(), 2);
@@ -279,7 +281,7 @@ mod tests {
             "metadata": { "name": "e" }, "addressType": "IPv4", "endpoints": null
         }))
         .unwrap();
-        assert!(slice(&empty).endpoints.is_empty());
+        assert!(slice(empty).endpoints.is_empty());
 
         let import: LeanImport = serde_json::from_value(serde_json::json!({
             "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceImport",

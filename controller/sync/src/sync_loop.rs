@@ -54,7 +54,12 @@ pub struct SyncLoop<D> {
     health: Health,
     events: Option<EventSink>,
     unreadable: BTreeMap<String, Rejection>,
+    /// `unreadable` changed since the rejections were last gathered.
+    unreadable_changed: bool,
     rejected: BTreeSet<Rejection>,
+    /// What the rejections were gathered from: the index's rejection version and the
+    /// dataplane's unprogrammed frontends. Unchanged (and `unreadable` too): nothing to do.
+    rejected_from: Option<(u64, Vec<Rejection>)>,
     pending_retry: Option<TableDiff>,
     /// The `clusterset.local` zone kept up to date at every flush, when DNS is served.
     zone: Option<Arc<mcs_model::dns::Zone>>,
@@ -86,7 +91,9 @@ impl<D: Dataplane> SyncLoop<D> {
             health,
             events,
             unreadable: BTreeMap::new(),
+            unreadable_changed: false,
             rejected: BTreeSet::new(),
+            rejected_from: None,
             pending_retry: None,
             zone: None,
         }
@@ -152,6 +159,8 @@ impl<D: Dataplane> SyncLoop<D> {
 
     /// Applies one event to the index; true when it is the first full sync.
     fn handle(&mut self, ev: SourceEvent) -> bool {
+        self.unreadable_changed |=
+            matches!(ev, SourceEvent::Unreadable(_) | SourceEvent::Readable(_));
         crate::source::apply(
             &mut self.index,
             &mut self.unreadable,
@@ -217,14 +226,26 @@ impl<D: Dataplane> SyncLoop<D> {
         self.update_gauges();
     }
 
+    /// Logs, counts and publishes what is newly rejected. O(1) when nothing that holds
+    /// rejections changed; otherwise a walk over everything rejected.
     fn update_rejections(&mut self) {
+        let from = (
+            self.index.rejections_version(),
+            self.dataplane.unprogrammed(),
+        );
+        if !std::mem::take(&mut self.unreadable_changed)
+            && self.rejected_from.as_ref() == Some(&from)
+        {
+            return;
+        }
         let now: BTreeSet<Rejection> = self
             .index
             .rejections()
             .into_iter()
             .chain(self.unreadable.values().cloned())
-            .chain(self.dataplane.unprogrammed())
+            .chain(from.1.iter().cloned())
             .collect();
+        self.rejected_from = Some(from);
         let new: Vec<Rejection> = now.difference(&self.rejected).cloned().collect();
         for r in &new {
             tracing::warn!(object = %r.object, reason = r.reason.label(), "rejected: {}", r.message);
@@ -275,7 +296,7 @@ impl<D: Dataplane> SyncLoop<D> {
         self.metrics.frontends.set(t.frontends.len() as i64);
         self.metrics
             .backends
-            .set(t.frontends.values().map(|s| s.backends.len() as i64).sum());
+            .set(self.index.table_backends() as i64);
     }
 }
 
@@ -302,12 +323,16 @@ impl Dataplane for LogDataplane {
         for f in &diff.remove {
             tracing::info!(frontend = %f, "remove frontend");
         }
-        for (f, s) in &diff.upsert {
-            let selected: Vec<String> = s
-                .selected()
-                .map(|b| format!("{}:{}@{}", b.address, b.port, b.cluster))
-                .collect();
-            tracing::info!(frontend = %f, service = %s.service, backends = ?selected, "program frontend");
+        // One line per frontend: made only when someone reads them (a full sync at 1M
+        // endpoints would format every backend).
+        if tracing::enabled!(tracing::Level::INFO) {
+            for (f, s) in &diff.upsert {
+                let selected: Vec<String> = s
+                    .selected()
+                    .map(|b| format!("{}:{}@{}", b.address, b.port, b.cluster))
+                    .collect();
+                tracing::info!(frontend = %f, service = %s.service, backends = ?selected, "program frontend");
+            }
         }
         self.table.apply(diff);
         Ok(())

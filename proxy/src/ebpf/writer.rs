@@ -458,7 +458,7 @@ impl Dataplane for SocketLb {
             .iter()
             .map(|(f, (svc, message))| {
                 Rejection::new(
-                    &format!("ServiceImport {}", svc.service),
+                    format!("ServiceImport {}", svc.service),
                     Reason::Unprogrammable,
                     format!("frontend {f}: {message}"),
                 )

@@ -273,7 +273,7 @@ fn unreadable_key(path: &Path, index: usize) -> Key {
 }
 
 fn file_rejection(path: &Path, reason: Reason, message: String) -> Rejection {
-    Rejection::new(&format!("file {}", path.display()), reason, message)
+    Rejection::new(format!("file {}", path.display()), reason, message)
 }
 
 fn unreadable(path: &Path, index: usize, reason: Reason, message: String) -> (Key, Object) {
@@ -463,7 +463,7 @@ fn object(v: serde_json::Value) -> Result<Option<(Key, Object)>, (Reason, String
         "EndpointSlice" => {
             let es: convert::LeanSlice =
                 serde_json::from_value(v).map_err(|e| unparsable(format!("EndpointSlice: {e}")))?;
-            let input = convert::slice(&es);
+            let input = convert::slice(es);
             let key = (
                 "EndpointSlice".into(),
                 input.namespace.clone(),

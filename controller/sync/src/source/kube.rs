@@ -194,7 +194,7 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
                 retry_max,
                 import_tx,
                 import_remaining,
-                |si| Some(SourceEvent::Import(convert::lean_import(si))),
+                |si| Some(SourceEvent::Import(convert::lean_import(&si))),
                 delete_import,
             )
             .await;
@@ -216,7 +216,7 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
             retry_max,
             tx,
             remaining,
-            |cp| Some(SourceEvent::ClusterId(cp.spec.value.clone())),
+            |cp| Some(SourceEvent::ClusterId(cp.spec.value)),
             |_, _| {
                 tracing::warn!(
                     "ClusterProperty {} was deleted; keeping the last cluster id",
@@ -327,7 +327,7 @@ async fn watch<K>(
     retry_max: Duration,
     tx: mpsc::Sender<SourceEvent>,
     remaining: Arc<AtomicUsize>,
-    upsert: impl Fn(&K) -> Option<SourceEvent>,
+    upsert: impl Fn(K) -> Option<SourceEvent>,
     delete: impl Fn(String, String) -> Option<SourceEvent>,
 ) where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
@@ -377,7 +377,7 @@ async fn watch<K>(
             }
         };
         let ok = match step {
-            Step::Upsert(o) => send(upsert(&o)).await,
+            Step::Upsert(o) => send(upsert(o)).await,
             Step::Delete(keys) => {
                 let mut ok = true;
                 for (ns, name) in keys {
