@@ -23,6 +23,10 @@ use crate::{
     source::SourceEvent,
 };
 
+/// Rejections logged one by one per flush; past these, one line says how many more (a full
+/// table that does not fit would otherwise log a line per frontend, ~90k at 100k imports).
+const LOGGED_PER_FLUSH: usize = 20;
+
 /// Tuning of the loop.
 #[derive(Clone, Debug)]
 pub struct SyncConfig {
@@ -247,8 +251,10 @@ impl<D: Dataplane> SyncLoop<D> {
             .collect();
         self.rejected_from = Some(from);
         let new: Vec<Rejection> = now.difference(&self.rejected).cloned().collect();
-        for r in &new {
-            tracing::warn!(object = %r.object, reason = r.reason.label(), "rejected: {}", r.message);
+        for (i, r) in new.iter().enumerate() {
+            if i < LOGGED_PER_FLUSH {
+                tracing::warn!(object = %r.object, reason = r.reason.label(), "rejected: {}", r.message);
+            }
             self.metrics
                 .rejections_total
                 .get_or_create(&ReasonLabel {
@@ -256,8 +262,21 @@ impl<D: Dataplane> SyncLoop<D> {
                 })
                 .inc();
         }
-        for r in self.rejected.difference(&now) {
+        if new.len() > LOGGED_PER_FLUSH {
+            tracing::warn!(
+                more = new.len() - LOGGED_PER_FLUSH,
+                "more objects rejected than logged one by one; `mcs-agent table`, the mcs_rejected metric and Events list them"
+            );
+        }
+        let gone: Vec<&Rejection> = self.rejected.difference(&now).collect();
+        for r in gone.iter().take(LOGGED_PER_FLUSH) {
             tracing::info!(object = %r.object, reason = r.reason.label(), "no longer rejected");
+        }
+        if gone.len() > LOGGED_PER_FLUSH {
+            tracing::info!(
+                more = gone.len() - LOGGED_PER_FLUSH,
+                "more objects no longer rejected than logged one by one"
+            );
         }
         let mut by_reason: BTreeMap<&str, i64> = BTreeMap::new();
         for r in &self.rejected {

@@ -395,6 +395,10 @@ impl Dataplane for SocketLb {
 
     fn apply(&mut self, diff: &TableDiff) -> Result<(), DataplaneError> {
         let mut freed = false;
+        // Failures logged one by one; the rest are counted in one line (the controller also
+        // reports every one as an `unprogrammable` rejection).
+        const LOGGED: usize = 20;
+        let mut failures = 0usize;
         for f in &diff.remove {
             self.failed.remove(f);
             if let Some((vip, l4)) = key_of(f) {
@@ -415,11 +419,20 @@ impl Dataplane for SocketLb {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(frontend = %f, service = %svc.service, error = %e, "frontend cannot be programmed; rejected alone, the rest is programmed");
+                    if failures < LOGGED {
+                        tracing::warn!(frontend = %f, service = %svc.service, error = %e, "frontend cannot be programmed; rejected alone, the rest is programmed");
+                    }
+                    failures += 1;
                     self.failed.insert(*f, (svc.clone(), e.to_string()));
                 }
             }
             freed |= self.ids.live_count() < before;
+        }
+        if failures > LOGGED {
+            tracing::warn!(
+                more = failures - LOGGED,
+                "more frontends cannot be programmed than logged one by one"
+            );
         }
         if freed && !self.failed.is_empty() {
             // Room may have freed: try the frontends that did not fit.
