@@ -231,8 +231,6 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
     }
 }
 
-/// The bookkeeping of one watcher: which objects exist, and what a (re-)list changes.
-/// Pure: fed `watcher::Event`s, it says which upserts and deletions to send.
 /// Objects per page of the EndpointSlice list (kube-rs's default is 500).
 ///
 /// Measured on this machine kind with 100k ServiceImports and 200k EndpointSlices (1M
@@ -258,6 +256,8 @@ fn import_list_config() -> watcher::Config {
     config
 }
 
+/// The bookkeeping of one watcher: which objects exist, and what a (re-)list changes.
+/// Pure: fed `watcher::Event`s, it says which upserts and deletions to send.
 #[derive(Debug, Default)]
 struct Relister {
     known: HashSet<(String, String)>,
