@@ -4,7 +4,7 @@ use std::{process::ExitCode, sync::Arc, time::Duration};
 
 use anyhow::{Context as _, bail};
 use mcs_model::{Dataplane, Index, NodeConfig, render};
-use mcs_proxy::ebpf::{SocketLb, read_pinned};
+use mcs_proxy::ebpf::{MapSizes, SocketLb, read_pinned};
 use mcs_proxy::userspace::{
     Userspace, UserspaceConfig, metrics::ProxyMetrics, nft::InterceptConfig,
 };
@@ -293,13 +293,16 @@ fn status(args: &StatusArgs) -> anyhow::Result<ExitCode> {
 
 /// Loads and attaches the eBPF dataplane.
 fn start_ebpf(args: &RunArgs) -> anyhow::Result<SocketLb> {
-    let mut lb = SocketLb::open(&args.pins.bpf_pin_dir).with_context(|| {
+    let maglev = args.ebpf_selection == crate::cli::Selection::Maglev;
+    let caps = &args.source.guard;
+    let sizes = MapSizes::for_caps(caps.max_frontends, caps.max_backends, maglev);
+    let mut lb = SocketLb::open_sized(&args.pins.bpf_pin_dir, sizes).with_context(|| {
         format!(
             "loading the eBPF programs (pins in {})",
             args.pins.bpf_pin_dir.display()
         )
     })?;
-    lb.set_maglev(args.ebpf_selection == crate::cli::Selection::Maglev);
+    lb.set_maglev(maglev);
     lb.attach(&args.cgroup_root)
         .with_context(|| format!("attaching to cgroup {}", args.cgroup_root.display()))?;
     Ok(lb)
@@ -450,6 +453,14 @@ impl Dataplane for AgentDataplane {
             AgentDataplane::Log(d) => d.unprogrammed(),
             AgentDataplane::Userspace(d) => d.unprogrammed(),
             AgentDataplane::Ebpf(d) => d.unprogrammed(),
+        }
+    }
+
+    fn unprogrammed_version(&self) -> Option<u64> {
+        match self {
+            AgentDataplane::Log(d) => d.unprogrammed_version(),
+            AgentDataplane::Userspace(d) => d.unprogrammed_version(),
+            AgentDataplane::Ebpf(d) => d.unprogrammed_version(),
         }
     }
 }

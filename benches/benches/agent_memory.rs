@@ -3,7 +3,10 @@
 //! `MCS_BENCH_IMPORTS` ServiceImports × 2 clusters × 5 endpoints (default 10,000), the same
 //! objects as the control_plane bench, written as JSON lists of 1,000 imports or 2,000 slices
 //! a file. For each of `--dataplane log`, `userspace` and `ebpf` it reports the time to
-//! `/readyz`, the RSS then and 2 s later (VmRSS), and the peak (VmHWM).
+//! `/readyz`, the RSS then and 2 s later (VmRSS), the peak (VmHWM), how many frontends are
+//! programmed and, for `ebpf`, the kernel memory of its maps. The caps are set to admit the
+//! whole table, so a frontend not programmed (`mcs_frontends` short of the imports, or any
+//! `unprogrammable` rejection) fails the bench.
 //!
 //! - `log`: keeps the table, programs nothing.
 //! - `userspace`: inside a network namespace of its own (its nftables rules and listeners go
@@ -60,15 +63,45 @@ fn memory(pid: u32) -> Option<(f64, f64)> {
     Some((status_mib(pid, "VmRSS")?, status_mib(pid, "VmHWM")?))
 }
 
-fn ready(port: u16) -> bool {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
+fn get(port: u16, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     let mut text = String::new();
-    s.write_all(b"GET /readyz HTTP/1.0\r\n\r\n").is_ok()
-        && s.read_to_string(&mut text).is_ok()
-        && text.starts_with("HTTP/1.")
-        && text.contains(" 200 ")
+    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .ok()?;
+    s.read_to_string(&mut text).ok()?;
+    text.starts_with("HTTP/1.").then_some(text)
+}
+
+fn ready(port: u16) -> bool {
+    get(port, "/readyz").is_some_and(|t| t.contains(" 200 "))
+}
+
+/// The value of the sample `name` (with its labels, as exposed) in `/metrics`.
+fn sample(metrics: &str, name: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        let rest = l.strip_prefix(name)?.strip_prefix(' ')?;
+        rest.split_whitespace().next()?.parse().ok()
+    })
+}
+
+/// Kernel memory of the eBPF maps the process holds open (the `memlock` of each map fd:
+/// what the kernel charges for it, buckets and entries), in MiB.
+fn map_memory_mib(pid: u32) -> Option<f64> {
+    let mut bytes = 0u64;
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fdinfo")).ok()? {
+        let Ok(text) = std::fs::read_to_string(fd.ok()?.path()) else {
+            continue;
+        };
+        if !text.contains("map_type:") {
+            continue;
+        }
+        bytes += text
+            .lines()
+            .find_map(|l| l.strip_prefix("memlock:"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Some(bytes as f64 / (1024.0 * 1024.0))
 }
 
 /// Kills the agent when dropped (also when the bench panics).
@@ -81,8 +114,20 @@ impl Drop for Agent {
     }
 }
 
-/// What one run measured: seconds to ready; RSS then, RSS 2 s later, peak RSS (MiB).
-type Measured = (f64, f64, f64, f64);
+/// What one run measured.
+struct Measured {
+    /// Seconds from start to `/readyz`.
+    secs: f64,
+    /// RSS then, RSS 2 s later, peak RSS (MiB).
+    rss: f64,
+    settled: f64,
+    peak: f64,
+    /// Frontends programmed (`mcs_frontends`) and rejected as unprogrammable.
+    frontends: f64,
+    unprogrammable: f64,
+    /// Kernel memory of the eBPF maps (MiB), for `ebpf`.
+    maps: Option<f64>,
+}
 
 /// Runs the agent with one dataplane until ready.
 fn measure(
@@ -90,6 +135,7 @@ fn measure(
     dataplane: &str,
     objects: &Path,
     scratch: &Path,
+    imports: usize,
 ) -> Result<Measured, String> {
     let root = nix::unistd::geteuid().is_root();
     if dataplane != "log" && !root {
@@ -119,7 +165,12 @@ fn measure(
     };
     cmd.env("MCS_CLUSTERSET_IP_CIDR", VIP_CIDRS.join(","))
         .args(["run", "--dataplane", dataplane, "--cluster-id", "c0"])
-        .args(["--max-frontends", "1000000", "--max-backends", "10000000"])
+        // Caps that admit the whole table (one port an import, 10 endpoints), as an operator
+        // of a node this size would set them; the eBPF maps are sized from them.
+        .arg("--max-frontends")
+        .arg(imports.max(1).to_string())
+        .arg("--max-backends")
+        .arg((imports.max(1) * 10).to_string())
         .args(["--log-level", "error"])
         .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
         .arg("--source")
@@ -151,9 +202,26 @@ fn measure(
             };
             // A measurement interval: what the agent holds once it is idle.
             std::thread::sleep(Duration::from_secs(2));
-            break memory(pid)
-                .map(|(settled, peak)| (secs, rss, settled, peak))
-                .ok_or_else(|| "no /proc status".to_string());
+            let Some((settled, peak)) = memory(pid) else {
+                break Err("no /proc status".into());
+            };
+            let metrics = match &netns {
+                Some(ns) => ns.run(|| get(port, "/metrics")).ok().flatten(),
+                None => get(port, "/metrics"),
+            };
+            let Some(metrics) = metrics else {
+                break Err("no /metrics".into());
+            };
+            break Ok(Measured {
+                secs,
+                rss,
+                settled,
+                peak,
+                frontends: sample(&metrics, "mcs_frontends").unwrap_or(-1.0),
+                unprogrammable: sample(&metrics, "mcs_rejected{reason=\"unprogrammable\"}")
+                    .unwrap_or(0.0),
+                maps: (dataplane == "ebpf").then(|| map_memory_mib(pid)).flatten(),
+            });
         }
         if Instant::now() > deadline {
             break Err("not ready within 600 s".into());
@@ -198,11 +266,30 @@ fn main() {
         imports * 10,
         t.elapsed().as_secs_f64()
     );
+    let mut failed: Vec<String> = Vec::new();
     for dp in dataplanes.split(',').map(str::trim) {
-        match measure(&agent, dp, &objects, scratch.path()) {
-            Ok((secs, rss, settled, peak)) => println!(
-                "  --dataplane {dp:9}: ready in {secs:6.2} s, RSS {rss:7.1} MiB then, {settled:7.1} MiB 2 s later, peak {peak:7.1} MiB"
-            ),
+        match measure(&agent, dp, &objects, scratch.path(), imports) {
+            Ok(m) => {
+                let Measured {
+                    secs,
+                    rss,
+                    settled,
+                    peak,
+                    frontends,
+                    unprogrammable,
+                    maps,
+                } = m;
+                let maps = maps.map_or(String::new(), |m| format!(", eBPF maps {m:.1} MiB"));
+                println!(
+                    "  --dataplane {dp:9}: ready in {secs:6.2} s, RSS {rss:7.1} MiB then, {settled:7.1} MiB 2 s later, peak {peak:7.1} MiB; {frontends} frontends programmed, {unprogrammable} unprogrammable{maps}"
+                );
+                // The caps admit every import: each must be programmed.
+                if frontends != imports as f64 || unprogrammable != 0.0 {
+                    failed.push(format!(
+                        "--dataplane {dp}: {frontends} of {imports} frontends programmed, {unprogrammable} unprogrammable"
+                    ));
+                }
+            }
             // In CI every prerequisite is there: not measuring is a failure, not a skip.
             Err(e) if std::env::var("CI").as_deref() == Ok("true") => {
                 panic!("--dataplane {dp}: not measured: {e}")
@@ -210,4 +297,5 @@ fn main() {
             Err(e) => println!("  --dataplane {dp:9}: not measured: {e}"),
         }
     }
+    assert!(failed.is_empty(), "{}", failed.join("; "));
 }

@@ -12,7 +12,8 @@ use std::{
     thread,
 };
 
-use mcs_proxy::ebpf::{L4, SocketLb, read_pinned};
+use aya::maps::MapData;
+use mcs_proxy::ebpf::{L4, MapSizes, SocketLb, read_pinned};
 use mcs_test_support::{
     cgroup::{self, TestCgroup},
     netns::Netns,
@@ -511,6 +512,85 @@ fn a_frontend_that_does_not_fit_is_rejected_alone_and_nothing_leaks() {
         read_pinned(&pins.0).unwrap().frontends["198.18.0.12:80/TCP"].len(),
         3
     );
+}
+
+/// The maps are made at the sizes asked (entries allocated as written), a table larger than
+/// the services map is programmed up to it with the rest rejected alone (the kernel's "full",
+/// not a guess of ours), and maps adopted from the pins keep the size they were made with
+/// whatever a restarted agent asks.
+#[test]
+fn maps_are_sized_as_asked_and_a_pinned_size_is_kept() {
+    use mcs_model::{Dataplane as _, TableDiff};
+    if !prerequisites() {
+        return;
+    }
+    let pins = PinDir::new();
+    let ns = Netns::new("bpf").unwrap();
+    let cg = TestCgroup::new("bpf").unwrap();
+    let small = MapSizes {
+        services: 10,
+        backends: 64,
+        members: 16,
+        maglev: 251,
+    };
+    let mut lb = SocketLb::open_sized(&pins.0, small).unwrap();
+    assert_eq!(lb.capacity(), small);
+    for (map, entries) in [
+        ("MCS_SVC4_V1", 10),
+        ("MCS_SVC6_V1", 10),
+        ("MCS_BE4_V1", 64),
+        ("MCS_MEMBER_V1", 16),
+        ("MCS_MAGLEV_V1", 251),
+    ] {
+        let info = MapData::from_pin(pins.0.join(map)).unwrap().info().unwrap();
+        assert_eq!(info.max_entries(), entries, "{map}");
+        assert_eq!(info.map_flags() & 1, 1, "{map} is not BPF_F_NO_PREALLOC");
+    }
+    lb.attach(cg.path()).unwrap();
+    let good = tcp_backend(&ns, "127.0.0.1:0");
+    let three = |n: u8| -> Vec<SocketAddr> {
+        (0..3)
+            .map(|i| SocketAddr::from(([127, 0, 3, n], 3000 + i)))
+            .collect()
+    };
+    // 4 + 2 + 4 entries fill the services map; the fourth frontend's 4 do not fit.
+    let mut diff = TableDiff::default();
+    diff.upsert
+        .insert(frontend("198.18.0.20:80"), service("a", &three(1)).into());
+    diff.upsert
+        .insert(frontend("198.18.0.21:80"), service("b", &[good]).into());
+    diff.upsert
+        .insert(frontend("198.18.0.22:80"), service("c", &three(2)).into());
+    diff.upsert
+        .insert(frontend("198.18.0.23:80"), service("d", &three(3)).into());
+    let v0 = lb.unprogrammed_version();
+    lb.apply(&diff)
+        .expect("the diff applies; what does not fit is rejected alone");
+    assert_ne!(
+        lb.unprogrammed_version(),
+        v0,
+        "a new failure must change the version"
+    );
+    let failed: Vec<String> = lb.unprogrammed().iter().map(|r| r.object.clone()).collect();
+    assert_eq!(failed, ["ServiceImport ns/d"]);
+    assert_eq!(lb.frontends_in_map(), 3);
+    assert_eq!(lb.backend_ids(), 7, "backend ids leaked");
+    let r = probe(&cg, &ns, &tcp("198.18.0.21:80"));
+    assert_eq!(r.reply, format!("backend {} got hi", good.port()), "{r:?}");
+    let v1 = lb.unprogrammed_version();
+    lb.apply(&TableDiff::default()).unwrap();
+    assert_eq!(
+        lb.unprogrammed_version(),
+        v1,
+        "nothing changed, the version must not"
+    );
+    drop(lb);
+    // A restarted agent asking for more adopts the maps as they are.
+    let lb = SocketLb::open_sized(&pins.0, MapSizes::default()).unwrap();
+    assert_eq!(lb.capacity(), small);
+    assert_eq!(lb.frontends_in_map(), 3);
+    let r = probe(&cg, &ns, &tcp("198.18.0.21:80"));
+    assert_eq!(r.reply, format!("backend {} got hi", good.port()), "{r:?}");
 }
 
 /// Backend ids are stable while a backend stays selected: ClientIP affinity survives a

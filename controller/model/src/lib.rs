@@ -200,6 +200,13 @@ pub trait Dataplane {
     fn unprogrammed(&self) -> Vec<validate::Rejection> {
         Vec::new()
     }
+    /// A number that changes whenever [`Dataplane::unprogrammed`] would answer differently,
+    /// so a caller need not build that list after every diff to see whether it changed
+    /// (it holds every frontend that did not fit: at scale, tens of thousands). `None`, the
+    /// default, when the dataplane does not keep one: the caller then compares the lists.
+    fn unprogrammed_version(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// A dataplane could not apply a diff.

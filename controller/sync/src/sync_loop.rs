@@ -63,10 +63,18 @@ pub struct SyncLoop<D> {
     rejected: BTreeSet<Rejection>,
     /// What the rejections were gathered from: the index's rejection version and the
     /// dataplane's unprogrammed frontends. Unchanged (and `unreadable` too): nothing to do.
-    rejected_from: Option<(u64, Vec<Rejection>)>,
+    rejected_from: Option<(u64, Unprogrammed)>,
     pending_retry: Option<TableDiff>,
     /// The `clusterset.local` zone kept up to date at every flush, when DNS is served.
     zone: Option<Arc<mcs_model::dns::Zone>>,
+}
+
+/// The dataplane's unprogrammed frontends as last seen: its version when it keeps one, else
+/// the list itself.
+#[derive(Debug, PartialEq, Eq)]
+enum Unprogrammed {
+    Version(u64),
+    List(Vec<Rejection>),
 }
 
 impl<D: Dataplane> SyncLoop<D> {
@@ -235,19 +243,26 @@ impl<D: Dataplane> SyncLoop<D> {
     fn update_rejections(&mut self) {
         let from = (
             self.index.rejections_version(),
-            self.dataplane.unprogrammed(),
+            match self.dataplane.unprogrammed_version() {
+                Some(v) => Unprogrammed::Version(v),
+                None => Unprogrammed::List(self.dataplane.unprogrammed()),
+            },
         );
         if !std::mem::take(&mut self.unreadable_changed)
             && self.rejected_from.as_ref() == Some(&from)
         {
             return;
         }
+        let unprogrammed = match &from.1 {
+            Unprogrammed::Version(_) => self.dataplane.unprogrammed(),
+            Unprogrammed::List(l) => l.clone(),
+        };
         let now: BTreeSet<Rejection> = self
             .index
             .rejections()
             .into_iter()
             .chain(self.unreadable.values().cloned())
-            .chain(from.1.iter().cloned())
+            .chain(unprogrammed)
             .collect();
         self.rejected_from = Some(from);
         let new: Vec<Rejection> = now.difference(&self.rejected).cloned().collect();

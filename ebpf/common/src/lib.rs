@@ -47,7 +47,8 @@ pub const AFFINITY_MAP_MAX_ENTRIES: u32 = 262_144;
 pub const MAGLEV_MAP: &str = "MCS_MAGLEV_V1";
 /// Size of each service's Maglev table (a prime).
 pub const MAGLEV_TABLE_SIZE: u32 = 251;
-/// Entries of the Maglev map: tables of 4096 services.
+/// Entries of the Maglev map in the object: tables of 4096 services. The loader sizes it from
+/// the agent's caps when Maglev is selected (see [`SVC_MAP_MAX_ENTRIES`]).
 pub const MAGLEV_MAP_MAX_ENTRIES: u32 = MAGLEV_TABLE_SIZE * 4096;
 /// Name of the UDP stickiness LRU map (socket cookie + frontend → backend): an unconnected
 /// UDP socket keeps its backend for a VIP while that backend is selected. Key and value are
@@ -59,7 +60,8 @@ pub const UDP_STICKY_MAP_MAX_ENTRIES: u32 = 262_144;
 /// Name of the membership map ((frontend `rev_nat_id`, backend id) → 1): whether a backend is
 /// selected for a frontend now, in one lookup. Written by userspace.
 pub const MEMBER_MAP: &str = "MCS_MEMBER_V1";
-/// Entries of the membership map (every slot of both families).
+/// Entries of the membership map in the object (every slot of both families); sized by the
+/// loader.
 pub const MEMBER_MAP_MAX_ENTRIES: u32 = 2 * SVC_MAP_MAX_ENTRIES;
 /// Name of the per-network-namespace quota map (netns cookie → [`NetnsQuota`]): how many new
 /// entries of the shared LRU maps (reverse NAT, UDP stickiness) one pod may create per
@@ -87,10 +89,18 @@ pub const ALL_MAPS: [&str; 11] = [
 ];
 /// Entries of each reverse-NAT LRU map.
 pub const REVNAT_MAP_MAX_ENTRIES: u32 = 262_144;
-/// Maximum number of entries of the services map (frontends + backend slots).
+/// Entries of each services map (frontends + backend slots) in the object. The loader replaces
+/// the sizes of the services, backends, membership and Maglev maps with ones computed from the
+/// agent's caps (`--max-frontends`, `--max-backends`) when it creates them; a pinned map keeps
+/// the size it was created with.
 pub const SVC_MAP_MAX_ENTRIES: u32 = 65_536;
-/// Maximum number of entries of the backends map.
+/// Entries of each backends map in the object (sized by the loader, as the services map).
 pub const BE_MAP_MAX_ENTRIES: u32 = 65_536;
+/// Flags of the maps the loader sizes from the caps: `BPF_F_NO_PREALLOC`. Their entries are
+/// allocated when written, so a size that fits the largest table the caps admit costs kernel
+/// memory only for what is programmed (and the hash buckets, 16 bytes per power-of-two slot).
+/// Only userspace writes these maps; the programs only look up.
+pub const SIZED_MAP_FLAGS: u32 = 1;
 /// Largest number of backends one frontend may have (slots 1..=MAX_BACKENDS_PER_SVC).
 pub const MAX_BACKENDS_PER_SVC: u16 = 1024;
 

@@ -33,19 +33,23 @@ use mcs_ebpf_common::{
     SVC_MAP_MAX_ENTRIES, Svc4Key, Svc6Key, SvcValue, proto,
 };
 use mcs_ebpf_common::{MAGLEV_MAP_MAX_ENTRIES, MAGLEV_TABLE_SIZE, MaglevKey, SVC_FLAG_MAGLEV};
-use mcs_ebpf_common::{MEMBER_MAP_MAX_ENTRIES, MemberKey, UDP_STICKY_MAP_MAX_ENTRIES};
+use mcs_ebpf_common::{
+    MEMBER_MAP_MAX_ENTRIES, MemberKey, SIZED_MAP_FLAGS, UDP_STICKY_MAP_MAX_ENTRIES,
+};
 use mcs_ebpf_common::{
     NETNS_QUOTA_PER_WINDOW, NETNS_QUOTA_WINDOW_NS, NetnsQuota, QUOTA_MAP_MAX_ENTRIES,
 };
 
 #[map(name = "MCS_SVC4_V1")]
-static MCS_SVC4_V1: HashMap<Svc4Key, SvcValue> = HashMap::pinned(SVC_MAP_MAX_ENTRIES, 0);
+static MCS_SVC4_V1: HashMap<Svc4Key, SvcValue> =
+    HashMap::pinned(SVC_MAP_MAX_ENTRIES, SIZED_MAP_FLAGS);
 #[map(name = "MCS_BE4_V1")]
-static MCS_BE4_V1: HashMap<u32, Backend4> = HashMap::pinned(BE_MAP_MAX_ENTRIES, 0);
+static MCS_BE4_V1: HashMap<u32, Backend4> = HashMap::pinned(BE_MAP_MAX_ENTRIES, SIZED_MAP_FLAGS);
 #[map(name = "MCS_SVC6_V1")]
-static MCS_SVC6_V1: HashMap<Svc6Key, SvcValue> = HashMap::pinned(SVC_MAP_MAX_ENTRIES, 0);
+static MCS_SVC6_V1: HashMap<Svc6Key, SvcValue> =
+    HashMap::pinned(SVC_MAP_MAX_ENTRIES, SIZED_MAP_FLAGS);
 #[map(name = "MCS_BE6_V1")]
-static MCS_BE6_V1: HashMap<u32, Backend6> = HashMap::pinned(BE_MAP_MAX_ENTRIES, 0);
+static MCS_BE6_V1: HashMap<u32, Backend6> = HashMap::pinned(BE_MAP_MAX_ENTRIES, SIZED_MAP_FLAGS);
 #[map(name = "MCS_REVNAT4_V1")]
 static MCS_REVNAT4_V1: LruHashMap<RevNat4Key, RevNat4Value> =
     LruHashMap::pinned(REVNAT_MAP_MAX_ENTRIES, 0);
@@ -58,14 +62,16 @@ static MCS_AFFINITY_V1: LruHashMap<AffinityKey, AffinityValue> =
     LruHashMap::pinned(AFFINITY_MAP_MAX_ENTRIES, 0);
 
 #[map(name = "MCS_MAGLEV_V1")]
-static MCS_MAGLEV_V1: HashMap<MaglevKey, u32> = HashMap::pinned(MAGLEV_MAP_MAX_ENTRIES, 0);
+static MCS_MAGLEV_V1: HashMap<MaglevKey, u32> =
+    HashMap::pinned(MAGLEV_MAP_MAX_ENTRIES, SIZED_MAP_FLAGS);
 
 #[map(name = "MCS_UDP_STICKY_V1")]
 static MCS_UDP_STICKY_V1: LruHashMap<AffinityKey, AffinityValue> =
     LruHashMap::pinned(UDP_STICKY_MAP_MAX_ENTRIES, 0);
 
 #[map(name = "MCS_MEMBER_V1")]
-static MCS_MEMBER_V1: HashMap<MemberKey, u32> = HashMap::pinned(MEMBER_MAP_MAX_ENTRIES, 0);
+static MCS_MEMBER_V1: HashMap<MemberKey, u32> =
+    HashMap::pinned(MEMBER_MAP_MAX_ENTRIES, SIZED_MAP_FLAGS);
 
 #[map(name = "MCS_NETNS_QUOTA_V1")]
 static MCS_NETNS_QUOTA_V1: LruHashMap<u64, NetnsQuota> =

@@ -31,14 +31,17 @@ mod writer;
 
 use aya::{
     EbpfLoader,
-    maps::{HashMap, MapData},
+    maps::{HashMap, IterableMap as _, MapData},
     programs::{CgroupAttachMode, CgroupSockAddr, links::PinnedLink},
 };
 use mcs_ebpf_common::{
-    ALL_MAPS, BE_MAP_MAX_ENTRIES, BE4_MAP, BE6_MAP, Backend4, Backend6, MAX_BACKENDS_PER_SVC,
-    SVC4_MAP, SVC6_MAP, Svc4Key, Svc6Key, SvcValue,
+    ALL_MAPS, BE4_MAP, BE6_MAP, Backend4, Backend6, MAX_BACKENDS_PER_SVC, SVC4_MAP, SVC6_MAP,
+    Svc4Key, Svc6Key, SvcValue,
 };
-use mcs_ebpf_common::{MAGLEV_MAP, MEMBER_MAP, MaglevKey, MemberKey};
+use mcs_ebpf_common::{
+    MAGLEV_MAP, MAGLEV_MAP_MAX_ENTRIES, MAGLEV_TABLE_SIZE, MEMBER_MAP, MaglevKey, MemberKey,
+    SIZED_MAP_FLAGS,
+};
 
 /// The object built by `build.rs`, 8-byte aligned as the ELF parser wants.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/mcs-ebpf"));
@@ -106,8 +109,8 @@ pub enum Error {
     #[error("frontend has {0} backends; at most {MAX_BACKENDS_PER_SVC} are supported")]
     TooManyBackends(usize),
     /// No free backend id: the backends map is full.
-    #[error("the backends map is full ({BE_MAP_MAX_ENTRIES} entries)")]
-    BackendsFull,
+    #[error("the backends map is full ({0} entries)")]
+    BackendsFull(u32),
 }
 
 /// The transport protocol of a frontend, as the socket hooks see it.
@@ -145,6 +148,74 @@ pub struct Programmed {
     pub frontends: BTreeMap<String, Vec<String>>,
 }
 
+/// Entries of the maps whose size follows the agent's caps. Each is set when the map is
+/// created; a map adopted from the pins keeps the size it was created with (see
+/// [`SocketLb::capacity`]), so a new size takes effect after `mcs-agent uninstall`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct MapSizes {
+    /// Each services map (`MCS_SVC4_V1`, `MCS_SVC6_V1`): frontends plus backend slots.
+    pub services: u32,
+    /// Each backends map (`MCS_BE4_V1`, `MCS_BE6_V1`).
+    pub backends: u32,
+    /// The membership map (`MCS_MEMBER_V1`): (frontend, backend) pairs of both families (at
+    /// most one per backend slot).
+    pub members: u32,
+    /// The Maglev map (`MCS_MAGLEV_V1`): `MAGLEV_TABLE_SIZE` entries per Maglev frontend.
+    pub maglev: u32,
+}
+
+impl MapSizes {
+    /// The most entries one map is made with: 4M (its hash buckets alone are 64 MiB of
+    /// kernel memory), room for 1M endpoints four times over.
+    pub const MAX_ENTRIES: u32 = 1 << 22;
+
+    /// Sizes that hold the largest table the caps admit: `frontends` frontends with
+    /// `backends` backends in all, in one address family or spread over both, plus one
+    /// frontend's worth of room for an update in flight (new slots and backends are written
+    /// before the old ones are freed). With `maglev`, a Maglev table for every frontend;
+    /// without, for 4096 (enough to switch `--ebpf-selection` on a small node without
+    /// reinstalling). Capped at [`MapSizes::MAX_ENTRIES`] each.
+    pub fn for_caps(frontends: usize, backends: usize, maglev: bool) -> Self {
+        let room = u64::from(MAX_BACKENDS_PER_SVC) + 1;
+        let f = frontends as u64;
+        let b = backends as u64;
+        let clamp = |n: u64| n.clamp(1, u64::from(Self::MAX_ENTRIES)) as u32;
+        let slots = f.saturating_add(b).saturating_add(room);
+        Self {
+            services: clamp(slots),
+            backends: clamp(b.saturating_add(room)),
+            // Pairs of both families: at most every backend slot.
+            members: clamp(slots),
+            maglev: if maglev {
+                clamp(
+                    f.saturating_add(1)
+                        .saturating_mul(u64::from(MAGLEV_TABLE_SIZE)),
+                )
+            } else {
+                MAGLEV_MAP_MAX_ENTRIES
+            },
+        }
+    }
+
+    /// The smaller of each entry (what a table must fit in both).
+    fn min(self, other: Self) -> Self {
+        Self {
+            services: self.services.min(other.services),
+            backends: self.backends.min(other.backends),
+            members: self.members.min(other.members),
+            maglev: self.maglev.min(other.maglev),
+        }
+    }
+}
+
+impl Default for MapSizes {
+    /// The sizes for the agent's default caps, random selection.
+    fn default() -> Self {
+        let caps = mcs_model::Limits::default();
+        Self::for_caps(caps.frontends, caps.backends, false)
+    }
+}
+
 /// The loaded socket load balancer.
 #[derive(Debug)]
 pub struct SocketLb {
@@ -160,6 +231,10 @@ pub struct SocketLb {
     ids: ids::BackendIds,
     /// Frontends of the table that could not be programmed, and why.
     failed: writer::Failed,
+    /// Bumped whenever `failed` changes ([`mcs_model::Dataplane::unprogrammed_version`]).
+    failed_version: u64,
+    /// Frontends given random choice in this apply because their Maglev table did not fit.
+    maglev_misses: usize,
     first_apply: bool,
     links: Vec<PinnedLink>,
     adopted_links: usize,
@@ -168,6 +243,8 @@ pub struct SocketLb {
     member_map: HashMap<MapData, MemberKey, u32>,
     /// Use Maglev tables (consistent per client pod) instead of random picks.
     maglev: bool,
+    /// The sizes of the maps as the kernel has them.
+    capacity: MapSizes,
     /// `rev_nat_id` of each frontend (names its Maglev table).
     svc_ids: BTreeMap<FrontKey, u32>,
     /// `rev_nat_id`s that have a Maglev table in the map (only those have entries to delete).
@@ -185,8 +262,15 @@ fn pin_err(path: &Path, e: impl std::fmt::Display) -> Error {
 
 impl SocketLb {
     /// Loads the object with its maps pinned in `pin_dir` (adopting maps already pinned there)
-    /// and reads back what they hold.
+    /// and reads back what they hold; new maps get the sizes for the default caps.
     pub fn open(pin_dir: &Path) -> Result<Self, Error> {
+        Self::open_sized(pin_dir, MapSizes::default())
+    }
+
+    /// As [`SocketLb::open`], with new maps made `sizes` large. Maps adopted from the pins
+    /// keep their size; one smaller than `sizes` is logged (frontends that do not fit are
+    /// reported as unprogrammable, as with any full map).
+    pub fn open_sized(pin_dir: &Path, sizes: MapSizes) -> Result<Self, Error> {
         std::fs::create_dir_all(pin_dir.join("links")).map_err(|e| pin_err(pin_dir, e))?;
         for d in [pin_dir.to_path_buf(), pin_dir.join("links")] {
             let _ = std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700));
@@ -197,6 +281,13 @@ impl SocketLb {
         for (name, path) in &paths {
             loader.map_pin_path(name, path.as_path());
         }
+        loader
+            .map_max_entries(SVC4_MAP, sizes.services)
+            .map_max_entries(SVC6_MAP, sizes.services)
+            .map_max_entries(BE4_MAP, sizes.backends)
+            .map_max_entries(BE6_MAP, sizes.backends)
+            .map_max_entries(MEMBER_MAP, sizes.members)
+            .map_max_entries(MAGLEV_MAP, sizes.maglev);
         let mut ebpf = loader.load(OBJECT)?;
         for (_, path) in &paths {
             let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
@@ -213,6 +304,36 @@ impl SocketLb {
             HashMap::try_from(take(&mut ebpf, MAGLEV_MAP)?).map_err(map_err(MAGLEV_MAP))?;
         let member_map =
             HashMap::try_from(take(&mut ebpf, MEMBER_MAP)?).map_err(map_err(MEMBER_MAP))?;
+        let info = |map: &MapData, name: &'static str| {
+            map.info()
+                .map(|i| (i.max_entries(), i.map_flags()))
+                .map_err(map_err(name))
+        };
+        let mut have = Vec::new();
+        for (name, map) in [
+            (SVC4_MAP, svc4.map()),
+            (SVC6_MAP, svc6.map()),
+            (BE4_MAP, be4.map()),
+            (BE6_MAP, be6.map()),
+            (MEMBER_MAP, member_map.map()),
+            (MAGLEV_MAP, maglev_map.map()),
+        ] {
+            have.push((name, info(map, name)?));
+        }
+        let entries = |name: &str| have.iter().find(|(n, _)| *n == name).map_or(0, |h| h.1.0);
+        let capacity = MapSizes {
+            services: entries(SVC4_MAP),
+            backends: entries(BE4_MAP),
+            members: entries(MEMBER_MAP),
+            maglev: entries(MAGLEV_MAP),
+        }
+        .min(MapSizes {
+            services: entries(SVC6_MAP),
+            backends: entries(BE6_MAP),
+            members: u32::MAX,
+            maglev: u32::MAX,
+        });
+        report_sizes(&have, sizes, capacity);
         let mut lb = Self {
             maglev_map,
             member_map,
@@ -228,14 +349,23 @@ impl SocketLb {
             svc6,
             be6,
             programmed: BTreeMap::new(),
-            ids: ids::BackendIds::new(BE_MAP_MAX_ENTRIES as usize),
+            ids: ids::BackendIds::new(capacity.backends as usize),
+            capacity,
             failed: BTreeMap::new(),
+            failed_version: 0,
+            maglev_misses: 0,
             first_apply: true,
             links: Vec::new(),
             adopted_links: 0,
         };
         lb.adopt_state();
         Ok(lb)
+    }
+
+    /// The sizes of the maps as the kernel has them (the smaller of the two families'): what
+    /// the table must fit in.
+    pub fn capacity(&self) -> MapSizes {
+        self.capacity
     }
 
     /// Reads what pinned maps already hold (a previous agent's work).
@@ -448,6 +578,37 @@ impl SocketLb {
     }
 }
 
+/// Logs the sizes the maps have, and each adopted map smaller than the caps want (made by an
+/// agent with smaller caps, or by one from before the maps were sized, preallocated at 65,536).
+fn report_sizes(have: &[(&'static str, (u32, u32))], wanted: MapSizes, capacity: MapSizes) {
+    let want = |name: &str| match name {
+        SVC4_MAP | SVC6_MAP => wanted.services,
+        BE4_MAP | BE6_MAP => wanted.backends,
+        MEMBER_MAP => wanted.members,
+        _ => wanted.maglev,
+    };
+    for (name, (entries, flags)) in have {
+        if *entries < want(name) {
+            tracing::warn!(
+                map = name,
+                entries,
+                wanted = want(name),
+                preallocated = flags & SIZED_MAP_FLAGS == 0,
+                "a pinned eBPF map is smaller than the caps want; frontends that do not fit are \
+                 rejected as unprogrammable. `mcs-agent uninstall` (connects are not translated \
+                 until the agent is back) and a restart make it anew at the wanted size"
+            );
+        }
+    }
+    tracing::info!(
+        services = capacity.services,
+        backends = capacity.backends,
+        members = capacity.members,
+        maglev = capacity.maglev,
+        "eBPF map sizes (entries; allocated as written)"
+    );
+}
+
 /// Opens the pinned hash map `name` in `dir` (`lru`: an LRU hash map) without loading programs.
 fn open_pinned<K: aya::Pod, V: aya::Pod>(
     dir: &Path,
@@ -559,6 +720,30 @@ mod tests {
         let w = ip6_words(ip);
         assert_eq!(w[0].to_ne_bytes(), [0x20, 0x01, 0x00, 0x02]);
         assert_eq!(ip6_from_words(w), ip);
+    }
+
+    #[test]
+    fn map_sizes_hold_the_largest_table_the_caps_admit() {
+        // The default caps: 10,000 frontends, 100,000 backends, one frontend's room.
+        let d = MapSizes::default();
+        assert_eq!(d.services, 10_000 + 100_000 + 1025);
+        assert_eq!(d.backends, 100_000 + 1025);
+        assert_eq!(d.members, d.services);
+        assert_eq!(d.maglev, MAGLEV_MAP_MAX_ENTRIES);
+        // 100k imports x 2 clusters x 5 endpoints, Maglev on.
+        let big = MapSizes::for_caps(100_000, 1_000_000, true);
+        assert_eq!(big.services, 1_101_025);
+        // 251 entries a frontend: Maglev tables for 16,710 frontends at most (the others
+        // choose at random, said in the log).
+        assert_eq!(big.maglev, MapSizes::MAX_ENTRIES);
+        let maglev = MapSizes::for_caps(10_000, 100_000, true);
+        assert_eq!(maglev.maglev, 10_001 * MAGLEV_TABLE_SIZE);
+        // Caps beyond any map: clamped, not wrapped.
+        let huge = MapSizes::for_caps(usize::MAX, usize::MAX, true);
+        assert_eq!(huge.services, MapSizes::MAX_ENTRIES);
+        assert_eq!(huge.maglev, MapSizes::MAX_ENTRIES);
+        let zero = MapSizes::for_caps(0, 0, false);
+        assert_eq!(zero.services, 1025);
     }
 
     #[test]

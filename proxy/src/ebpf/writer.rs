@@ -27,6 +27,10 @@ use mcs_model::{
 
 use super::{Error, FrontKey, L4, SocketLb, ip6_words};
 
+/// Failures logged one by one per diff; the rest are counted in one line (the controller also
+/// reports every unprogrammable frontend as a rejection: metric, Event, `mcs-agent table`).
+const LOGGED: usize = 20;
+
 impl SocketLb {
     /// Programs (or replaces) the frontend `vip` with `backends`, in the safe order.
     pub fn set_service(
@@ -170,7 +174,10 @@ impl SocketLb {
                 {
                     // Map full (more Maglev frontends than it holds): this frontend falls back
                     // to random choice rather than failing.
-                    tracing::warn!(frontend = %vip, error = %e, "Maglev table does not fit; random choice for this frontend");
+                    if self.maglev_misses < LOGGED {
+                        tracing::warn!(frontend = %vip, error = %e, "Maglev table does not fit; random choice for this frontend");
+                    }
+                    self.maglev_misses += 1;
                     complete = false;
                     break;
                 }
@@ -248,10 +255,11 @@ impl SocketLb {
 
     /// One reference to the backend's id, writing its map entry when the id is new.
     fn acquire_backend(&mut self, be: SocketAddr, l4: L4) -> Result<u32, Error> {
+        let full = self.capacity.backends;
         let (id, new) = self
             .ids
             .acquire((be, l4))
-            .map_err(|_| Error::BackendsFull)?;
+            .map_err(|_| Error::BackendsFull(full))?;
         if !new {
             return Ok(id);
         }
@@ -395,12 +403,12 @@ impl Dataplane for SocketLb {
 
     fn apply(&mut self, diff: &TableDiff) -> Result<(), DataplaneError> {
         let mut freed = false;
-        // Failures logged one by one; the rest are counted in one line (the controller also
-        // reports every one as an `unprogrammable` rejection).
-        const LOGGED: usize = 20;
         let mut failures = 0usize;
+        self.maglev_misses = 0;
         for f in &diff.remove {
-            self.failed.remove(f);
+            if self.failed.remove(f).is_some() {
+                self.failed_version += 1;
+            }
             if let Some((vip, l4)) = key_of(f) {
                 self.remove_service(vip, l4);
                 freed = true;
@@ -415,6 +423,7 @@ impl Dataplane for SocketLb {
             match self.program(f, svc) {
                 Ok(()) => {
                     if self.failed.remove(f).is_some() {
+                        self.failed_version += 1;
                         tracing::info!(frontend = %f, "frontend programmed after an earlier failure");
                     }
                 }
@@ -424,6 +433,7 @@ impl Dataplane for SocketLb {
                     }
                     failures += 1;
                     self.failed.insert(*f, (svc.clone(), e.to_string()));
+                    self.failed_version += 1;
                 }
             }
             freed |= self.ids.live_count() < before;
@@ -432,6 +442,12 @@ impl Dataplane for SocketLb {
             tracing::warn!(
                 more = failures - LOGGED,
                 "more frontends cannot be programmed than logged one by one"
+            );
+        }
+        if self.maglev_misses > LOGGED {
+            tracing::warn!(
+                more = self.maglev_misses - LOGGED,
+                "more Maglev tables do not fit than logged one by one; those frontends choose at random"
             );
         }
         if freed && !self.failed.is_empty() {
@@ -446,6 +462,7 @@ impl Dataplane for SocketLb {
                 if self.program(&f, &svc).is_ok() {
                     tracing::info!(frontend = %f, "frontend programmed after an earlier failure");
                     self.failed.remove(&f);
+                    self.failed_version += 1;
                 }
             }
         }
@@ -464,6 +481,10 @@ impl Dataplane for SocketLb {
             }
         }
         Ok(())
+    }
+
+    fn unprogrammed_version(&self) -> Option<u64> {
+        Some(self.failed_version)
     }
 
     fn unprogrammed(&self) -> Vec<Rejection> {
