@@ -43,11 +43,16 @@ fn is_prime(n: usize) -> bool {
             .all(|d| !n.is_multiple_of(d))
 }
 
-/// A Maglev lookup table: entry → backend index.
+/// A Maglev lookup table: entry → backend index. Indices are `u16`: a table has at most
+/// 65,521 entries and fewer backends than entries, so two bytes an entry hold every index
+/// (a 10-backend table is 2 KB, not 4).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Maglev {
-    table: Box<[u32]>,
+    table: Box<[u16]>,
 }
+
+/// Marks an entry not yet filled (above every index).
+const EMPTY: u16 = u16::MAX;
 
 fn hash(data: &[u8], seed: u64) -> u64 {
     // FNV-1a with a seed folded in, then a 64-bit finalizer (splitmix64) to spread bits.
@@ -78,7 +83,8 @@ impl Maglev {
         }
         // The size must be a prime above n (else the fill does not end): a caller's smaller
         // size is raised to one, never a panic.
-        let size = if size > n && is_prime(size) {
+        let largest = PRIMES[PRIMES.len() - 1];
+        let size = if size > n && size <= largest && is_prime(size) {
             size
         } else {
             table_size_for(n, usize::MAX)
@@ -92,16 +98,17 @@ impl Maglev {
             .map(|k| (hash(k.as_ref(), 0) % m, hash(k.as_ref(), 1) % (m - 1) + 1))
             .unzip();
         let mut next = vec![0u64; n];
-        let mut table = vec![u32::MAX; size];
+        let mut table = vec![EMPTY; size];
         let mut filled = 0;
         'outer: loop {
             for i in 0..n {
                 let mut c = (offset[i] + next[i] * skip[i]) % m;
-                while table[c as usize] != u32::MAX {
+                while table[c as usize] != EMPTY {
                     next[i] += 1;
                     c = (offset[i] + next[i] * skip[i]) % m;
                 }
-                table[c as usize] = i as u32;
+                // i < n < size <= 65,521: fits.
+                table[c as usize] = i as u16;
                 next[i] += 1;
                 filled += 1;
                 if filled == size {

@@ -2,7 +2,12 @@
 //! backends with their Maglev table. Readers load it through `ArcSwap` without locking; a diff
 //! builds a new table (sharing every unchanged route by `Arc`) and swaps it in.
 
-use std::{collections::HashMap, net::SocketAddr, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
 
 use arc_swap::ArcSwap;
 use mcs_model::{Frontend, Protocol, Service, TableDiff};
@@ -23,8 +28,12 @@ pub struct Route {
     pub backends: Box<[SocketAddr]>,
     /// Backends as text (metric labels), same order.
     pub backend_labels: Box<[Arc<str>]>,
-    /// Maglev table over `backends`.
-    pub maglev: Maglev,
+    /// Maglev table over `backends`, built at the route's first connection: on a node with
+    /// many services most are never used from it, and a route is rebuilt at every change of
+    /// its backends. Read lock-free once built.
+    maglev: OnceLock<Maglev>,
+    /// Its size.
+    maglev_size: usize,
     /// ClientIP affinity: flows of one client IP go to one backend.
     pub affinity: Option<Duration>,
     /// Counters per backend, same order as `backends`.
@@ -45,21 +54,20 @@ impl Route {
             .selected()
             .map(|b| SocketAddr::new(b.address, b.port))
             .collect();
-        let labels: Vec<Arc<str>> = backends.iter().map(|b| Arc::from(b.to_string())).collect();
-        let maglev = Maglev::new(
-            &labels.iter().map(|l| l.as_bytes()).collect::<Vec<_>>(),
-            maglev::table_size_for(labels.len(), table_size),
+        let (frontend_label, frontend_counters, series) = metrics.route(
+            &frontend.to_string(),
+            backends.iter().map(ToString::to_string),
         );
-        let fe = frontend.to_string();
-        let counters = labels.iter().map(|l| metrics.backend(&fe, l)).collect();
+        let (labels, counters): (Vec<Arc<str>>, Vec<BackendCounters>) = series.into_iter().unzip();
         Self {
+            maglev_size: maglev::table_size_for(labels.len(), table_size),
+            maglev: OnceLock::new(),
             service: Arc::from(service.service.as_str()),
-            counters,
-            frontend_counters: metrics.frontend(&fe),
-            frontend: Arc::from(fe),
+            counters: counters.into_boxed_slice(),
+            frontend_counters,
+            frontend: frontend_label,
             backends: backends.into_boxed_slice(),
             backend_labels: labels.into_boxed_slice(),
-            maglev,
             affinity: service
                 .affinity
                 .map(|a| Duration::from_secs(u64::from(a.timeout_seconds))),
@@ -72,10 +80,19 @@ impl Route {
     pub fn pick(&self, client: SocketAddr, attempt: usize) -> Option<(usize, SocketAddr)> {
         let n = self.backends.len();
         let first = self
-            .maglev
+            .maglev()
             .pick(flow_hash(client, self.affinity.is_some()))?;
         let i = (first + attempt) % n;
         Some((i, self.backends[i]))
+    }
+
+    /// The route's Maglev table (built now if this is its first use).
+    #[inline]
+    pub fn maglev(&self) -> &Maglev {
+        self.maglev.get_or_init(|| {
+            let keys: Vec<&[u8]> = self.backend_labels.iter().map(|l| l.as_bytes()).collect();
+            Maglev::new(&keys, self.maglev_size)
+        })
     }
 
     /// Whether `backend` is still a selected backend of this route.
@@ -178,9 +195,6 @@ impl SharedRoutes {
         let mut map = old.map.clone();
         for f in &diff.remove {
             if let Some(r) = map.remove(&(SocketAddr::new(f.vip, f.port), f.protocol)) {
-                for b in &r.backend_labels {
-                    metrics.forget_backend(&r.frontend, b);
-                }
                 metrics.forget_frontend(&r.frontend);
             }
         }
@@ -189,11 +203,13 @@ impl SharedRoutes {
             if let Some(prev) =
                 map.insert((SocketAddr::new(f.vip, f.port), f.protocol), route.clone())
             {
-                for b in prev.backend_labels.iter() {
-                    if !route.backend_labels.contains(b) {
-                        metrics.forget_backend(&prev.frontend, b);
-                    }
-                }
+                metrics.forget_backends(
+                    &prev.frontend,
+                    prev.backend_labels
+                        .iter()
+                        .filter(|b| !route.backend_labels.contains(b))
+                        .map(|b| &**b),
+                );
             }
         }
         self.current.store(Arc::new(Routes { map }));

@@ -526,7 +526,7 @@ async fn pump(
     me: usize,
     ends: &Ends,
     use_splice: bool,
-    bytes: &prometheus_client::metrics::counter::Counter,
+    bytes: &super::metrics::Count,
     touch: &impl Fn(),
 ) -> io::Result<()> {
     let mut buf = PooledBuf::take();
@@ -632,7 +632,7 @@ async fn splice_dir(
     me: usize,
     ends: &Ends,
     pipe: &Pipe,
-    bytes: &prometheus_client::metrics::counter::Counter,
+    bytes: &super::metrics::Count,
     touch: &impl Fn(),
 ) -> io::Result<()> {
     let flags = SpliceFFlags::SPLICE_F_MOVE | SpliceFFlags::SPLICE_F_NONBLOCK;

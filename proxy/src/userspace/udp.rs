@@ -228,11 +228,7 @@ async fn open_session(
 
 /// Moves every datagram waiting on `from` to `to` through this thread's buffer; `Err` when
 /// `from` failed (the session ends). A datagram `to` cannot take now is dropped, as UDP may.
-fn drain(
-    from: &UdpSocket,
-    to: &UdpSocket,
-    bytes: &prometheus_client::metrics::counter::Counter,
-) -> io::Result<()> {
+fn drain(from: &UdpSocket, to: &UdpSocket, bytes: &super::metrics::Count) -> io::Result<()> {
     RELAY_BUF.with(|buf| {
         let mut buf = buf.borrow_mut();
         loop {
