@@ -31,7 +31,7 @@ impl std::fmt::Display for ServiceRef {
 }
 
 /// A ServiceImport.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ImportInput {
     /// Namespace.
     pub namespace: String,
@@ -67,7 +67,7 @@ impl ImportInput {
 }
 
 /// A port of a ServiceImport.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ImportPortInput {
     /// `name`.
     pub name: Option<String>,
@@ -78,7 +78,7 @@ pub struct ImportPortInput {
 }
 
 /// An EndpointSlice (only MCS slices reach the index; others are rejected with a reason).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SliceInput {
     /// Namespace.
     pub namespace: String,
@@ -95,7 +95,7 @@ pub struct SliceInput {
 }
 
 /// A port of an EndpointSlice: the real target port.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SlicePortInput {
     /// `name`.
     pub name: Option<String>,
@@ -106,7 +106,7 @@ pub struct SlicePortInput {
 }
 
 /// An endpoint of an EndpointSlice.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct EndpointInput {
     /// `addresses` (one endpoint; only the first one is used, as kube-proxy does).
     pub addresses: Vec<String>,
