@@ -53,11 +53,13 @@ measure() { # measure DATAPLANE [wrapper...] -- extra agent args...
     sleep 0.1
   done
   [[ -n $ok ]] || { echo "$dp: agent not ready" >&2; return 1; }
-  local fe hwm
-  fe=$("${wrap[@]}" curl -s "127.0.0.1:$port/metrics" | awk '$1=="mcs_frontends"{print $2}')
+  local fe un hwm metrics
+  metrics=$("${wrap[@]}" curl -s "127.0.0.1:$port/metrics")
+  fe=$(awk '$1=="mcs_frontends"{print $2}' <<<"$metrics")
+  un=$(awk '$1=="mcs_rejected{reason=\"unprogrammable\"}"{print $2}' <<<"$metrics")
   hwm=$(awk '/VmHWM/{printf "%.0f", $2/1024}' "/proc/$pid/status")
   # The wrapper (ip netns exec) execs the agent: same pid.
-  echo "$dp: frontends $fe, peak RSS ${hwm} MiB"
+  echo "$dp: frontends $fe, unprogrammable ${un:-0}, peak RSS ${hwm} MiB"
   kill "$pid"; wait "$pid" 2>/dev/null || true; pid=
 }
 measure log --
