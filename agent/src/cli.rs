@@ -105,11 +105,12 @@ pub struct GuardArgs {
     /// 1024, what the eBPF maps hold per frontend.
     #[arg(long, default_value_t = Limits::default().backends_per_frontend, value_parser = parse_backends_per_frontend)]
     pub max_backends_per_frontend: usize,
-    /// Most frontends (VIP × port) in the table; imports are admitted oldest first.
-    #[arg(long, default_value_t = Limits::default().frontends)]
+    /// Most frontends (VIP × port) in the table; imports are admitted oldest first. The eBPF
+    /// maps are made to hold this many with `--max-backends` (docs/install.md, Sizing).
+    #[arg(long, env = "MCS_MAX_FRONTENDS", default_value_t = Limits::default().frontends)]
     pub max_frontends: usize,
     /// Most backends in the table, summed over frontends; admitted with their imports.
-    #[arg(long, default_value_t = Limits::default().backends)]
+    #[arg(long, env = "MCS_MAX_BACKENDS", default_value_t = Limits::default().backends)]
     pub max_backends: usize,
     /// Largest file `--source file:DIR` reads, in bytes.
     #[arg(long, default_value_t = mcs_sync::source::file::FileLimits::default().max_file_bytes)]

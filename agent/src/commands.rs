@@ -280,6 +280,14 @@ fn status(args: &StatusArgs) -> anyhow::Result<ExitCode> {
                 dir.display(),
                 p.frontends.len()
             );
+            // How full the maps sized from the caps are (a full one leaves frontends
+            // unprogrammable; `uninstall` and a restart make them at the caps' size).
+            let fill: Vec<String> = p
+                .maps
+                .iter()
+                .map(|(name, f)| format!("{name} {}/{}", f.entries, f.max_entries))
+                .collect();
+            println!("map entries: {}", fill.join(", "));
             for (f, backends) in &p.frontends {
                 println!("{f}  ({} backends)", backends.len());
                 for b in backends {

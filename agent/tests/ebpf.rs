@@ -230,6 +230,11 @@ fn sigkill_under_load_fails_no_connection_and_the_restart_adopts_the_maps() {
         2,
         "{st}"
     );
+    // The maps were made at the default caps' sizes (10,000 frontends, 100,000 backends and
+    // one frontend's room), and status says how full they are: one frontend, two slots.
+    assert_eq!(st["maps"]["MCS_SVC4_V1"]["max_entries"], 111_025, "{st}");
+    assert_eq!(st["maps"]["MCS_SVC4_V1"]["entries"], 3, "{st}");
+    assert_eq!(st["maps"]["MCS_BE4_V1"]["max_entries"], 101_025, "{st}");
 
     // Steady load in a client process while the agent is SIGKILLed.
     let mut load = s.cg.command(Some(&s.ns), &Probe::program());

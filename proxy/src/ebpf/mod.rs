@@ -146,6 +146,17 @@ type FrontKey = (SocketAddr, L4);
 pub struct Programmed {
     /// Frontend → backends (in slot order).
     pub frontends: BTreeMap<String, Vec<String>>,
+    /// The maps sized from the caps: entries held and the size the kernel has.
+    pub maps: BTreeMap<&'static str, MapFill>,
+}
+
+/// How full a map is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MapFill {
+    /// Entries in it now.
+    pub entries: usize,
+    /// The most it holds (`max_entries`).
+    pub max_entries: u32,
 }
 
 /// Entries of the maps whose size follows the agent's caps. Each is set when the map is
@@ -678,7 +689,32 @@ pub fn read_pinned(pin_dir: &Path) -> Result<Programmed, Error> {
         .into_iter()
         .map(|(f, s)| (f, s.into_values().collect()))
         .collect();
-    Ok(Programmed { frontends })
+    let mut maps = BTreeMap::new();
+    for name in [SVC4_MAP, SVC6_MAP, BE4_MAP, BE6_MAP, MEMBER_MAP, MAGLEV_MAP] {
+        let data =
+            MapData::from_pin(pin_dir.join(name)).map_err(|source| Error::Map { name, source })?;
+        let info = data.info().map_err(|source| Error::Map { name, source })?;
+        let entries = match name {
+            SVC4_MAP => svc4.keys().count(),
+            SVC6_MAP => svc6.keys().count(),
+            BE4_MAP => be4.keys().count(),
+            BE6_MAP => be6.keys().count(),
+            MEMBER_MAP => open_pinned::<MemberKey, u32>(pin_dir, name, false)?
+                .keys()
+                .count(),
+            _ => open_pinned::<MaglevKey, u32>(pin_dir, name, false)?
+                .keys()
+                .count(),
+        };
+        maps.insert(
+            name,
+            MapFill {
+                entries,
+                max_entries: info.max_entries(),
+            },
+        );
+    }
+    Ok(Programmed { frontends, maps })
 }
 
 /// An IPv4 address and port as the maps hold them (network byte order) → `SocketAddr`.
