@@ -200,7 +200,7 @@ async fn table(args: TableArgs) -> anyhow::Result<ExitCode> {
         Format::Json => render::json(index.table(), &rejected),
         Format::Text => render::text(index.table(), &rejected),
     };
-    println!("{}", out.trim_end());
+    print_out(out.trim_end())?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -231,7 +231,7 @@ async fn dns_query(args: DnsQueryArgs) -> anyhow::Result<ExitCode> {
     let mut q = Message::query();
     q.add_query(Query::query(name, qtype));
     let resp = answerer.respond(&q);
-    println!("{}", resp.to_string().trim_end());
+    print_out(resp.to_string().trim_end())?;
     Ok(if resp.metadata.response_code == ResponseCode::NoError {
         ExitCode::SUCCESS
     } else {
@@ -273,10 +273,11 @@ fn status(args: &StatusArgs) -> anyhow::Result<ExitCode> {
     let p = read_pinned(dir)
         .with_context(|| format!("reading the pinned maps in {}", dir.display()))?;
     match args.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&p)?),
+        Format::Json => print_out(&serde_json::to_string_pretty(&p)?)?,
         Format::Text => {
-            println!(
-                "eBPF socket LB, maps pinned in {}: {} frontends",
+            use std::fmt::Write as _;
+            let mut out = format!(
+                "eBPF socket LB, maps pinned in {}: {} frontends\n",
                 dir.display(),
                 p.frontends.len()
             );
@@ -287,16 +288,32 @@ fn status(args: &StatusArgs) -> anyhow::Result<ExitCode> {
                 .iter()
                 .map(|(name, f)| format!("{name} {}/{}", f.entries, f.max_entries))
                 .collect();
-            println!("map entries: {}", fill.join(", "));
+            let _ = writeln!(out, "map entries: {}", fill.join(", "));
             for (f, backends) in &p.frontends {
-                println!("{f}  ({} backends)", backends.len());
+                let _ = writeln!(out, "{f}  ({} backends)", backends.len());
                 for b in backends {
-                    println!("  {b}");
+                    let _ = writeln!(out, "  {b}");
                 }
             }
+            print_out(out.trim_end())?;
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Writes `text` and a newline to stdout. A reader that went away (`mcs-agent status | head`)
+/// ends the output quietly instead of a panic in `println!`.
+fn print_out(text: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.write_all(b"\n"))
+        .and_then(|()| stdout.flush())
+    {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
 }
 
 /// Loads and attaches the eBPF dataplane.
