@@ -584,6 +584,13 @@ fn maps_are_sized_as_asked_and_a_pinned_size_is_kept() {
         v1,
         "nothing changed, the version must not"
     );
+    // Room frees (a goes, 4 entries): d is programmed in its place.
+    let mut gone = TableDiff::default();
+    gone.remove.push(frontend("198.18.0.20:80"));
+    lb.apply(&gone).unwrap();
+    assert!(lb.unprogrammed().is_empty(), "{:?}", lb.unprogrammed());
+    assert_ne!(lb.unprogrammed_version(), v1);
+    assert_eq!(lb.frontends_in_map(), 3);
     drop(lb);
     // A restarted agent asking for more adopts the maps as they are.
     let lb = SocketLb::open_sized(&pins.0, MapSizes::default()).unwrap();

@@ -31,6 +31,10 @@ use super::{Error, FrontKey, L4, SocketLb, ip6_words};
 /// reports every unprogrammable frontend as a rejection: metric, Event, `mcs-agent table`).
 const LOGGED: usize = 20;
 
+/// Failed frontends that may fail again for room in one retry pass (see
+/// `SocketLb::retry_failed`).
+const RETRY_MISSES: usize = 16;
+
 impl SocketLb {
     /// Programs (or replaces) the frontend `vip` with `backends`, in the safe order.
     pub fn set_service(
@@ -371,6 +375,39 @@ impl SocketLb {
         self.ids.set_capacity(n);
     }
 
+    /// Room may have freed: tries the frontends that did not fit (those of `diff` were just
+    /// tried), in order, until [`RETRY_MISSES`] more of them fail for room. Bounded so that
+    /// with maps smaller than the table (adopted from an older agent) every freed slot does
+    /// not cost an attempt at each of tens of thousands of failed frontends; the rest are
+    /// tried when room frees again.
+    fn retry_failed(&mut self, diff: &TableDiff) {
+        use std::ops::Bound;
+        let mut misses = 0;
+        let mut after: Option<Frontend> = None;
+        while misses < RETRY_MISSES {
+            let lower = after.map_or(Bound::Unbounded, Bound::Excluded);
+            let Some((f, svc)) = self
+                .failed
+                .range((lower, Bound::Unbounded))
+                .find(|(f, _)| !diff.upsert.contains_key(*f))
+                .map(|(f, (s, _))| (*f, s.clone()))
+            else {
+                break;
+            };
+            after = Some(f);
+            match self.program(&f, &svc) {
+                Ok(()) => {
+                    tracing::info!(frontend = %f, "frontend programmed after an earlier failure");
+                    self.failed.remove(&f);
+                    self.failed_version += 1;
+                }
+                // Too many backends for one frontend: room does not help.
+                Err(Error::TooManyBackends(_)) => {}
+                Err(_) => misses += 1,
+            }
+        }
+    }
+
     /// Programs one frontend of the table; `Err` leaves nothing of it in the maps.
     fn program(&mut self, f: &Frontend, svc: &Service) -> Result<(), Error> {
         let Some((vip, l4)) = key_of(f) else {
@@ -451,20 +488,7 @@ impl Dataplane for SocketLb {
             );
         }
         if freed && !self.failed.is_empty() {
-            // Room may have freed: try the frontends that did not fit.
-            let retry: Vec<(Frontend, std::sync::Arc<Service>)> = self
-                .failed
-                .iter()
-                .filter(|(f, _)| !diff.upsert.contains_key(*f))
-                .map(|(f, (s, _))| (*f, s.clone()))
-                .collect();
-            for (f, svc) in retry {
-                if self.program(&f, &svc).is_ok() {
-                    tracing::info!(frontend = %f, "frontend programmed after an earlier failure");
-                    self.failed.remove(&f);
-                    self.failed_version += 1;
-                }
-            }
+            self.retry_failed(diff);
         }
         if std::mem::take(&mut self.first_apply) {
             // The first diff is the whole table: drop what a previous agent left that is gone.
