@@ -226,6 +226,9 @@ impl<D: Dataplane> SyncLoop<D> {
                 zone.set(&svc, records);
             }
         }
+        // Rejections and gauges first: once ready, /metrics describes the table.
+        self.update_rejections();
+        self.update_gauges();
         if !self.health.is_ready() && self.pending_retry.is_none() {
             let t = self.index.table();
             tracing::info!(
@@ -234,8 +237,6 @@ impl<D: Dataplane> SyncLoop<D> {
             );
             self.health.set_ready();
         }
-        self.update_rejections();
-        self.update_gauges();
     }
 
     /// Logs, counts and publishes what is newly rejected. O(1) when nothing that holds

@@ -383,6 +383,7 @@ impl SocketLb {
     fn retry_failed(&mut self, diff: &TableDiff) {
         use std::ops::Bound;
         let mut misses = 0;
+        let mut programmed = 0usize;
         let mut after: Option<Frontend> = None;
         while misses < RETRY_MISSES {
             let lower = after.map_or(Bound::Unbounded, Bound::Excluded);
@@ -397,7 +398,10 @@ impl SocketLb {
             after = Some(f);
             match self.program(&f, &svc) {
                 Ok(()) => {
-                    tracing::info!(frontend = %f, "frontend programmed after an earlier failure");
+                    if programmed < LOGGED {
+                        tracing::info!(frontend = %f, "frontend programmed after an earlier failure");
+                    }
+                    programmed += 1;
                     self.failed.remove(&f);
                     self.failed_version += 1;
                 }
@@ -405,6 +409,12 @@ impl SocketLb {
                 Err(Error::TooManyBackends(_)) => {}
                 Err(_) => misses += 1,
             }
+        }
+        if programmed > LOGGED {
+            tracing::info!(
+                more = programmed - LOGGED,
+                "more frontends programmed after an earlier failure than logged one by one"
+            );
         }
     }
 
