@@ -207,16 +207,6 @@ impl MapSizes {
             },
         }
     }
-
-    /// The smaller of each entry (what a table must fit in both).
-    fn min(self, other: Self) -> Self {
-        Self {
-            services: self.services.min(other.services),
-            backends: self.backends.min(other.backends),
-            members: self.members.min(other.members),
-            maglev: self.maglev.min(other.maglev),
-        }
-    }
 }
 
 impl Default for MapSizes {
@@ -315,36 +305,35 @@ impl SocketLb {
             HashMap::try_from(take(&mut ebpf, MAGLEV_MAP)?).map_err(map_err(MAGLEV_MAP))?;
         let member_map =
             HashMap::try_from(take(&mut ebpf, MEMBER_MAP)?).map_err(map_err(MEMBER_MAP))?;
-        let info = |map: &MapData, name: &'static str| {
-            map.info()
-                .map(|i| (i.max_entries(), i.map_flags()))
-                .map_err(map_err(name))
-        };
-        let mut have = Vec::new();
-        for (name, map) in [
-            (SVC4_MAP, svc4.map()),
-            (SVC6_MAP, svc6.map()),
-            (BE4_MAP, be4.map()),
-            (BE6_MAP, be6.map()),
-            (MEMBER_MAP, member_map.map()),
-            (MAGLEV_MAP, maglev_map.map()),
+        // Each sized map: its name, the size asked, and what the kernel has (an adopted pin
+        // keeps the size it was made with).
+        let mut have: Vec<(&'static str, u32, u32, u32)> = Vec::new();
+        for (name, map, wanted) in [
+            (SVC4_MAP, svc4.map(), sizes.services),
+            (SVC6_MAP, svc6.map(), sizes.services),
+            (BE4_MAP, be4.map(), sizes.backends),
+            (BE6_MAP, be6.map(), sizes.backends),
+            (MEMBER_MAP, member_map.map(), sizes.members),
+            (MAGLEV_MAP, maglev_map.map(), sizes.maglev),
         ] {
-            have.push((name, info(map, name)?));
+            let info = map.info().map_err(map_err(name))?;
+            have.push((name, wanted, info.max_entries(), info.map_flags()));
         }
-        let entries = |name: &str| have.iter().find(|(n, _)| *n == name).map_or(0, |h| h.1.0);
+        // The smallest of `names` (a table must fit in both families' maps).
+        let entries = |names: &[&str]| {
+            have.iter()
+                .filter(|h| names.contains(&h.0))
+                .map(|h| h.2)
+                .min()
+                .unwrap_or(0)
+        };
         let capacity = MapSizes {
-            services: entries(SVC4_MAP),
-            backends: entries(BE4_MAP),
-            members: entries(MEMBER_MAP),
-            maglev: entries(MAGLEV_MAP),
-        }
-        .min(MapSizes {
-            services: entries(SVC6_MAP),
-            backends: entries(BE6_MAP),
-            members: u32::MAX,
-            maglev: u32::MAX,
-        });
-        report_sizes(&have, sizes, capacity);
+            services: entries(&[SVC4_MAP, SVC6_MAP]),
+            backends: entries(&[BE4_MAP, BE6_MAP]),
+            members: entries(&[MEMBER_MAP]),
+            maglev: entries(&[MAGLEV_MAP]),
+        };
+        report_sizes(&have, capacity);
         let mut lb = Self {
             maglev_map,
             member_map,
@@ -591,19 +580,14 @@ impl SocketLb {
 
 /// Logs the sizes the maps have, and each adopted map smaller than the caps want (made by an
 /// agent with smaller caps, or by one from before the maps were sized, preallocated at 65,536).
-fn report_sizes(have: &[(&'static str, (u32, u32))], wanted: MapSizes, capacity: MapSizes) {
-    let want = |name: &str| match name {
-        SVC4_MAP | SVC6_MAP => wanted.services,
-        BE4_MAP | BE6_MAP => wanted.backends,
-        MEMBER_MAP => wanted.members,
-        _ => wanted.maglev,
-    };
-    for (name, (entries, flags)) in have {
-        if *entries < want(name) {
+/// `have`: (map, entries wanted, entries it has, its flags).
+fn report_sizes(have: &[(&'static str, u32, u32, u32)], capacity: MapSizes) {
+    for &(map, wanted, entries, flags) in have {
+        if entries < wanted {
             tracing::warn!(
-                map = name,
+                map,
                 entries,
-                wanted = want(name),
+                wanted,
                 preallocated = flags & SIZED_MAP_FLAGS == 0,
                 "a pinned eBPF map is smaller than the caps want; frontends that do not fit are \
                  rejected as unprogrammable. `mcs-agent uninstall` (connects are not translated \
@@ -689,31 +673,28 @@ pub fn read_pinned(pin_dir: &Path) -> Result<Programmed, Error> {
         .into_iter()
         .map(|(f, s)| (f, s.into_values().collect()))
         .collect();
-    let mut maps = BTreeMap::new();
-    for name in [SVC4_MAP, SVC6_MAP, BE4_MAP, BE6_MAP, MEMBER_MAP, MAGLEV_MAP] {
-        let data =
-            MapData::from_pin(pin_dir.join(name)).map_err(|source| Error::Map { name, source })?;
-        let info = data.info().map_err(|source| Error::Map { name, source })?;
-        let entries = match name {
-            SVC4_MAP => svc4.keys().count(),
-            SVC6_MAP => svc6.keys().count(),
-            BE4_MAP => be4.keys().count(),
-            BE6_MAP => be6.keys().count(),
-            MEMBER_MAP => open_pinned::<MemberKey, u32>(pin_dir, name, false)?
-                .keys()
-                .count(),
-            _ => open_pinned::<MaglevKey, u32>(pin_dir, name, false)?
-                .keys()
-                .count(),
-        };
-        maps.insert(
+    let member: HashMap<_, MemberKey, u32> = open_pinned(pin_dir, MEMBER_MAP, false)?;
+    let maglev: HashMap<_, MaglevKey, u32> = open_pinned(pin_dir, MAGLEV_MAP, false)?;
+    let fill = |name: &'static str, map: &MapData, entries: usize| {
+        let info = map.info().map_err(|source| Error::Map { name, source })?;
+        Ok::<_, Error>((
             name,
             MapFill {
                 entries,
                 max_entries: info.max_entries(),
             },
-        );
-    }
+        ))
+    };
+    let maps = [
+        fill(SVC4_MAP, svc4.map(), svc4.keys().count())?,
+        fill(SVC6_MAP, svc6.map(), svc6.keys().count())?,
+        fill(BE4_MAP, be4.map(), be4.keys().count())?,
+        fill(BE6_MAP, be6.map(), be6.keys().count())?,
+        fill(MEMBER_MAP, member.map(), member.keys().count())?,
+        fill(MAGLEV_MAP, maglev.map(), maglev.keys().count())?,
+    ]
+    .into_iter()
+    .collect();
     Ok(Programmed { frontends, maps })
 }
 
