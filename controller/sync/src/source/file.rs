@@ -79,7 +79,8 @@ type Key = (String, String, String);
 enum Held {
     Import(u128),
     Slice(u128),
-    Whole(Arc<Object>),
+    ClusterId(String),
+    Unreadable(Arc<Rejection>),
 }
 
 impl Held {
@@ -87,7 +88,8 @@ impl Held {
         match object {
             Object::Import(i) => Held::Import(fingerprint(1, i)),
             Object::Slice(s) => Held::Slice(fingerprint(2, s)),
-            other => Held::Whole(Arc::new(other.clone())),
+            Object::ClusterId(id) => Held::ClusterId(id.clone()),
+            Object::Unreadable(r) => Held::Unreadable(Arc::new(r.clone())),
         }
     }
 }
@@ -122,7 +124,7 @@ pub struct FileSource {
     /// What each file held when it last parsed.
     per_file: HashMap<PathBuf, BTreeMap<SharedKey, Held>>,
     /// Why a file could not be read this time (its last good objects stay in `per_file`).
-    broken: HashMap<PathBuf, Arc<Object>>,
+    broken: HashMap<PathBuf, Arc<Rejection>>,
     /// What was last sent.
     current: BTreeMap<SharedKey, Held>,
 }
@@ -177,8 +179,7 @@ impl FileSource {
             }
             Err(rejection) => {
                 // Keep what the file held when it last parsed.
-                self.broken
-                    .insert(path.to_path_buf(), Arc::new(Object::Unreadable(rejection)));
+                self.broken.insert(path.to_path_buf(), Arc::new(rejection));
             }
         }
     }
@@ -192,7 +193,7 @@ impl FileSource {
             if let Some(broken) = self.broken.get(path) {
                 next.insert(
                     Arc::new(unreadable_key(path, usize::MAX)),
-                    (Held::Whole(broken.clone()), None),
+                    (Held::Unreadable(broken.clone()), None),
                 );
             }
             let Some(objs) = self.per_file.get(path) else {
@@ -201,7 +202,7 @@ impl FileSource {
             for (k, v) in objs {
                 if let Some(first) = origin.get(k) {
                     let (dk, dv) = duplicate(k, path, first);
-                    next.insert(Arc::new(dk), (Held::Whole(Arc::new(dv)), None));
+                    next.insert(Arc::new(dk), (Held::Unreadable(Arc::new(dv)), None));
                     continue;
                 }
                 origin.insert(k.clone(), path);
@@ -264,7 +265,8 @@ impl FileSource {
             let missing: std::collections::BTreeSet<&Path> = next
                 .iter()
                 .filter(|(k, (held, _))| {
-                    !matches!(held, Held::Whole(_)) && self.current.get(*k) != Some(held)
+                    matches!(held, Held::Import(_) | Held::Slice(_))
+                        && self.current.get(*k) != Some(held)
                 })
                 .filter_map(|(_, (_, path))| *path)
                 .filter(|p| !fresh.contains_key(*p) && !reread.contains(*p))
@@ -286,10 +288,8 @@ impl FileSource {
                 events.push(match old {
                     Held::Import(_) => SourceEvent::DeleteImport(key.1.clone(), key.2.clone()),
                     Held::Slice(_) => SourceEvent::DeleteSlice(key.1.clone(), key.2.clone()),
-                    Held::Whole(o) => match &**o {
-                        Object::Unreadable(r) => SourceEvent::Readable(r.object.clone()),
-                        _ => continue,
-                    },
+                    Held::Unreadable(r) => SourceEvent::Readable(r.object.clone()),
+                    Held::ClusterId(_) => continue,
                 });
             }
         }
@@ -300,12 +300,8 @@ impl FileSource {
                 continue;
             }
             let event = match &held {
-                Held::Whole(o) => match &**o {
-                    Object::Import(i) => SourceEvent::Import(i.clone()),
-                    Object::Slice(s) => SourceEvent::Slice(s.clone()),
-                    Object::ClusterId(id) => SourceEvent::ClusterId(id.clone()),
-                    Object::Unreadable(r) => SourceEvent::Unreadable(r.clone()),
-                },
+                Held::ClusterId(id) => SourceEvent::ClusterId(id.clone()),
+                Held::Unreadable(r) => SourceEvent::Unreadable(Rejection::clone(r)),
                 // Moved out of this read's parse: sent without a copy.
                 Held::Import(_) | Held::Slice(_) => {
                     match path
@@ -399,7 +395,7 @@ fn unreadable(path: &Path, index: usize, reason: Reason, message: String) -> (Ke
 }
 
 /// The rejection of a second definition of `key` in `path` (the first is in `first`).
-fn duplicate(key: &Key, path: &Path, first: &Path) -> (Key, Object) {
+fn duplicate(key: &Key, path: &Path, first: &Path) -> (Key, Rejection) {
     let (kind, ns, name) = key;
     let object = format!("{kind} {ns}/{name} in {}", path.display());
     (
@@ -408,14 +404,14 @@ fn duplicate(key: &Key, path: &Path, first: &Path) -> (Key, Object) {
             path.display().to_string(),
             format!("{kind}/{ns}/{name}"),
         ),
-        Object::Unreadable(Rejection::new(
+        Rejection::new(
             &object,
             Reason::DuplicateObject,
             format!(
                 "defined again; the first definition, in {}, is used",
                 first.display()
             ),
-        )),
+        ),
     )
 }
 
@@ -459,31 +455,10 @@ fn parse_file(
     text: &str,
     limits: &FileLimits,
 ) -> Result<BTreeMap<Key, Object>, Rejection> {
-    let options = serde_saphyr::options! {
-        budget: serde_saphyr::budget! {
-            max_depth: limits.max_depth,
-            flow_nesting_limit: limits.max_depth,
-            max_documents: limits.max_documents,
-            max_nodes: text.len().max(1024),
-            max_events: text.len().saturating_mul(2).max(4096),
-            max_reader_input_bytes: Some(limits.max_file_bytes.try_into().unwrap_or(usize::MAX)),
-        },
-    };
-    let json = path.extension().is_some_and(|e| e == "json");
-    let docs: Documents = if json {
+    let docs: Documents = if path.extension().is_some_and(|e| e == "json") {
         parse_json(path, text, limits)?
     } else {
-        serde_saphyr::from_str_multiple_with_options::<serde_json::Value, Documents>(text, options)
-            .map_err(|e| {
-                let msg = e.to_string();
-                let first = msg.lines().next().unwrap_or("").to_string();
-                let reason = if msg.contains("budget") || msg.contains("limit") {
-                    Reason::TooLarge
-                } else {
-                    Reason::Unparsable
-                };
-                file_rejection(path, reason, format!("invalid YAML: {first}"))
-            })?
+        parse_yaml(path, text, limits)?
     };
     let mut out = BTreeMap::new();
     let mut first_doc: HashMap<Key, usize> = HashMap::new();
@@ -518,6 +493,31 @@ fn parse_file(
         }
     }
     Ok(out)
+}
+
+/// The documents of a YAML file, read with the budget of `limits` (depth, documents, nodes).
+fn parse_yaml(path: &Path, text: &str, limits: &FileLimits) -> Result<Documents, Rejection> {
+    let options = serde_saphyr::options! {
+        budget: serde_saphyr::budget! {
+            max_depth: limits.max_depth,
+            flow_nesting_limit: limits.max_depth,
+            max_documents: limits.max_documents,
+            max_nodes: text.len().max(1024),
+            max_events: text.len().saturating_mul(2).max(4096),
+            max_reader_input_bytes: Some(limits.max_file_bytes.try_into().unwrap_or(usize::MAX)),
+        },
+    };
+    serde_saphyr::from_str_multiple_with_options::<serde_json::Value, Documents>(text, options)
+        .map_err(|e| {
+            let msg = e.to_string();
+            let first = msg.lines().next().unwrap_or("").to_string();
+            let reason = if msg.contains("budget") || msg.contains("limit") {
+                Reason::TooLarge
+            } else {
+                Reason::Unparsable
+            };
+            file_rejection(path, reason, format!("invalid YAML: {first}"))
+        })
 }
 
 /// The documents of a `.json` file (one JSON value, or several one after another), read by
