@@ -19,8 +19,7 @@
 //! `MCS_BENCH_DATAPLANES=log,userspace` picks some.
 
 use std::{
-    io::{Read as _, Write as _},
-    net::TcpStream,
+    net::SocketAddr,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -29,7 +28,10 @@ use std::{
 use mcs_sandbox::{cgroup::TestCgroup, netns::Netns};
 
 use mcs_bench::{
-    harness::procs::status_mib,
+    harness::{
+        bed::{http_get, metric},
+        procs::status_mib,
+    },
     scale::{MAX_IMPORTS, VIP_CIDRS, env_count, import_json, slice_json},
 };
 
@@ -63,25 +65,9 @@ fn memory(pid: u32) -> Option<(f64, f64)> {
     Some((status_mib(pid, "VmRSS")?, status_mib(pid, "VmHWM")?))
 }
 
+/// `GET path` from the agent's metrics address (its body; `None` unless 200).
 fn get(port: u16, path: &str) -> Option<String> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    let mut text = String::new();
-    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
-        .ok()?;
-    s.read_to_string(&mut text).ok()?;
-    text.starts_with("HTTP/1.").then_some(text)
-}
-
-fn ready(port: u16) -> bool {
-    get(port, "/readyz").is_some_and(|t| t.contains(" 200 "))
-}
-
-/// The value of the sample `name` (with its labels, as exposed) in `/metrics`.
-fn sample(metrics: &str, name: &str) -> Option<f64> {
-    metrics.lines().find_map(|l| {
-        let rest = l.strip_prefix(name)?.strip_prefix(' ')?;
-        rest.split_whitespace().next()?.parse().ok()
-    })
+    http_get(SocketAddr::from(([127, 0, 0, 1], port)), path).ok()
 }
 
 /// Kernel memory of the eBPF maps the process holds open (the `memlock` of each map fd:
@@ -191,8 +177,8 @@ fn measure(
     let deadline = started + Duration::from_secs(600);
     let result = loop {
         let up = match &netns {
-            Some(ns) => ns.run(|| ready(port)).unwrap_or(false),
-            None => ready(port),
+            Some(ns) => ns.run(|| get(port, "/readyz").is_some()).unwrap_or(false),
+            None => get(port, "/readyz").is_some(),
         };
         if up {
             let secs = started.elapsed().as_secs_f64();
@@ -217,8 +203,8 @@ fn measure(
                 rss,
                 settled,
                 peak,
-                frontends: sample(&metrics, "mcs_frontends").unwrap_or(-1.0),
-                unprogrammable: sample(&metrics, "mcs_rejected{reason=\"unprogrammable\"}")
+                frontends: metric(&metrics, "mcs_frontends").unwrap_or(-1.0),
+                unprogrammable: metric(&metrics, "mcs_rejected{reason=\"unprogrammable\"}")
                     .unwrap_or(0.0),
                 maps: (dataplane == "ebpf").then(|| map_memory_mib(pid)).flatten(),
             });

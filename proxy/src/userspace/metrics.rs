@@ -231,15 +231,4 @@ impl ProxyMetrics {
     pub fn forget_frontend(&self, frontend: &str) {
         self.write().remove(frontend);
     }
-
-    /// Backend series held (for tests and the memory bench).
-    pub fn backend_series(&self) -> usize {
-        self.series
-            .0
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .values()
-            .map(|s| s.backends.len())
-            .sum()
-    }
 }
