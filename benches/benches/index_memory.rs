@@ -156,9 +156,20 @@ fn main() {
     // A dataplane that keeps the table (as `--dataplane log` does) shares every `Service`.
     let mut copy = mcs_model::ForwardingTable::default();
     copy.apply(&diff);
-    drop(diff);
     let held = LIVE.load(Ordering::Relaxed) - base;
     let peak = PEAK.load(Ordering::Relaxed) - base;
+    // What the userspace forwarder adds on top: its routes and per-backend counters (Maglev
+    // tables are built at a route's first connection; here none has had one).
+    let metrics = mcs_proxy::userspace::metrics::ProxyMetrics::default();
+    let routes = mcs_proxy::userspace::routes::SharedRoutes::new();
+    routes.apply(
+        &diff,
+        mcs_proxy::userspace::maglev::DEFAULT_TABLE_SIZE,
+        &metrics,
+    );
+    drop(diff);
+    let routes_held = LIVE.load(Ordering::Relaxed) - base - held;
+    let backends = imports * ENDPOINTS; // local cluster first: one cluster's endpoints are selected
     assert_eq!(
         index.table().frontends.len(),
         imports,
@@ -191,5 +202,12 @@ fn main() {
         mib(with_diff)
     );
     println!("  time: upserts {build_s:.2} s, first flush {flush_s:.2} s");
+    println!(
+        "  userspace forwarder routes:  {:8.1} MiB ({:.0} B per selected backend, {backends} backends)",
+        mib(routes_held),
+        routes_held as f64 / backends as f64
+    );
+    assert_eq!(routes.load().len(), imports, "a route per frontend");
+    drop(routes);
     drop(copy);
 }

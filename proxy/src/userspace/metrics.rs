@@ -1,18 +1,31 @@
-//! Metrics of the userspace forwarder, per frontend and backend. Counters of a route's
-//! backends are looked up once, when the route is built, so a connection touches only atomics.
+//! Metrics of the userspace forwarder, per frontend and backend. A route holds its backends'
+//! counters, so a connection touches only atomics.
 //!
 //! # Memory
 //!
 //! A node with 100k frontends of 10 backends has a million backend series. Held as
 //! `prometheus_client` families (one per counter, each with its own label set of two
 //! `String`s and a counter allocation) they took ~600 bytes a backend, more than the index
-//! holds for it. Here each backend of a frontend is one allocation of its four counters, kept
-//! in the frontend's map under a label `Arc<str>` that the route shares, and the families are
-//! written from that store at scrape time ([`Collector`]): about a fifth of the memory, and
-//! the same exposition (`mcs_proxy_connections_total{frontend=…,backend=…}`, …).
+//! holds for it. Here a frontend's backends are one allocation, a [`Backends`] slab of
+//! (address, four counters) = 64 bytes a backend, which the route uses as its backend list
+//! too; labels are formatted at scrape time ([`Collector`]), with the same exposition
+//! (`mcs_proxy_connections_total{frontend=…,backend=…}`, …).
+//!
+//! # Counting across route changes
+//!
+//! A route whose backends change gets a new slab (a route whose backends stay keeps its
+//! slab), but connections of the old route keep counting into the old one. So the store
+//! keeps each frontend's earlier slabs that something still uses ("retired"), and a series'
+//! value is the sum over the current slab and the retired ones. A retired slab that only the
+//! store still holds has its final values added into the current slab and is dropped, after
+//! each route swap for the frontends it changed (a slab a connection still held then goes at
+//! the frontend's next swap). Counters stay monotonic and nothing counted is lost for a
+//! backend that stays; a backend that leaves has its series dropped, as before.
 
 use std::{
     collections::HashMap,
+    fmt::Write as _,
+    net::SocketAddr,
     sync::{
         Arc, RwLock,
         atomic::{AtomicU64, Ordering},
@@ -62,6 +75,31 @@ pub struct BackendCells {
     pub connect_failures: Count,
 }
 
+impl BackendCells {
+    fn values(&self) -> [u64; 4] {
+        BACKEND_FAMILIES.map(|(_, _, count)| count(self).get())
+    }
+
+    fn add(&self, v: [u64; 4]) {
+        for ((_, _, count), n) in BACKEND_FAMILIES.iter().zip(v) {
+            count(self).inc_by(n);
+        }
+    }
+}
+
+/// One backend of a route: its address and its counters.
+#[derive(Debug)]
+pub struct Backend {
+    /// Where connections go.
+    pub addr: SocketAddr,
+    /// Its counters under this frontend.
+    pub cells: BackendCells,
+}
+
+/// A route's selected backends with their counters, in the route's order: one allocation,
+/// shared by the route, the connections and sessions that use it, and the store.
+pub type Backends = Arc<[Backend]>;
+
 /// The counters of one frontend.
 #[derive(Debug, Default)]
 pub struct FrontendCells {
@@ -71,24 +109,74 @@ pub struct FrontendCells {
     pub refused: Count,
 }
 
-/// Counters of a backend, shared by the routes that use it and the store.
-pub type BackendCounters = Arc<BackendCells>;
 /// Counters of a frontend.
 pub type FrontendCounters = Arc<FrontendCells>;
 
-/// A frontend's series: its counters and its backends' (label → counters).
-#[derive(Debug, Default)]
+/// A frontend's series.
+#[derive(Debug)]
 struct FrontendSeries {
     cells: FrontendCounters,
-    backends: HashMap<Arc<str>, BackendCounters>,
+    /// The slab of the frontend's route now.
+    current: Backends,
+    /// Earlier slabs still held by a connection, a session or an old route (see the module
+    /// documentation).
+    retired: Vec<Backends>,
+}
+
+impl FrontendSeries {
+    /// Adds the final values of retired slabs that nothing else holds any more into the
+    /// current slab and drops them.
+    fn fold_retired(&mut self) {
+        if self.retired.is_empty() {
+            return;
+        }
+        let mut done = Vec::new();
+        self.retired.retain(|r| {
+            let only_here = Arc::strong_count(r) == 1;
+            if only_here {
+                done.push(r.clone());
+            }
+            !only_here
+        });
+        if done.is_empty() {
+            return;
+        }
+        let at: HashMap<SocketAddr, usize> = self
+            .current
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (b.addr, i))
+            .collect();
+        for r in done {
+            for b in r.iter() {
+                if let Some(&i) = at.get(&b.addr) {
+                    self.current[i].cells.add(b.cells.values());
+                }
+            }
+        }
+    }
+
+    /// What the retired slabs still add to each backend of the current one.
+    fn retired_sums(&self) -> HashMap<SocketAddr, [u64; 4]> {
+        let mut sums: HashMap<SocketAddr, [u64; 4]> = HashMap::new();
+        for r in &self.retired {
+            for b in r.iter() {
+                let s = sums.entry(b.addr).or_default();
+                for (s, v) in s.iter_mut().zip(b.cells.values()) {
+                    *s += v;
+                }
+            }
+        }
+        sums
+    }
 }
 
 /// Every series, by frontend label (`VIP:port/PROTO`).
 #[derive(Debug, Default)]
 struct Store(RwLock<HashMap<Arc<str>, FrontendSeries>>);
 
-/// A route's series: its frontend label and counters, and each backend's label and counters.
-pub type RouteSeries = (Arc<str>, FrontendCounters, Vec<(Arc<str>, BackendCounters)>);
+/// A route's series: its frontend label, the frontend's counters, and its backends.
+pub type RouteSeries = (Arc<str>, FrontendCounters, Backends);
 
 /// All forwarder metrics.
 #[derive(Clone, Debug, Default)]
@@ -138,14 +226,26 @@ impl Collector for Store {
             .0
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        for (name, help, count) in BACKEND_FAMILIES {
+        // What retired slabs add, per frontend that has any (nearly always none).
+        let retired: HashMap<&str, HashMap<SocketAddr, [u64; 4]>> = map
+            .iter()
+            .filter(|(_, s)| !s.retired.is_empty())
+            .map(|(f, s)| (&**f, s.retired_sums()))
+            .collect();
+        let mut label = String::new();
+        for (k, (name, help, count)) in BACKEND_FAMILIES.into_iter().enumerate() {
             let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
             for (frontend, series) in map.iter() {
-                for (backend, cells) in &series.backends {
-                    let labels = [("frontend", &**frontend), ("backend", &**backend)];
+                let extra = retired.get(&**frontend);
+                for b in series.current.iter() {
+                    label.clear();
+                    write!(label, "{}", b.addr)?;
+                    let value = count(&b.cells).get()
+                        + extra.and_then(|e| e.get(&b.addr)).map_or(0, |v| v[k]);
+                    let labels = [("frontend", &**frontend), ("backend", label.as_str())];
                     family
                         .encode_family(&labels)?
-                        .encode_counter::<NoLabelSet, _, u64>(&count(cells).get(), None)?;
+                        .encode_counter::<NoLabelSet, _, u64>(&value, None)?;
                 }
             }
         }
@@ -191,40 +291,63 @@ impl ProxyMetrics {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The counters of a frontend and of each of `backends` (labels `addr:port`), created
-    /// when new, with the labels as the store holds them (the route keeps these, so a label
-    /// is one allocation however many routes and series name it).
-    pub fn route(&self, frontend: &str, backends: impl IntoIterator<Item = String>) -> RouteSeries {
-        let mut map = self.write();
-        let label: Arc<str> = match map.get_key_value(frontend) {
-            Some((k, _)) => k.clone(),
-            None => Arc::from(frontend),
+    /// The counters of a frontend and the slab of `backends` (in this order), with the label
+    /// as the store holds it (the route keeps it: one allocation however often it is named).
+    /// The frontend's slab is reused when its backends are the same; otherwise a new one
+    /// starts at zero and the old one is retired (see the module documentation).
+    pub fn route(&self, frontend: &str, backends: &[SocketAddr]) -> RouteSeries {
+        let fresh = || -> Backends {
+            backends
+                .iter()
+                .map(|&addr| Backend {
+                    addr,
+                    cells: BackendCells::default(),
+                })
+                .collect()
         };
-        let series = map.entry(label.clone()).or_default();
-        let backends = backends
-            .into_iter()
-            .map(|b| match series.backends.get_key_value(b.as_str()) {
-                Some((k, c)) => (k.clone(), c.clone()),
-                None => {
-                    let k: Arc<str> = Arc::from(b);
-                    let c = BackendCounters::default();
-                    series.backends.insert(k.clone(), c.clone());
-                    (k, c)
-                }
-            })
-            .collect();
-        (label, series.cells.clone(), backends)
+        let mut map = self.write();
+        let known = map.get_key_value(frontend).map(|(k, _)| k.clone());
+        if let Some(label) = known
+            && let Some(series) = map.get_mut(frontend)
+        {
+            let same = series.current.len() == backends.len()
+                && series
+                    .current
+                    .iter()
+                    .zip(backends)
+                    .all(|(b, a)| b.addr == *a);
+            if !same {
+                let old = std::mem::replace(&mut series.current, fresh());
+                series.retired.push(old);
+            }
+            return (label, series.cells.clone(), series.current.clone());
+        }
+        let label: Arc<str> = Arc::from(frontend);
+        let series = FrontendSeries {
+            cells: FrontendCounters::default(),
+            current: fresh(),
+            retired: Vec::new(),
+        };
+        let out = (label.clone(), series.cells.clone(), series.current.clone());
+        map.insert(label, series);
+        out
     }
 
-    /// Drops the series of backends of `frontend` that left its route, so that backend churn
-    /// does not grow the store without bound.
-    pub fn forget_backends<'a>(&self, frontend: &str, backends: impl IntoIterator<Item = &'a str>) {
+    /// Folds the retired slabs of these frontends that nothing but the store holds any more
+    /// (called after a route swap, once the old routes are dropped).
+    pub fn settle<'a>(&self, frontends: impl IntoIterator<Item = &'a str>) {
         let mut map = self.write();
-        if let Some(series) = map.get_mut(frontend) {
-            for b in backends {
-                series.backends.remove(b);
+        for f in frontends {
+            if let Some(series) = map.get_mut(f) {
+                series.fold_retired();
             }
         }
+    }
+
+    /// How many retired slabs `frontend` has (for tests).
+    #[cfg(test)]
+    pub(crate) fn retired_slabs(&self, frontend: &str) -> usize {
+        self.write().get(frontend).map_or(0, |s| s.retired.len())
     }
 
     /// Drops the series of a frontend that is gone, with its backends'.

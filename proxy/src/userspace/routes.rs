@@ -14,20 +14,16 @@ use mcs_model::{Frontend, Protocol, Service, TableDiff};
 
 use super::{
     maglev::{self, Maglev},
-    metrics::{BackendCounters, FrontendCounters, ProxyMetrics},
+    metrics::{Backends, FrontendCounters, ProxyMetrics},
 };
 
 /// Where a frontend's connections go.
 #[derive(Debug)]
 pub struct Route {
-    /// `namespace/name` of the ServiceImport.
-    pub service: Arc<str>,
     /// The frontend, as text (metric label).
     pub frontend: Arc<str>,
-    /// Selected backends, sorted.
-    pub backends: Box<[SocketAddr]>,
-    /// Backends as text (metric labels), same order.
-    pub backend_labels: Box<[Arc<str>]>,
+    /// Selected backends in the table's order, each with its counters.
+    pub backends: Backends,
     /// Maglev table over `backends`, built at the route's first connection: on a node with
     /// many services most are never used from it, and a route is rebuilt at every change of
     /// its backends. Read lock-free once built.
@@ -36,8 +32,6 @@ pub struct Route {
     maglev_size: usize,
     /// ClientIP affinity: flows of one client IP go to one backend.
     pub affinity: Option<Duration>,
-    /// Counters per backend, same order as `backends`.
-    pub counters: Box<[BackendCounters]>,
     /// Counters of the frontend.
     pub frontend_counters: FrontendCounters,
 }
@@ -54,20 +48,14 @@ impl Route {
             .selected()
             .map(|b| SocketAddr::new(b.address, b.port))
             .collect();
-        let (frontend_label, frontend_counters, series) = metrics.route(
-            &frontend.to_string(),
-            backends.iter().map(ToString::to_string),
-        );
-        let (labels, counters): (Vec<Arc<str>>, Vec<BackendCounters>) = series.into_iter().unzip();
+        let (frontend_label, frontend_counters, backends) =
+            metrics.route(&frontend.to_string(), &backends);
         Self {
-            maglev_size: maglev::table_size_for(labels.len(), table_size),
+            maglev_size: maglev::table_size_for(backends.len(), table_size),
             maglev: OnceLock::new(),
-            service: Arc::from(service.service.as_str()),
-            counters: counters.into_boxed_slice(),
             frontend_counters,
             frontend: frontend_label,
-            backends: backends.into_boxed_slice(),
-            backend_labels: labels.into_boxed_slice(),
+            backends,
             affinity: service
                 .affinity
                 .map(|a| Duration::from_secs(u64::from(a.timeout_seconds))),
@@ -83,21 +71,23 @@ impl Route {
             .maglev()
             .pick(flow_hash(client, self.affinity.is_some()))?;
         let i = (first + attempt) % n;
-        Some((i, self.backends[i]))
+        Some((i, self.backends[i].addr))
     }
 
     /// The route's Maglev table (built now if this is its first use).
     #[inline]
     pub fn maglev(&self) -> &Maglev {
         self.maglev.get_or_init(|| {
-            let keys: Vec<&[u8]> = self.backend_labels.iter().map(|l| l.as_bytes()).collect();
+            // Keyed by the backends' `addr:port` text, as the metric labels spell them.
+            let labels: Vec<String> = self.backends.iter().map(|b| b.addr.to_string()).collect();
+            let keys: Vec<&[u8]> = labels.iter().map(|l| l.as_bytes()).collect();
             Maglev::new(&keys, self.maglev_size)
         })
     }
 
     /// Whether `backend` is still a selected backend of this route.
     pub fn has_backend(&self, backend: SocketAddr) -> bool {
-        self.backends.contains(&backend)
+        self.backends.iter().any(|b| b.addr == backend)
     }
 }
 
@@ -198,22 +188,23 @@ impl SharedRoutes {
                 metrics.forget_frontend(&r.frontend);
             }
         }
+        let mut changed = Vec::new();
         for (f, s) in &diff.upsert {
             let route = Arc::new(Route::new(f, s, table_size, metrics));
-            if let Some(prev) =
-                map.insert((SocketAddr::new(f.vip, f.port), f.protocol), route.clone())
+            let label = route.frontend.clone();
+            if map
+                .insert((SocketAddr::new(f.vip, f.port), f.protocol), route)
+                .is_some()
             {
-                metrics.forget_backends(
-                    &prev.frontend,
-                    prev.backend_labels
-                        .iter()
-                        .filter(|b| !route.backend_labels.contains(b))
-                        .map(|b| &**b),
-                );
+                changed.push(label);
             }
         }
         self.current.store(Arc::new(Routes { map }));
+        drop(old);
         self.generation.send_modify(|g| *g += 1);
+        // The replaced routes are gone now unless a reader or a connection still holds one:
+        // the counters of their backends that nothing uses any more are folded.
+        metrics.settle(changed.iter().map(|l| &**l));
     }
 }
 
@@ -250,19 +241,92 @@ mod tests {
         out
     }
 
-    /// Label sets of backends that left and of frontends that went are dropped: churn does not
-    /// grow the registry.
-    #[test]
-    fn metric_label_sets_follow_the_routes() {
+    /// Metrics registered in a registry, empty routes, and the frontend the tests use.
+    fn bed() -> (
+        ProxyMetrics,
+        prometheus_client::registry::Registry,
+        SharedRoutes,
+        Frontend,
+    ) {
         let metrics = ProxyMetrics::default();
         let mut registry = prometheus_client::registry::Registry::default();
         metrics.register(&mut registry);
-        let routes = SharedRoutes::new();
         let f = Frontend {
             vip: "198.18.0.10".parse().unwrap(),
             port: 80,
             protocol: Protocol::Tcp,
         };
+        (metrics, registry, SharedRoutes::new(), f)
+    }
+
+    /// The value of `family`'s series for `backend` in an exposition.
+    fn value(text: &str, family: &str, backend: &str) -> Option<u64> {
+        let series = format!("mcs_proxy_{family}_total{{");
+        let label = format!("backend=\"{backend}\"");
+        text.lines()
+            .find(|l| l.starts_with(&series) && l.contains(&label))
+            .and_then(|l| l.rsplit(' ').next())
+            .map(|v| v.parse().unwrap())
+    }
+
+    /// A route rebuilt with the same backends keeps their counters; one whose backends change
+    /// gets new ones, while a connection of the old route still counts into the same series,
+    /// before and after the old route's counters are folded in.
+    #[test]
+    fn counters_survive_route_changes_and_connections_that_outlive_them() {
+        let (metrics, registry, routes, f) = bed();
+        let set = |backends: &[&str]| {
+            let mut d = TableDiff::default();
+            d.upsert.insert(f, service(backends).into());
+            routes.apply(&d, 1021, &metrics);
+            routes
+                .load()
+                .get(SocketAddr::new(f.vip, f.port), f.protocol)
+                .cloned()
+                .unwrap()
+        };
+        let a = "198.18.1.2:8080";
+        let first = set(&[a, "198.18.1.3:8080"]);
+        first.backends[0].cells.bytes_tx.inc_by(100);
+        // Same backends (another field of the service changed): the same counters.
+        let again = set(&[a, "198.18.1.3:8080"]);
+        assert!(Arc::ptr_eq(&first.backends, &again.backends));
+        drop(again);
+        // A backend leaves and another joins while `first` (a connection) is still open.
+        let second = set(&[a, "198.18.1.4:8080"]);
+        assert!(!Arc::ptr_eq(&first.backends, &second.backends));
+        first.backends[0].cells.bytes_tx.inc_by(50);
+        second.backends[0].cells.bytes_tx.inc_by(1);
+        let text = exposed(&registry);
+        assert_eq!(value(&text, "bytes_tx", a), Some(151), "{text}");
+        assert_eq!(
+            value(&text, "bytes_tx", "198.18.1.4:8080"),
+            Some(0),
+            "{text}"
+        );
+        assert_eq!(value(&text, "bytes_tx", "198.18.1.3:8080"), None, "{text}");
+        // The connection ends; at the next change its counts are folded into the live ones.
+        drop(first);
+        drop(second);
+        let third = set(&[a, "198.18.1.4:8080", "198.18.1.5:8080"]);
+        assert!(
+            metrics.retired_slabs(&third.frontend) == 0,
+            "the slab nothing holds was folded"
+        );
+        drop(third);
+        let fourth = set(&[a]);
+        assert_eq!(metrics.retired_slabs(&fourth.frontend), 0);
+        fourth.backends[0].cells.bytes_tx.inc_by(1);
+        let text = exposed(&registry);
+        assert_eq!(value(&text, "bytes_tx", a), Some(152), "{text}");
+        assert_eq!(value(&text, "bytes_tx", "198.18.1.4:8080"), None, "{text}");
+    }
+
+    /// Label sets of backends that left and of frontends that went are dropped: churn does not
+    /// grow the registry.
+    #[test]
+    fn metric_label_sets_follow_the_routes() {
+        let (metrics, registry, routes, f) = bed();
         let mut d = TableDiff::default();
         d.upsert
             .insert(f, service(&["198.18.1.2:8080", "198.18.1.3:8080"]).into());

@@ -251,11 +251,11 @@ async fn handle(
                 break;
             }
             Ok(Err(e)) => {
-                route.counters[i].connect_failures.inc();
+                route.backends[i].cells.connect_failures.inc();
                 tracing::debug!(%backend, error = %e, "connect failed");
             }
             Err(_) => {
-                route.counters[i].connect_failures.inc();
+                route.backends[i].cells.connect_failures.inc();
                 tracing::debug!(%backend, "connect timed out");
             }
         }
@@ -266,7 +266,7 @@ async fn handle(
         reset(&client_stream);
         return;
     };
-    let counters = &route.counters[i];
+    let counters = &route.backends[i].cells;
     counters.connections.inc();
 
     let mut seen = *signals.borrow_and_update();
@@ -376,7 +376,7 @@ impl Ends {
 async fn relay(
     a: &TcpStream,
     b: &TcpStream,
-    counters: &super::metrics::BackendCounters,
+    counters: &super::metrics::BackendCells,
     idle: Duration,
     use_splice: bool,
 ) -> io::Result<()> {

@@ -189,7 +189,7 @@ async fn open_session(
     let (up, down) = match opened {
         Ok(s) => s,
         Err(e) => {
-            route.counters[i].connect_failures.inc();
+            route.backends[i].cells.connect_failures.inc();
             tracing::debug!(%client, %backend, error = %e, "cannot open udp session");
             return;
         }
@@ -199,7 +199,11 @@ async fn open_session(
     if let Err(e) = up.send(first).await {
         tracing::debug!(%backend, error = %e, "udp send to backend failed");
     }
-    let counters = route.counters[i].clone();
+    // The session holds its route's backends (one allocation shared with the route), not the
+    // route with its Maglev table.
+    let backends = route.backends.clone();
+    drop(route);
+    let counters = &backends[i].cells;
     counters.connections.inc();
     counters.bytes_tx.inc_by(first.len() as u64);
     {
@@ -210,7 +214,7 @@ async fn open_session(
     shared.metrics.udp_sessions.inc();
     let (shared, sessions) = (shared.clone(), sessions.clone());
     tokio::spawn(async move {
-        relay(&up, &down, &counters, &shared, vip, backend).await;
+        relay(&up, &down, &backends[i].cells, &shared, vip, backend).await;
         {
             let mut t = sessions.map.lock().expect("sessions lock");
             if t.by_flow.remove(&(client, vip)).is_some()
@@ -252,7 +256,7 @@ fn drain(from: &UdpSocket, to: &UdpSocket, bytes: &super::metrics::Count) -> io:
 async fn relay(
     up: &UdpSocket,
     down: &UdpSocket,
-    counters: &super::metrics::BackendCounters,
+    counters: &super::metrics::BackendCells,
     shared: &Shared,
     vip: SocketAddr,
     backend: SocketAddr,
