@@ -154,6 +154,7 @@ fn spawn_source(
                 let options = mcs_sync::source::kube::Options {
                     watch_cluster_id: args.cluster_id.is_none(),
                     retry_max: Duration::from_millis(args.watch_retry_max_ms),
+                    ..Default::default()
                 };
                 tokio::spawn(mcs_sync::source::kube::run(client, tx, options));
             }

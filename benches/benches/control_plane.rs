@@ -1,6 +1,8 @@
 //! Control plane against a real kube-apiserver (not criterion: each sample is an API write):
 //!
-//! - full sync: time from starting the kube source to the first full table applied;
+//! - full sync: time from starting the kube source to the first full table applied, and then
+//!   `MCS_BENCH_SYNC_AB` (default 3) more of each with EndpointSlices read as JSON and as
+//!   protobuf (the default), interleaved, medians shown;
 //! - event latency: time from an EndpointSlice write (one endpoint flips readiness) to the
 //!   dataplane having the diff, p50/p99 over `MCS_BENCH_SAMPLES` writes;
 //! - burst: one write to each of up to 10,000 slices by 16 writers; every written state must
@@ -33,7 +35,7 @@ use mcs_api::ServiceImport;
 use mcs_model::{
     Dataplane, DataplaneError, ForwardingTable, Frontend, NodeConfig, Protocol, TableDiff,
 };
-use mcs_sync::{SyncConfig, SyncLoop, http::Health, metrics::Metrics};
+use mcs_sync::{SyncConfig, SyncLoop, http::Health, metrics::Metrics, source::kube::SliceEncoding};
 use tokio::sync::Notify;
 
 /// Records when diffs arrive, and keeps the table they make.
@@ -88,11 +90,61 @@ fn c1_ready(table: &ForwardingTable, i: usize) -> Option<Vec<bool>> {
         .collect()
 }
 
+/// The agent's controller over `dp`, and its health (ready after the first full table).
+fn controller(dp: Timed) -> (SyncLoop<Timed>, Health) {
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Arc::new(Metrics::new(&mut registry));
+    let health = Health::default();
+    // Caps as high as the agent process's below: every import is admitted at any size.
+    let mut node = NodeConfig {
+        cluster_id: "c0".into(),
+        ..Default::default()
+    };
+    node.guard.limits.frontends = 1_000_000;
+    node.guard.limits.backends = 10_000_000;
+    let controller = SyncLoop::new(
+        node,
+        dp,
+        SyncConfig {
+            cluster_id_fixed: true,
+            ..Default::default()
+        },
+        metrics,
+        health.clone(),
+        None,
+    );
+    (controller, health)
+}
+
+/// A full sync (start → first full table applied) of a fresh kube source and controller,
+/// reading EndpointSlices as `slices`; everything is dropped after.
+async fn fresh_full_sync(client: &kube::Client, slices: SliceEncoding) -> Duration {
+    let (controller, health) = controller(Timed::default());
+    let (tx, rx) = tokio::sync::mpsc::channel(8192);
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let start = Instant::now();
+    let options = mcs_sync::source::kube::Options {
+        slices,
+        ..Default::default()
+    };
+    let source = tokio::spawn(mcs_sync::source::kube::run(client.clone(), tx, options));
+    let run = tokio::spawn(controller.run(rx, stop_rx));
+    while !health.is_ready() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let took = start.elapsed();
+    let _ = stop.send(true);
+    let _ = run.await;
+    let _ = source.await;
+    took
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return; // `cargo test --benches` asks for a listing
     }
     let imports = env_count("MCS_BENCH_IMPORTS", 1000);
+    let ab_reps = env_count("MCS_BENCH_SYNC_AB", 3);
     let samples = env_count("MCS_BENCH_SAMPLES", 100);
     assert!(
         imports <= MAX_IMPORTS,
@@ -187,22 +239,8 @@ fn main() {
         }
 
         let rss0 = rss_mib();
-        let mut registry = prometheus_client::registry::Registry::default();
-        let metrics = Arc::new(Metrics::new(&mut registry));
-        let health = Health::default();
         let dp = Timed::default();
-        // Caps as high as the agent process's below: every import is admitted at any size.
-        let mut node = NodeConfig { cluster_id: "c0".into(), ..Default::default() };
-        node.guard.limits.frontends = 1_000_000;
-        node.guard.limits.backends = 10_000_000;
-        let controller = SyncLoop::new(
-            node,
-            dp.clone(),
-            SyncConfig { cluster_id_fixed: true, ..Default::default() },
-            metrics,
-            health.clone(),
-            None,
-        );
+        let (controller, health) = controller(dp.clone());
         let (tx, rx) = tokio::sync::mpsc::channel(8192);
         let (_stop, stop_rx) = tokio::sync::watch::channel(false);
         let start = Instant::now();
@@ -218,6 +256,14 @@ fn main() {
         let full_sync = start.elapsed();
         tokio::time::sleep(Duration::from_millis(500)).await;
         let rss = rss_mib() - rss0;
+
+        // EndpointSlices as JSON against protobuf (the default): fresh full syncs, interleaved.
+        let mut ab: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        for _ in 0..ab_reps {
+            for (k, enc) in [SliceEncoding::Json, SliceEncoding::Protobuf].into_iter().enumerate() {
+                ab[k].push(fresh_full_sync(&client, enc).await.as_secs_f64());
+            }
+        }
 
         let mut lat = Vec::with_capacity(samples);
         for k in 0..samples {
@@ -325,6 +371,19 @@ fn main() {
             );
         }
         println!("  full sync (start → first full table applied): {:.2} s", full_sync.as_secs_f64());
+        if ab_reps > 0 {
+            let median = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            let runs = |v: &[f64]| v.iter().map(|s| format!("{s:.2}")).collect::<Vec<_>>().join(", ");
+            let (json, pb) = (runs(&ab[0]), runs(&ab[1]));
+            let (mj, mp) = (median(&mut ab[0]), median(&mut ab[1]));
+            println!(
+                "  full sync, slices as JSON vs protobuf ({ab_reps} interleaved runs each): median {mj:.2} s vs {mp:.2} s ({:.2}x); JSON [{json}], protobuf [{pb}]",
+                mj / mp
+            );
+        }
         println!(
             "  EndpointSlice write → diff applied: p50 {:.1} ms, p99 {:.1} ms ({samples} writes)",
             q(0.5),

@@ -20,6 +20,7 @@ use kube::{
 };
 use mcs_api::ServiceImport;
 use mcs_model::{NodeConfig, Protocol};
+use mcs_sync::source::kube::SliceEncoding;
 use mcs_test_support::apiserver::{self, ApiServer, User};
 use tokio::sync::mpsc;
 
@@ -58,6 +59,14 @@ fn slice(ns: &str, svc: &str, cluster: &str, addrs: &[(&str, bool)]) -> Endpoint
 }
 
 fn run_kube_source(client: Client, cluster_id: Option<&str>) -> common::Running {
+    run_kube_source_with(client, cluster_id, SliceEncoding::default())
+}
+
+fn run_kube_source_with(
+    client: Client,
+    cluster_id: Option<&str>,
+    slices: SliceEncoding,
+) -> common::Running {
     let (tx, rx) = mpsc::channel(1024);
     let node = NodeConfig {
         cluster_id: cluster_id.unwrap_or_default().into(),
@@ -69,27 +78,46 @@ fn run_kube_source(client: Client, cluster_id: Option<&str>) -> common::Running 
         tx,
         mcs_sync::source::kube::Options {
             watch_cluster_id: cluster_id.is_none(),
+            slices,
             ..Default::default()
         },
     ));
     start(node, cluster_id.is_some(), rx)
 }
 
+/// Slices in protobuf (the default, which every kube-apiserver serves).
 #[tokio::test]
 async fn diffs_follow_imports_and_slices_of_two_clusters() {
+    two_clusters(SliceEncoding::Protobuf, "two-clusters", 50).await;
+}
+
+/// The same with slices read as JSON (the fallback for a server without protobuf).
+#[tokio::test]
+async fn diffs_follow_imports_and_slices_of_two_clusters_in_json() {
+    two_clusters(SliceEncoding::Json, "two-clusters-json", 70).await;
+}
+
+/// `net`: the third octet of the VIP (`198.18.net.10`); endpoints in the two after it.
+async fn two_clusters(encoding: SliceEncoding, name: &str, net: u8) {
     let Some(api) = apiserver::shared() else {
         return;
     };
-    let ns = api.fresh_namespace("two-clusters").await;
+    let ns = api.fresh_namespace(name).await;
     let client = api.client().await;
-    let run = run_kube_source(client.clone(), Some("c1"));
+    let run = run_kube_source_with(client.clone(), Some("c1"), encoding);
     let dp = run.dataplane.clone();
-    let f = fe("198.18.50.10", 80, Protocol::Tcp);
+    let vip = format!("198.18.{net}.10");
+    let (e1, e2) = (
+        format!("198.18.{}.2", net + 1),
+        format!("198.18.{}.2", net + 2),
+    );
+    let (b1, b2) = (format!("{e1}:8080@c1"), format!("{e2}:8080@c2"));
+    let f = fe(&vip, 80, Protocol::Tcp);
 
     let imports: Api<ServiceImport> = Api::namespaced(client.clone(), &ns);
     let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &ns);
     imports
-        .create(&PostParams::default(), &import(&ns, "web", "198.18.50.10"))
+        .create(&PostParams::default(), &import(&ns, "web", &vip))
         .await
         .unwrap();
     dp.wait_for("frontend without backends", WAIT, |s| {
@@ -101,27 +129,26 @@ async fn diffs_follow_imports_and_slices_of_two_clusters() {
     slices
         .create(
             &PostParams::default(),
-            &slice(&ns, "web", "c1", &[("198.18.51.2", true)]),
+            &slice(&ns, "web", "c1", &[(&e1, true)]),
         )
         .await
         .unwrap();
     slices
         .create(
             &PostParams::default(),
-            &slice(&ns, "web", "c2", &[("198.18.52.2", true)]),
+            &slice(&ns, "web", "c2", &[(&e2, true)]),
         )
         .await
         .unwrap();
     dp.wait_for("c1 selected, c2 known", WAIT, |s| {
-        common::selected_in(s, &f) == ["198.18.51.2:8080@c1"]
-            && s.table.frontends[&f].backends.len() == 2
+        common::selected_in(s, &f) == [b1.as_str()] && s.table.frontends[&f].backends.len() == 2
     })
     .await;
 
     // Local endpoint not ready → remote cluster.
     slices
         .replace("web-c1", &PostParams::default(), &{
-            let mut s = slice(&ns, "web", "c1", &[("198.18.51.2", false)]);
+            let mut s = slice(&ns, "web", "c1", &[(&e1, false)]);
             s.metadata.resource_version = slices
                 .get("web-c1")
                 .await
@@ -133,7 +160,7 @@ async fn diffs_follow_imports_and_slices_of_two_clusters() {
         .await
         .unwrap();
     dp.wait_for("failover to c2", WAIT, |s| {
-        common::selected_in(s, &f) == ["198.18.52.2:8080@c2"]
+        common::selected_in(s, &f) == [b2.as_str()]
     })
     .await;
 
@@ -634,4 +661,131 @@ async fn a_v1alpha1_only_cluster_is_served() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     drop(api);
+}
+
+/// What the protobuf decoder reads from a real API server is exactly what the JSON path reads,
+/// for slices with every field the agent uses and some it skips, over list pages and watch
+/// events (a change and a deletion).
+#[tokio::test]
+async fn protobuf_and_json_read_the_same_slices() {
+    use futures::StreamExt as _;
+    use kube::{api::ListParams, runtime::watcher::Event};
+    use mcs_sync::{
+        convert::{self, LeanSlice},
+        source::slice_watch,
+    };
+
+    let Some(api) = apiserver::shared() else {
+        return;
+    };
+    let ns = api.fresh_namespace("protobuf-json").await;
+    let client = api.client().await;
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &ns);
+    let selector = format!("multicluster.kubernetes.io/service-name=full-{ns}");
+    let labels = |cluster: &str| {
+        serde_json::json!({
+            "multicluster.kubernetes.io/service-name": format!("full-{ns}"),
+            "multicluster.kubernetes.io/source-cluster": cluster,
+            "endpointslice.kubernetes.io/managed-by": "mcs-controller.example.com"
+        })
+    };
+    let full: EndpointSlice = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "full-c1", "namespace": ns, "labels": labels("c1"),
+                      "annotations": { "skipped": "yes" } },
+        "addressType": "IPv4",
+        "endpoints": [
+            { "addresses": ["198.18.73.2"],
+              "conditions": { "ready": true, "serving": true, "terminating": false },
+              "hostname": "full-0", "nodeName": "node-a", "zone": "z1",
+              "targetRef": { "kind": "Pod", "name": "full-0", "namespace": ns },
+              "hints": { "forZones": [{ "name": "z1" }] } },
+            { "addresses": ["198.18.73.3"],
+              "conditions": { "ready": false, "serving": false, "terminating": true } },
+            { "addresses": ["198.18.73.4"] }
+        ],
+        "ports": [
+            { "name": "http", "protocol": "TCP", "port": 8080, "appProtocol": "http" },
+            { "name": "dns", "protocol": "UDP", "port": 53 }
+        ]
+    }))
+    .unwrap();
+    slices.create(&PostParams::default(), &full).await.unwrap();
+    for (cluster, addr) in [("c2", "2001:2::73:2"), ("c3", "2001:2::73:3")] {
+        let s: EndpointSlice = serde_json::from_value(serde_json::json!({
+            "metadata": { "name": format!("full-{cluster}"), "namespace": ns, "labels": labels(cluster) },
+            "addressType": "IPv6",
+            "endpoints": [{ "addresses": [addr], "conditions": { "ready": true } }],
+            "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }]
+        }))
+        .unwrap();
+        slices.create(&PostParams::default(), &s).await.unwrap();
+    }
+    assert!(
+        slice_watch::serves_protobuf(&client, &selector)
+            .await
+            .unwrap(),
+        "kube-apiserver serves EndpointSlices in protobuf"
+    );
+
+    // JSON, as kube-rs reads it.
+    let json_items = Api::<LeanSlice>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default().labels(&selector))
+        .await
+        .unwrap()
+        .items;
+    let mut json: Vec<_> = json_items.into_iter().map(convert::slice).collect();
+    json.sort_by(|a, b| a.name.cmp(&b.name));
+    assert_eq!(json.len(), 3);
+
+    // Protobuf, in pages of 2 (the continue token is followed).
+    let mut stream = slice_watch::slices(client.clone(), selector.clone(), 2).boxed();
+    let mut next = async || {
+        tokio::time::timeout(WAIT, stream.next())
+            .await
+            .expect("an event in time")
+            .expect("the stream goes on")
+            .expect("no error")
+    };
+    assert!(matches!(next().await, Event::Init));
+    let mut listed = Vec::new();
+    loop {
+        match next().await {
+            Event::InitApply(s) => listed.push(convert::slice(s)),
+            Event::InitDone => break,
+            other => panic!("unexpected during the list: {other:?}"),
+        }
+    }
+    listed.sort_by(|a, b| a.name.cmp(&b.name));
+    assert_eq!(listed, json, "the list reads the same");
+
+    // A change and a deletion arrive as watch events, read the same as JSON reads them.
+    let mut changed = slices.get("full-c1").await.unwrap();
+    let first = &mut changed.endpoints.as_mut().unwrap()[0];
+    first.conditions.as_mut().unwrap().ready = Some(false);
+    first.zone = Some("z2".into());
+    slices
+        .replace("full-c1", &PostParams::default(), &changed)
+        .await
+        .unwrap();
+    let json_changed = convert::slice(
+        Api::<LeanSlice>::namespaced(client.clone(), &ns)
+            .get("full-c1")
+            .await
+            .unwrap(),
+    );
+    match next().await {
+        Event::Apply(s) => assert_eq!(convert::slice(s), json_changed),
+        other => panic!("expected the change, got {other:?}"),
+    }
+    slices
+        .delete("full-c2", &DeleteParams::default())
+        .await
+        .unwrap();
+    match next().await {
+        Event::Delete(s) => {
+            assert_eq!(s.metadata.name.as_deref(), Some("full-c2"));
+            assert_eq!(s.metadata.namespace.as_deref(), Some(ns.as_str()));
+        }
+        other => panic!("expected the deletion, got {other:?}"),
+    }
 }

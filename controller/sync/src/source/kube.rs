@@ -15,6 +15,10 @@
 //! After a re-list (apiserver restart, `410 Gone`), objects that vanished meanwhile are sent
 //! as deletions and everything else as upserts; the index ignores upserts that change nothing,
 //! so unchanged state is never reprogrammed.
+//!
+//! EndpointSlices are read in protobuf when the API server serves it (every kube-apiserver
+//! does for built-in kinds; [`super::slice_watch`]), else as JSON. ServiceImports are custom
+//! resources, which the API server serves as JSON only.
 
 use std::{
     collections::HashSet,
@@ -26,13 +30,13 @@ use std::{
     time::Duration,
 };
 
-use futures::StreamExt as _;
+use futures::{StreamExt as _, stream::BoxStream};
 use kube::{Api, Client, Resource, ResourceExt as _, runtime::watcher};
 use mcs_api::{ClusterProperty, LABEL_SERVICE_NAME, v1alpha1};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
-use super::SourceEvent;
+use super::{SourceEvent, slice_watch};
 use crate::convert;
 
 /// The API group of ServiceImport.
@@ -88,6 +92,18 @@ pub struct Options {
     pub watch_cluster_id: bool,
     /// The longest wait between two attempts of a failed watch.
     pub retry_max: Duration,
+    /// How EndpointSlices are read.
+    pub slices: SliceEncoding,
+}
+
+/// How the kube source reads EndpointSlices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SliceEncoding {
+    /// Protobuf where the API server serves it (asked once at start), else JSON.
+    #[default]
+    Protobuf,
+    /// JSON always.
+    Json,
 }
 
 impl Default for Options {
@@ -95,6 +111,7 @@ impl Default for Options {
         Self {
             watch_cluster_id: false,
             retry_max: Duration::from_secs(5),
+            slices: SliceEncoding::default(),
         }
     }
 }
@@ -155,22 +172,36 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
     let Options {
         watch_cluster_id,
         retry_max,
+        slices: encoding,
     } = options;
     let mut retry = WatchRetry::new(retry_max);
-    let version = loop {
-        match discover_import_version(&client).await {
-            Ok(v) => break v,
-            Err(e) => {
-                let delay = retry.next().unwrap_or(retry_max);
-                tracing::warn!(error = %e, retry_ms = delay.as_millis() as u64, "cannot watch ServiceImports yet");
-                tokio::select! {
-                    () = tokio::time::sleep(delay) => {}
-                    () = tx.closed() => return,
-                }
-            }
-        }
+    let Some(version) = until_ok(&mut retry, &tx, "cannot watch ServiceImports yet", || {
+        discover_import_version(&client)
+    })
+    .await
+    else {
+        return;
     };
     tracing::info!(version, "watching ServiceImports in {MCS_GROUP}/{version}");
+    let protobuf = match encoding {
+        SliceEncoding::Json => false,
+        SliceEncoding::Protobuf => {
+            let probe = until_ok(&mut retry, &tx, "cannot list EndpointSlices yet", || {
+                slice_watch::serves_protobuf(&client, LABEL_SERVICE_NAME)
+            });
+            let Some(p) = probe.await else { return };
+            p
+        }
+    };
+    if encoding == SliceEncoding::Protobuf && !protobuf {
+        tracing::warn!(
+            "the API server does not answer EndpointSlices in protobuf; reading them as JSON"
+        );
+    }
+    tracing::info!(
+        encoding = if protobuf { "protobuf" } else { "json" },
+        "watching EndpointSlices"
+    );
     let remaining = Arc::new(AtomicUsize::new(if watch_cluster_id { 3 } else { 2 }));
     let delete_import = |ns, name| Some(SourceEvent::DeleteImport(ns, name));
     let (import_client, import_tx, import_remaining) =
@@ -178,8 +209,11 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
     let imports = async move {
         if version == "v1alpha1" {
             watch(
-                Api::<v1alpha1::ServiceImport>::all(import_client),
-                import_list_config(),
+                watcher(
+                    Api::<v1alpha1::ServiceImport>::all(import_client),
+                    import_list_config(),
+                )
+                .boxed(),
                 retry_max,
                 import_tx,
                 import_remaining,
@@ -189,8 +223,11 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
             .await;
         } else {
             watch(
-                Api::<convert::LeanImport>::all(import_client),
-                import_list_config(),
+                watcher(
+                    Api::<convert::LeanImport>::all(import_client),
+                    import_list_config(),
+                )
+                .boxed(),
                 retry_max,
                 import_tx,
                 import_remaining,
@@ -200,9 +237,22 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
             .await;
         }
     };
+    let slice_stream = if protobuf {
+        slice_watch::slices(
+            client.clone(),
+            LABEL_SERVICE_NAME.to_string(),
+            SLICE_PAGE_SIZE,
+        )
+        .boxed()
+    } else {
+        watcher(
+            Api::<convert::LeanSlice>::all(client.clone()),
+            slice_list_config().labels(LABEL_SERVICE_NAME),
+        )
+        .boxed()
+    };
     let slices = watch(
-        Api::<convert::LeanSlice>::all(client.clone()),
-        slice_list_config().labels(LABEL_SERVICE_NAME),
+        slice_stream,
         retry_max,
         tx.clone(),
         remaining.clone(),
@@ -211,8 +261,12 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
     );
     if watch_cluster_id {
         let props = watch(
-            Api::<ClusterProperty>::all(client),
-            import_list_config().fields(&format!("metadata.name={}", mcs_api::CLUSTER_ID_PROPERTY)),
+            watcher(
+                Api::<ClusterProperty>::all(client),
+                import_list_config()
+                    .fields(&format!("metadata.name={}", mcs_api::CLUSTER_ID_PROPERTY)),
+            )
+            .boxed(),
             retry_max,
             tx,
             remaining,
@@ -254,6 +308,29 @@ fn import_list_config() -> watcher::Config {
     // kube-rs drops `resourceVersion=0` from a list with a page size (the quorum read again).
     config.page_size = None;
     config
+}
+
+/// Runs `attempt` until it succeeds, waiting `retry`'s delays between failures and logging each
+/// with `what`; `None` when the source's receiver went away meanwhile.
+async fn until_ok<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
+    retry: &mut WatchRetry,
+    tx: &mpsc::Sender<SourceEvent>,
+    what: &str,
+    mut attempt: impl FnMut() -> F,
+) -> Option<T> {
+    loop {
+        match attempt().await {
+            Ok(v) => return Some(v),
+            Err(e) => {
+                let delay = retry.next().unwrap_or(retry.max);
+                tracing::warn!(error = %e, retry_ms = delay.as_millis() as u64, "{what}");
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = tx.closed() => return None,
+                }
+            }
+        }
+    }
 }
 
 /// The bookkeeping of one watcher: which objects exist, and what a (re-)list changes.
@@ -322,8 +399,7 @@ impl Relister {
 }
 
 async fn watch<K>(
-    api: Api<K>,
-    config: watcher::Config,
+    mut stream: BoxStream<'static, watcher::Result<watcher::Event<K>>>,
     retry_max: Duration,
     tx: mpsc::Sender<SourceEvent>,
     remaining: Arc<AtomicUsize>,
@@ -336,7 +412,6 @@ async fn watch<K>(
     let kind = K::kind(&K::DynamicType::default()).to_string();
     let mut state = Relister::default();
     let mut retry = WatchRetry::new(retry_max);
-    let mut stream = watcher(api, config).boxed();
     let send = |ev: Option<SourceEvent>| {
         let tx = tx.clone();
         async move {

@@ -1,11 +1,14 @@
 //! Sources of MCS objects. Each runs as a task that sends [`SourceEvent`]s; the controller
 //! does not care where they come from.
 //!
-//! - [`kube`]: watchers on a real API server.
+//! - [`kube`]: watchers on a real API server ([`slice_watch`]: EndpointSlices in protobuf,
+//!   decoded by [`protobuf`]).
 //! - [`file`]: a directory of the same YAML objects, re-read when it changes.
 
 pub mod file;
 pub mod kube;
+pub mod protobuf;
+pub mod slice_watch;
 
 use std::collections::BTreeMap;
 

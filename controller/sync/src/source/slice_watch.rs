@@ -1,0 +1,330 @@
+//! List + watch of EndpointSlices in protobuf ([`super::protobuf`]), as a stream of the same
+//! `kube::runtime::watcher` events and errors the JSON watcher gives, so the kube source treats
+//! both alike (its `Relister`, retries and `410 Gone` handling).
+//!
+//! What it does, as kube-rs's watcher does with `ListWatch`: a consistent list in pages
+//! (`limit`, `continue`), then a watch from the list's `resourceVersion` with bookmarks and a
+//! server-side timeout of 290 s, watched again from the last version it saw when the server
+//! ends it, and listed again on `410 Gone` (the list's continue token or the watch's version
+//! expired). A failed request is an error item; the next poll tries again from where it was,
+//! so the caller's backoff paces the retries.
+
+use std::time::Duration;
+
+use futures::Stream;
+use http_body_util::BodyExt as _;
+use kube::{
+    Client,
+    client::Body,
+    core::Status,
+    runtime::watcher::{Error, Event},
+};
+
+use super::protobuf::{self, DecodeError};
+use crate::convert::LeanSlice;
+
+/// The server-side timeout of a watch request (kube-rs's default).
+const WATCH_TIMEOUT_S: u64 = 290;
+/// How long a watch may stay silent past its timeout before it is taken for dead.
+const WATCH_IDLE_MARGIN: Duration = Duration::from_secs(5);
+const PATH: &str = "/apis/discovery.k8s.io/v1/endpointslices";
+
+/// Whether the API server answers EndpointSlice lists in protobuf: one request for one slice.
+/// `Err` when the request itself failed (the caller retries).
+pub async fn serves_protobuf(client: &Client, label_selector: &str) -> Result<bool, kube::Error> {
+    let res = send(
+        client,
+        &list_url(label_selector, 1, ""),
+        &format!("{}, application/json", protobuf::MEDIA_TYPE),
+    )
+    .await?;
+    let protobuf = content_type(&res).starts_with(protobuf::MEDIA_TYPE);
+    let status = res.status();
+    let body = res.into_body().collect_bytes().await?;
+    if !status.is_success() {
+        return Err(kube::Error::Api(error_status(status, &body).boxed()));
+    }
+    Ok(protobuf)
+}
+
+/// The stream of watcher events of the EndpointSlices that match `label_selector`, listed in
+/// pages of `page_size`.
+pub fn slices(
+    client: Client,
+    label_selector: String,
+    page_size: u32,
+) -> impl Stream<Item = Result<Event<LeanSlice>, Error>> + Send + 'static {
+    async_stream::stream! {
+        // Where the watch goes on from; `None`: list first.
+        let mut version: Option<String> = None;
+        loop {
+            let Some(from) = version.clone() else {
+                yield Ok(Event::Init);
+                let mut next = String::new();
+                loop {
+                    match list_page(&client, &label_selector, page_size, &next).await {
+                        Ok((items, meta)) => {
+                            for s in items {
+                                yield Ok(Event::InitApply(s));
+                            }
+                            if meta.continue_token.is_empty() {
+                                version = Some(meta.resource_version);
+                                yield Ok(Event::InitDone);
+                                break;
+                            }
+                            next = meta.continue_token;
+                        }
+                        Err(e) => {
+                            // Listed again from the start on the next poll (a 410 means the
+                            // continue token expired: the same).
+                            yield Err(Error::InitialListFailed(e));
+                            break;
+                        }
+                    }
+                }
+                continue;
+            };
+            let res = match send(&client, &watch_url(&label_selector, &from), protobuf::WATCH_MEDIA_TYPE).await {
+                Ok(r) => r,
+                Err(e) => {
+                    yield Err(Error::WatchStartFailed(e));
+                    continue;
+                }
+            };
+            if !res.status().is_success() {
+                let code = res.status();
+                let body = res.into_body().collect_bytes().await.unwrap_or_default();
+                let status = error_status(code, &body);
+                if status.code == 410 {
+                    version = None;
+                    yield Err(Error::WatchError(status.boxed()));
+                } else {
+                    yield Err(Error::WatchStartFailed(kube::Error::Api(status.boxed())));
+                }
+                continue;
+            }
+            let mut body = res.into_body();
+            let mut buf: Vec<u8> = Vec::new();
+            let idle = Duration::from_secs(WATCH_TIMEOUT_S) + WATCH_IDLE_MARGIN;
+            'frames: loop {
+                // Every complete frame in the buffer first.
+                let mut used = 0;
+                loop {
+                    let frame = match protobuf::next_frame(&buf[used..]) {
+                        Ok(Some((frame, n))) => {
+                            used += n;
+                            frame
+                        }
+                        Ok(None) => break,
+                        Err(e) => {
+                            yield Err(Error::WatchFailed(decode_error(e)));
+                            break 'frames;
+                        }
+                    };
+                    match event(frame) {
+                        Ok(Watched::Object(kind, s)) => {
+                            if let Some(v) = &s.metadata.resource_version {
+                                version = Some(v.clone());
+                            }
+                            yield Ok(if kind == Kind::Deleted { Event::Delete(s) } else { Event::Apply(s) });
+                        }
+                        Ok(Watched::Bookmark(v)) => version = Some(v),
+                        Ok(Watched::Failure(status)) => {
+                            if status.code == 410 {
+                                version = None;
+                            }
+                            yield Err(Error::WatchError(status.boxed()));
+                            break 'frames;
+                        }
+                        Err(e) => {
+                            // Watched again from the last version seen: the event is not lost.
+                            yield Err(Error::WatchFailed(decode_error(e)));
+                            break 'frames;
+                        }
+                    }
+                }
+                buf.drain(..used);
+                match tokio::time::timeout(idle, body.frame()).await {
+                    Ok(Some(Ok(frame))) => {
+                        if let Ok(data) = frame.into_data() {
+                            buf.extend_from_slice(&data);
+                        }
+                    }
+                    // The server ended the watch (its timeout): watch again.
+                    Ok(None) => break,
+                    Ok(Some(Err(e))) => {
+                        yield Err(Error::WatchFailed(e));
+                        break;
+                    }
+                    Err(_) => {
+                        tracing::debug!("EndpointSlice watch silent past its timeout; watching again");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Kind {
+    Applied,
+    Deleted,
+}
+
+/// A watch event, decoded.
+enum Watched {
+    Object(Kind, LeanSlice),
+    Bookmark(String),
+    Failure(Status),
+}
+
+fn event(frame: &[u8]) -> Result<Watched, DecodeError> {
+    let (kind, object) = protobuf::watch_event(frame)?;
+    let object = protobuf::envelope(object)?;
+    match kind.as_str() {
+        "ADDED" | "MODIFIED" => Ok(Watched::Object(Kind::Applied, protobuf::slice(object.raw)?)),
+        "DELETED" => Ok(Watched::Object(Kind::Deleted, protobuf::slice(object.raw)?)),
+        "BOOKMARK" => Ok(Watched::Bookmark(
+            protobuf::slice(object.raw)?
+                .metadata
+                .resource_version
+                .unwrap_or_default(),
+        )),
+        "ERROR" => {
+            let s = protobuf::status(object.raw)?;
+            Ok(Watched::Failure(
+                Status::failure(&s.message, &s.reason).with_code(s.code),
+            ))
+        }
+        _ => Err(DecodeError("unknown watch event type")),
+    }
+}
+
+fn decode_error(e: DecodeError) -> kube::Error {
+    kube::Error::Service(Box::new(e))
+}
+
+fn list_url(label_selector: &str, limit: u32, next: &str) -> String {
+    let mut url = format!(
+        "{PATH}?labelSelector={}&limit={limit}",
+        encode(label_selector)
+    );
+    if !next.is_empty() {
+        url.push_str("&continue=");
+        url.push_str(&encode(next));
+    }
+    url
+}
+
+fn watch_url(label_selector: &str, version: &str) -> String {
+    format!(
+        "{PATH}?watch=true&labelSelector={}&resourceVersion={}&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}",
+        encode(label_selector),
+        encode(version)
+    )
+}
+
+/// Percent-encodes a query value (everything but unreserved characters).
+fn encode(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for b in v.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+async fn send(
+    client: &Client,
+    url: &str,
+    accept: &str,
+) -> Result<http::Response<Body>, kube::Error> {
+    let req = http::Request::get(url)
+        .header(http::header::ACCEPT, accept)
+        .body(Body::from(Vec::new()))
+        .map_err(kube::Error::HttpError)?;
+    client.send(req).await
+}
+
+fn content_type(res: &http::Response<Body>) -> &str {
+    res.headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+}
+
+/// The `Status` of an error response: protobuf, JSON, or else its text.
+fn error_status(code: http::StatusCode, body: &[u8]) -> Status {
+    if let Ok(env) = protobuf::envelope(body)
+        && let Ok(s) = protobuf::status(env.raw)
+    {
+        return Status::failure(&s.message, &s.reason).with_code(if s.code == 0 {
+            code.as_u16()
+        } else {
+            s.code
+        });
+    }
+    if let Ok(s) = serde_json::from_slice::<Status>(body) {
+        return s;
+    }
+    let text = String::from_utf8_lossy(body);
+    Status::failure(text.trim(), "Failed to parse error data").with_code(code.as_u16())
+}
+
+async fn list_page(
+    client: &Client,
+    label_selector: &str,
+    page_size: u32,
+    next: &str,
+) -> Result<(Vec<LeanSlice>, protobuf::ListMeta), kube::Error> {
+    let res = send(
+        client,
+        &list_url(label_selector, page_size, next),
+        protobuf::MEDIA_TYPE,
+    )
+    .await?;
+    let status = res.status();
+    let body = res.into_body().collect_bytes().await?;
+    if !status.is_success() {
+        return Err(kube::Error::Api(error_status(status, &body).boxed()));
+    }
+    let env = protobuf::envelope(&body).map_err(decode_error)?;
+    protobuf::slice_list(env.raw).map_err(decode_error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_values_are_percent_encoded() {
+        assert_eq!(
+            encode("multicluster.kubernetes.io/service-name"),
+            "multicluster.kubernetes.io%2Fservice-name"
+        );
+        assert_eq!(encode("a b=c&d"), "a%20b%3Dc%26d");
+        assert_eq!(
+            list_url("x", 5000, "tok/en="),
+            "/apis/discovery.k8s.io/v1/endpointslices?labelSelector=x&limit=5000&continue=tok%2Fen%3D"
+        );
+    }
+
+    #[test]
+    fn error_bodies_give_their_status_in_either_encoding() {
+        use protobuf::encode::*;
+        let pb = envelope(
+            "Status",
+            &cat(&[s(3, "continue token expired"), s(4, "Expired"), n(6, 410)]),
+        );
+        let st = error_status(http::StatusCode::GONE, &pb);
+        assert_eq!((st.code, st.reason.as_str()), (410, "Expired"));
+        let json = br#"{"kind":"Status","code":403,"reason":"Forbidden","message":"no"}"#;
+        assert_eq!(error_status(http::StatusCode::FORBIDDEN, json).code, 403);
+        let text = error_status(http::StatusCode::BAD_GATEWAY, b"upstream down");
+        assert_eq!((text.code, text.message.as_str()), (502, "upstream down"));
+    }
+}
