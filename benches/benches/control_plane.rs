@@ -1,8 +1,9 @@
 //! Control plane against a real kube-apiserver (not criterion: each sample is an API write):
 //!
 //! - full sync: time from starting the kube source to the first full table applied, and then
-//!   `MCS_BENCH_SYNC_AB` (default 3) more of each with EndpointSlices read as JSON and as
-//!   protobuf (the default), interleaved, medians shown;
+//!   `MCS_BENCH_SYNC_AB` (default 3) more of each way of reading EndpointSlices (JSON in
+//!   pages, protobuf in pages, protobuf from the watch cache in one response), interleaved,
+//!   medians shown;
 //! - event latency: time from an EndpointSlice write (one endpoint flips readiness) to the
 //!   dataplane having the diff, p50/p99 over `MCS_BENCH_SAMPLES` writes;
 //! - burst: one write to each of up to 10,000 slices by 16 writers; every written state must
@@ -35,7 +36,15 @@ use mcs_api::ServiceImport;
 use mcs_model::{
     Dataplane, DataplaneError, ForwardingTable, Frontend, NodeConfig, Protocol, TableDiff,
 };
-use mcs_sync::{SyncConfig, SyncLoop, http::Health, metrics::Metrics, source::kube::SliceEncoding};
+use mcs_sync::{
+    SyncConfig, SyncLoop,
+    http::Health,
+    metrics::Metrics,
+    source::{
+        kube::{SLICE_PAGE_SIZE, SliceEncoding},
+        slice_watch::ListFrom,
+    },
+};
 use tokio::sync::Notify;
 
 /// Records when diffs arrive, and keeps the table they make.
@@ -116,15 +125,43 @@ fn controller(dp: Timed) -> (SyncLoop<Timed>, Health) {
     (controller, health)
 }
 
+/// How the A/B reads EndpointSlices: name, encoding, and where the protobuf list comes from.
+const SLICE_READS: [(&str, SliceEncoding, ListFrom); 3] = [
+    (
+        "JSON",
+        SliceEncoding::Json,
+        ListFrom::Etcd {
+            page_size: SLICE_PAGE_SIZE,
+        },
+    ),
+    (
+        "protobuf",
+        SliceEncoding::Protobuf,
+        ListFrom::Etcd {
+            page_size: SLICE_PAGE_SIZE,
+        },
+    ),
+    (
+        "protobuf from the watch cache",
+        SliceEncoding::Protobuf,
+        ListFrom::Cache,
+    ),
+];
+
 /// A full sync (start → first full table applied) of a fresh kube source and controller,
-/// reading EndpointSlices as `slices`; everything is dropped after.
-async fn fresh_full_sync(client: &kube::Client, slices: SliceEncoding) -> Duration {
+/// reading EndpointSlices as `slices` listed from `slice_list`; everything is dropped after.
+async fn fresh_full_sync(
+    client: &kube::Client,
+    slices: SliceEncoding,
+    slice_list: ListFrom,
+) -> Duration {
     let (controller, health) = controller(Timed::default());
     let (tx, rx) = tokio::sync::mpsc::channel(8192);
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let start = Instant::now();
     let options = mcs_sync::source::kube::Options {
         slices,
+        slice_list,
         ..Default::default()
     };
     let source = tokio::spawn(mcs_sync::source::kube::run(client.clone(), tx, options));
@@ -137,6 +174,11 @@ async fn fresh_full_sync(client: &kube::Client, slices: SliceEncoding) -> Durati
     let _ = run.await;
     let _ = source.await;
     took
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 fn main() {
@@ -257,11 +299,12 @@ fn main() {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let rss = rss_mib() - rss0;
 
-        // EndpointSlices as JSON against protobuf (the default): fresh full syncs, interleaved.
-        let mut ab: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        // EndpointSlices as JSON, protobuf (the default) and protobuf from the watch cache:
+        // fresh full syncs, interleaved.
+        let mut ab: [Vec<f64>; 3] = Default::default();
         for _ in 0..ab_reps {
-            for (k, enc) in [SliceEncoding::Json, SliceEncoding::Protobuf].into_iter().enumerate() {
-                ab[k].push(fresh_full_sync(&client, enc).await.as_secs_f64());
+            for (k, (_, enc, list)) in SLICE_READS.into_iter().enumerate() {
+                ab[k].push(fresh_full_sync(&client, enc, list).await.as_secs_f64());
             }
         }
 
@@ -372,17 +415,13 @@ fn main() {
         }
         println!("  full sync (start → first full table applied): {:.2} s", full_sync.as_secs_f64());
         if ab_reps > 0 {
-            let median = |v: &mut Vec<f64>| {
-                v.sort_by(f64::total_cmp);
-                v[v.len() / 2]
-            };
-            let runs = |v: &[f64]| v.iter().map(|s| format!("{s:.2}")).collect::<Vec<_>>().join(", ");
-            let (json, pb) = (runs(&ab[0]), runs(&ab[1]));
-            let (mj, mp) = (median(&mut ab[0]), median(&mut ab[1]));
-            println!(
-                "  full sync, slices as JSON vs protobuf ({ab_reps} interleaved runs each): median {mj:.2} s vs {mp:.2} s ({:.2}x); JSON [{json}], protobuf [{pb}]",
-                mj / mp
-            );
+            println!("  full sync by how EndpointSlices are read ({ab_reps} interleaved runs each):");
+            let json_median = median(&mut ab[0].clone());
+            for ((name, _, _), runs) in SLICE_READS.iter().zip(&ab) {
+                let m = median(&mut runs.clone());
+                let all = runs.iter().map(|s| format!("{s:.2}")).collect::<Vec<_>>().join(", ");
+                println!("    {name:<30} median {m:.2} s ({:.2}x JSON's speed) [{all}]", json_median / m);
+            }
         }
         println!(
             "  EndpointSlice write → diff applied: p50 {:.1} ms, p99 {:.1} ms ({samples} writes)",

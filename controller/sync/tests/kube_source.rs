@@ -738,7 +738,12 @@ async fn protobuf_and_json_read_the_same_slices() {
     assert_eq!(json.len(), 3);
 
     // Protobuf, in pages of 2 (the continue token is followed).
-    let mut stream = slice_watch::slices(client.clone(), selector.clone(), 2).boxed();
+    let mut stream = slice_watch::slices(
+        client.clone(),
+        selector.clone(),
+        slice_watch::ListFrom::Etcd { page_size: 2 },
+    )
+    .boxed();
     let mut next = async || {
         tokio::time::timeout(WAIT, stream.next())
             .await
@@ -757,6 +762,36 @@ async fn protobuf_and_json_read_the_same_slices() {
     }
     listed.sort_by(|a, b| a.name.cmp(&b.name));
     assert_eq!(listed, json, "the list reads the same");
+
+    // From the watch cache, in one response: the same (polled: the cache may lag etcd a
+    // moment after the writes).
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let mut cached = slice_watch::slices(
+            client.clone(),
+            selector.clone(),
+            slice_watch::ListFrom::Cache,
+        )
+        .boxed();
+        let mut got = Vec::new();
+        while let Some(ev) = tokio::time::timeout(WAIT, cached.next()).await.unwrap() {
+            match ev.expect("no error") {
+                Event::Init => {}
+                Event::InitApply(s) => got.push(convert::slice(s)),
+                Event::InitDone => break,
+                other => panic!("unexpected during the list: {other:?}"),
+            }
+        }
+        got.sort_by(|a, b| a.name.cmp(&b.name));
+        if got == json {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cached list never read the same: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // A change and a deletion arrive as watch events, read the same as JSON reads them.
     let mut changed = slices.get("full-c1").await.unwrap();

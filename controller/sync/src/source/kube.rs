@@ -94,6 +94,11 @@ pub struct Options {
     pub retry_max: Duration,
     /// How EndpointSlices are read.
     pub slices: SliceEncoding,
+    /// Where the protobuf EndpointSlice watch lists from: by default the watch cache in one
+    /// response (at 1M endpoints a full sync took 11.5 s so, 19.0 s in consistent pages with
+    /// the next page prefetched, 24.7 s as JSON in pages; README). The JSON watch always lists
+    /// consistently in pages of [`SLICE_PAGE_SIZE`].
+    pub slice_list: slice_watch::ListFrom,
 }
 
 /// How the kube source reads EndpointSlices.
@@ -112,6 +117,7 @@ impl Default for Options {
             watch_cluster_id: false,
             retry_max: Duration::from_secs(5),
             slices: SliceEncoding::default(),
+            slice_list: slice_watch::ListFrom::Cache,
         }
     }
 }
@@ -173,6 +179,7 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
         watch_cluster_id,
         retry_max,
         slices: encoding,
+        slice_list,
     } = options;
     let mut retry = WatchRetry::new(retry_max);
     let Some(version) = until_ok(&mut retry, &tx, "cannot watch ServiceImports yet", || {
@@ -238,12 +245,7 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
         }
     };
     let slice_stream = if protobuf {
-        slice_watch::slices(
-            client.clone(),
-            LABEL_SERVICE_NAME.to_string(),
-            SLICE_PAGE_SIZE,
-        )
-        .boxed()
+        slice_watch::slices(client.clone(), LABEL_SERVICE_NAME.to_string(), slice_list).boxed()
     } else {
         watcher(
             Api::<convert::LeanSlice>::all(client.clone()),

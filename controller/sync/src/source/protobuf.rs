@@ -51,6 +51,7 @@ enum Value<'a> {
 }
 
 /// Reads the fields of one message.
+#[derive(Debug)]
 struct Fields<'a> {
     buf: &'a [u8],
 }
@@ -310,17 +311,55 @@ pub fn slice(buf: &[u8]) -> Result<LeanSlice> {
 
 /// An `EndpointSliceList` message: its items and list metadata.
 pub fn slice_list(buf: &[u8]) -> Result<(Vec<LeanSlice>, ListMeta)> {
+    let mut list = ListReader::new(buf);
     let mut items = Vec::new();
-    let mut meta = ListMeta::default();
-    let mut f = Fields::new(buf);
-    while let Some((n, v)) = f.next_field()? {
-        match n {
-            1 => meta = list_meta(bytes(v)?)?,
-            2 => items.push(slice(bytes(v)?)?),
-            _ => {}
+    while let Some(s) = list.next_item()? {
+        items.push(s);
+    }
+    Ok((items, list.meta))
+}
+
+#[derive(Debug)]
+/// Reads an `EndpointSliceList` one item at a time, so a large list is never held decoded
+/// whole; its metadata is known once every item has been read.
+pub struct ListReader<'a> {
+    fields: Fields<'a>,
+    /// The list's metadata (complete after the last item).
+    pub meta: ListMeta,
+}
+
+impl<'a> ListReader<'a> {
+    /// A reader of the list message `buf` (the bytes inside the envelope).
+    pub fn new(buf: &'a [u8]) -> Self {
+        Self {
+            fields: Fields::new(buf),
+            meta: ListMeta::default(),
         }
     }
-    Ok((items, meta))
+
+    /// The list's metadata without decoding its items (the API server writes it first; the
+    /// items before it, if any, are skipped by their length).
+    pub fn peek_meta(&self) -> Result<ListMeta> {
+        let mut f = Fields::new(self.fields.buf);
+        while let Some((n, v)) = f.next_field()? {
+            if n == 1 {
+                return list_meta(bytes(v)?);
+            }
+        }
+        Ok(ListMeta::default())
+    }
+
+    /// The next item, `None` after the last.
+    pub fn next_item(&mut self) -> Result<Option<LeanSlice>> {
+        while let Some((n, v)) = self.fields.next_field()? {
+            match n {
+                1 => self.meta = list_meta(bytes(v)?)?,
+                2 => return slice(bytes(v)?).map(Some),
+                _ => {}
+            }
+        }
+        Ok(None)
+    }
 }
 
 /// A `metav1.Status` (an error the API server sends instead of an object).

@@ -47,12 +47,25 @@ pub async fn serves_protobuf(client: &Client, label_selector: &str) -> Result<bo
     Ok(protobuf)
 }
 
-/// The stream of watcher events of the EndpointSlices that match `label_selector`, listed in
-/// pages of `page_size`.
+/// Where the list that starts a watch is read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ListFrom {
+    /// A consistent read (etcd, or the watch cache where the API server serves consistent
+    /// reads from it), in pages of `page_size`.
+    Etcd {
+        /// Objects per page.
+        page_size: u32,
+    },
+    /// The API server's watch cache (`resourceVersion=0`), in one response: it may lag etcd
+    /// a little; the watch from its version brings it up to date.
+    Cache,
+}
+
+/// The stream of watcher events of the EndpointSlices that match `label_selector`.
 pub fn slices(
     client: Client,
     label_selector: String,
-    page_size: u32,
+    list: ListFrom,
 ) -> impl Stream<Item = Result<Event<LeanSlice>, Error>> + Send + 'static {
     async_stream::stream! {
         // Where the watch goes on from; `None`: list first.
@@ -60,27 +73,60 @@ pub fn slices(
         loop {
             let Some(from) = version.clone() else {
                 yield Ok(Event::Init);
+                // The next page is fetched while this one's items are handed on, so the API
+                // server's work and ours overlap.
+                let mut pending: Option<Prefetch> = None;
                 let mut next = String::new();
                 loop {
-                    match list_page(&client, &label_selector, page_size, &next).await {
-                        Ok((items, meta)) => {
-                            for s in items {
-                                yield Ok(Event::InitApply(s));
-                            }
-                            if meta.continue_token.is_empty() {
-                                version = Some(meta.resource_version);
-                                yield Ok(Event::InitDone);
-                                break;
-                            }
-                            next = meta.continue_token;
-                        }
+                    let fetched = match pending.take() {
+                        Some(p) => p.get().await,
+                        None => list_body(&client, &label_selector, list, &next).await,
+                    };
+                    let body = match fetched {
+                        Ok(b) => b,
                         Err(e) => {
                             // Listed again from the start on the next poll (a 410 means the
                             // continue token expired: the same).
                             yield Err(Error::InitialListFailed(e));
                             break;
                         }
+                    };
+                    let opened = protobuf::envelope(&body).and_then(|env| {
+                        let items = protobuf::ListReader::new(env.raw);
+                        items.peek_meta().map(|meta| (items, meta))
+                    });
+                    // Items are decoded and handed on one at a time.
+                    let (mut items, meta) = match opened {
+                        Ok(o) => o,
+                        Err(e) => {
+                            yield Err(Error::InitialListFailed(decode_error(e)));
+                            break;
+                        }
+                    };
+                    if !meta.continue_token.is_empty() {
+                        pending = Some(Prefetch::start(&client, &label_selector, list, &meta.continue_token));
                     }
+                    let mut failed = None;
+                    loop {
+                        match items.next_item() {
+                            Ok(Some(s)) => yield Ok(Event::InitApply(s)),
+                            Ok(None) => break,
+                            Err(e) => {
+                                failed = Some(e);
+                                break;
+                            }
+                        }
+                    }
+                    if let Some(e) = failed {
+                        yield Err(Error::InitialListFailed(decode_error(e)));
+                        break;
+                    }
+                    if meta.continue_token.is_empty() {
+                        version = Some(meta.resource_version);
+                        yield Ok(Event::InitDone);
+                        break;
+                    }
+                    next = meta.continue_token;
                 }
                 continue;
             };
@@ -275,25 +321,54 @@ fn error_status(code: http::StatusCode, body: &[u8]) -> Status {
     Status::failure(text.trim(), "Failed to parse error data").with_code(code.as_u16())
 }
 
-async fn list_page(
+/// The next list page, fetched in a task of its own; aborted when dropped (the stream was
+/// dropped, or the list failed).
+struct Prefetch(tokio::task::JoinHandle<Result<bytes::Bytes, kube::Error>>);
+
+impl Prefetch {
+    fn start(client: &Client, label_selector: &str, list: ListFrom, next: &str) -> Self {
+        let (client, label_selector, next) =
+            (client.clone(), label_selector.to_owned(), next.to_owned());
+        Self(tokio::spawn(async move {
+            list_body(&client, &label_selector, list, &next).await
+        }))
+    }
+
+    async fn get(mut self) -> Result<bytes::Bytes, kube::Error> {
+        match (&mut self.0).await {
+            Ok(r) => r,
+            Err(e) => Err(kube::Error::Service(Box::new(e))),
+        }
+    }
+}
+
+impl Drop for Prefetch {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// One list response's body: a page of a consistent list, or the whole list from the cache.
+async fn list_body(
     client: &Client,
     label_selector: &str,
-    page_size: u32,
+    list: ListFrom,
     next: &str,
-) -> Result<(Vec<LeanSlice>, protobuf::ListMeta), kube::Error> {
-    let res = send(
-        client,
-        &list_url(label_selector, page_size, next),
-        protobuf::MEDIA_TYPE,
-    )
-    .await?;
+) -> Result<bytes::Bytes, kube::Error> {
+    let url = match list {
+        ListFrom::Etcd { page_size } => list_url(label_selector, page_size, next),
+        ListFrom::Cache => format!(
+            "{PATH}?labelSelector={}&resourceVersion=0",
+            encode(label_selector)
+        ),
+    };
+    let res = send(client, &url, protobuf::MEDIA_TYPE).await?;
     let status = res.status();
     let body = res.into_body().collect_bytes().await?;
     if !status.is_success() {
         return Err(kube::Error::Api(error_status(status, &body).boxed()));
     }
-    let env = protobuf::envelope(&body).map_err(decode_error)?;
-    protobuf::slice_list(env.raw).map_err(decode_error)
+    Ok(body)
 }
 
 #[cfg(test)]
