@@ -299,8 +299,8 @@ fn main() {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let rss = rss_mib() - rss0;
 
-        // EndpointSlices as JSON, protobuf (the default) and protobuf from the watch cache:
-        // fresh full syncs, interleaved.
+        // EndpointSlices as JSON, protobuf in pages and protobuf from the watch cache (the
+        // default): fresh full syncs, interleaved.
         let mut ab: [Vec<f64>; 3] = Default::default();
         for _ in 0..ab_reps {
             for (k, (_, enc, list)) in SLICE_READS.into_iter().enumerate() {

@@ -309,8 +309,9 @@ mod tests {
         drop(first);
         drop(second);
         let third = set(&[a, "198.18.1.4:8080", "198.18.1.5:8080"]);
-        assert!(
-            metrics.retired_slabs(&third.frontend) == 0,
+        assert_eq!(
+            metrics.retired_slabs(&third.frontend),
+            0,
             "the slab nothing holds was folded"
         );
         drop(third);

@@ -22,6 +22,7 @@ use k8s_openapi::{
     api::discovery::v1::{EndpointConditions, EndpointPort},
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
+use kube::core::Status;
 
 use crate::convert::{LeanEndpoint, LeanSlice};
 
@@ -362,18 +363,8 @@ impl<'a> ListReader<'a> {
     }
 }
 
-/// A `metav1.Status` (an error the API server sends instead of an object).
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Status {
-    /// HTTP-like code (410: the resource version is too old).
-    pub code: u16,
-    /// `reason` (e.g. `Expired`).
-    pub reason: String,
-    /// `message`.
-    pub message: String,
-}
-
-/// A `Status` message.
+/// A `metav1.Status` message (an error the API server sends instead of an object): its
+/// code (410: the resource version is too old), reason and message.
 pub fn status(buf: &[u8]) -> Result<Status> {
     let mut s = Status::default();
     let mut f = Fields::new(buf);

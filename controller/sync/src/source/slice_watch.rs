@@ -15,8 +15,9 @@ use futures::Stream;
 use http_body_util::BodyExt as _;
 use kube::{
     Client,
+    api::{ListParams, WatchParams},
     client::Body,
-    core::Status,
+    core::{Request, Status},
     runtime::watcher::{Error, Event},
 };
 
@@ -24,7 +25,7 @@ use super::protobuf::{self, DecodeError};
 use crate::convert::LeanSlice;
 
 /// The server-side timeout of a watch request (kube-rs's default).
-const WATCH_TIMEOUT_S: u64 = 290;
+const WATCH_TIMEOUT_S: u32 = 290;
 /// How long a watch may stay silent past its timeout before it is taken for dead.
 const WATCH_IDLE_MARGIN: Duration = Duration::from_secs(5);
 const PATH: &str = "/apis/discovery.k8s.io/v1/endpointslices";
@@ -34,7 +35,7 @@ const PATH: &str = "/apis/discovery.k8s.io/v1/endpointslices";
 pub async fn serves_protobuf(client: &Client, label_selector: &str) -> Result<bool, kube::Error> {
     let res = send(
         client,
-        &list_url(label_selector, 1, ""),
+        list_request(label_selector, ListFrom::Etcd { page_size: 1 }, ""),
         &format!("{}, application/json", protobuf::MEDIA_TYPE),
     )
     .await?;
@@ -106,17 +107,13 @@ pub fn slices(
                     if !meta.continue_token.is_empty() {
                         pending = Some(Prefetch::start(&client, &label_selector, list, &meta.continue_token));
                     }
-                    let mut failed = None;
-                    loop {
+                    let failed = loop {
                         match items.next_item() {
                             Ok(Some(s)) => yield Ok(Event::InitApply(s)),
-                            Ok(None) => break,
-                            Err(e) => {
-                                failed = Some(e);
-                                break;
-                            }
+                            Ok(None) => break None,
+                            Err(e) => break Some(e),
                         }
-                    }
+                    };
                     if let Some(e) = failed {
                         yield Err(Error::InitialListFailed(decode_error(e)));
                         break;
@@ -130,7 +127,7 @@ pub fn slices(
                 }
                 continue;
             };
-            let res = match send(&client, &watch_url(&label_selector, &from), protobuf::WATCH_MEDIA_TYPE).await {
+            let res = match send(&client, watch_request(&label_selector, &from), protobuf::WATCH_MEDIA_TYPE).await {
                 Ok(r) => r,
                 Err(e) => {
                     yield Err(Error::WatchStartFailed(e));
@@ -151,7 +148,7 @@ pub fn slices(
             }
             let mut body = res.into_body();
             let mut buf: Vec<u8> = Vec::new();
-            let idle = Duration::from_secs(WATCH_TIMEOUT_S) + WATCH_IDLE_MARGIN;
+            let idle = Duration::from_secs(u64::from(WATCH_TIMEOUT_S)) + WATCH_IDLE_MARGIN;
             'frames: loop {
                 // Every complete frame in the buffer first.
                 let mut used = 0;
@@ -237,12 +234,7 @@ fn event(frame: &[u8]) -> Result<Watched, DecodeError> {
                 .resource_version
                 .unwrap_or_default(),
         )),
-        "ERROR" => {
-            let s = protobuf::status(object.raw)?;
-            Ok(Watched::Failure(
-                Status::failure(&s.message, &s.reason).with_code(s.code),
-            ))
-        }
+        "ERROR" => Ok(Watched::Failure(protobuf::status(object.raw)?)),
         _ => Err(DecodeError("unknown watch event type")),
     }
 }
@@ -251,49 +243,48 @@ fn decode_error(e: DecodeError) -> kube::Error {
     kube::Error::Service(Box::new(e))
 }
 
-fn list_url(label_selector: &str, limit: u32, next: &str) -> String {
-    let mut url = format!(
-        "{PATH}?labelSelector={}&limit={limit}",
-        encode(label_selector)
-    );
-    if !next.is_empty() {
-        url.push_str("&continue=");
-        url.push_str(&encode(next));
-    }
-    url
+/// The list request: a page of a consistent list, or the whole list from the watch cache.
+fn list_request(
+    label_selector: &str,
+    list: ListFrom,
+    next: &str,
+) -> Result<http::Request<Vec<u8>>, kube::Error> {
+    let mut params = ListParams::default().labels(label_selector);
+    params = match list {
+        ListFrom::Etcd { page_size } if next.is_empty() => params.limit(page_size),
+        ListFrom::Etcd { page_size } => params.limit(page_size).continue_token(next),
+        // `resourceVersion=0` alone, as client-go's informers list (any version, from the cache).
+        ListFrom::Cache => params.at("0"),
+    };
+    Request::new(PATH)
+        .list(&params)
+        .map_err(kube::Error::BuildRequest)
 }
 
-fn watch_url(label_selector: &str, version: &str) -> String {
-    format!(
-        "{PATH}?watch=true&labelSelector={}&resourceVersion={}&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}",
-        encode(label_selector),
-        encode(version)
-    )
+/// The watch request from `version`, with bookmarks and the server-side timeout.
+fn watch_request(
+    label_selector: &str,
+    version: &str,
+) -> Result<http::Request<Vec<u8>>, kube::Error> {
+    let params = WatchParams::default()
+        .labels(label_selector)
+        .timeout(WATCH_TIMEOUT_S);
+    Request::new(PATH)
+        .watch(&params, version)
+        .map_err(kube::Error::BuildRequest)
 }
 
-/// Percent-encodes a query value (everything but unreserved characters).
-fn encode(v: &str) -> String {
-    let mut out = String::with_capacity(v.len());
-    for b in v.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
+/// Sends `req` (built by kube's `Request`) asking for `accept`.
 async fn send(
     client: &Client,
-    url: &str,
+    req: Result<http::Request<Vec<u8>>, kube::Error>,
     accept: &str,
 ) -> Result<http::Response<Body>, kube::Error> {
-    let req = http::Request::get(url)
-        .header(http::header::ACCEPT, accept)
-        .body(Body::from(Vec::new()))
-        .map_err(kube::Error::HttpError)?;
-    client.send(req).await
+    let mut req = req?;
+    let accept =
+        http::HeaderValue::from_str(accept).map_err(|e| kube::Error::HttpError(e.into()))?;
+    req.headers_mut().insert(http::header::ACCEPT, accept);
+    client.send(req.map(Body::from)).await
 }
 
 fn content_type(res: &http::Response<Body>) -> &str {
@@ -306,13 +297,12 @@ fn content_type(res: &http::Response<Body>) -> &str {
 /// The `Status` of an error response: protobuf, JSON, or else its text.
 fn error_status(code: http::StatusCode, body: &[u8]) -> Status {
     if let Ok(env) = protobuf::envelope(body)
-        && let Ok(s) = protobuf::status(env.raw)
+        && let Ok(mut s) = protobuf::status(env.raw)
     {
-        return Status::failure(&s.message, &s.reason).with_code(if s.code == 0 {
-            code.as_u16()
-        } else {
-            s.code
-        });
+        if s.code == 0 {
+            s.code = code.as_u16();
+        }
+        return s;
     }
     if let Ok(s) = serde_json::from_slice::<Status>(body) {
         return s;
@@ -355,14 +345,12 @@ async fn list_body(
     list: ListFrom,
     next: &str,
 ) -> Result<bytes::Bytes, kube::Error> {
-    let url = match list {
-        ListFrom::Etcd { page_size } => list_url(label_selector, page_size, next),
-        ListFrom::Cache => format!(
-            "{PATH}?labelSelector={}&resourceVersion=0",
-            encode(label_selector)
-        ),
-    };
-    let res = send(client, &url, protobuf::MEDIA_TYPE).await?;
+    let res = send(
+        client,
+        list_request(label_selector, list, next),
+        protobuf::MEDIA_TYPE,
+    )
+    .await?;
     let status = res.status();
     let body = res.into_body().collect_bytes().await?;
     if !status.is_success() {
@@ -376,16 +364,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn query_values_are_percent_encoded() {
-        assert_eq!(
-            encode("multicluster.kubernetes.io/service-name"),
-            "multicluster.kubernetes.io%2Fservice-name"
+    fn requests_carry_the_selector_pages_cache_and_watch_parameters() {
+        let uri = |r: Result<http::Request<Vec<u8>>, kube::Error>| r.unwrap().uri().to_string();
+        let sel = "multicluster.kubernetes.io/service-name";
+        let page = uri(list_request(
+            sel,
+            ListFrom::Etcd { page_size: 5000 },
+            "tok/en=",
+        ));
+        assert!(
+            page.starts_with("/apis/discovery.k8s.io/v1/endpointslices?"),
+            "{page}"
         );
-        assert_eq!(encode("a b=c&d"), "a%20b%3Dc%26d");
-        assert_eq!(
-            list_url("x", 5000, "tok/en="),
-            "/apis/discovery.k8s.io/v1/endpointslices?labelSelector=x&limit=5000&continue=tok%2Fen%3D"
-        );
+        for part in [
+            "labelSelector=multicluster.kubernetes.io%2Fservice-name",
+            "limit=5000",
+            "continue=tok%2Fen%3D",
+        ] {
+            assert!(page.contains(part), "{page} lacks {part}");
+        }
+        let cached = uri(list_request(sel, ListFrom::Cache, ""));
+        assert!(cached.ends_with("&resourceVersion=0"), "{cached}");
+        assert!(!cached.contains("limit"), "{cached}");
+        let watch = uri(watch_request(sel, "42"));
+        for part in [
+            "watch=true",
+            "timeoutSeconds=290",
+            "allowWatchBookmarks=true",
+            "resourceVersion=42",
+        ] {
+            assert!(watch.contains(part), "{watch} lacks {part}");
+        }
     }
 
     #[test]
