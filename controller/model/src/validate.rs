@@ -559,11 +559,16 @@ pub struct ValidSlice {
 
 /// The service an EndpointSlice names by label, if any.
 pub fn slice_service(input: &SliceInput) -> Option<ServiceRef> {
+    service_label(input).map(|s| ServiceRef::new(&input.namespace, s))
+}
+
+/// The name of that service, not copied.
+fn service_label(input: &SliceInput) -> Option<&str> {
     input
         .labels
         .get(LABEL_SERVICE_NAME)
+        .map(String::as_str)
         .filter(|s| !s.is_empty())
-        .map(|s| ServiceRef::new(&input.namespace, s))
 }
 
 /// Validates an EndpointSlice against the node's `guard`. Cluster, zone and node names come
@@ -583,7 +588,7 @@ pub fn slice(
         ));
         return None;
     }
-    if slice_service(input).is_none() {
+    if service_label(input).is_none() {
         out.push(Rejection::new(
             object,
             Reason::MissingServiceLabel,

@@ -43,6 +43,9 @@ pub struct DecodeError(pub &'static str);
 
 type Result<T> = std::result::Result<T, DecodeError>;
 
+const NOT_PROTOBUF: DecodeError =
+    DecodeError("not a Kubernetes protobuf object (no k8s\\0 prefix)");
+
 /// A field's value on the wire.
 enum Value<'a> {
     Varint(u64),
@@ -152,9 +155,7 @@ pub struct Envelope<'a> {
 
 /// Opens the `k8s\0` + `runtime.Unknown` envelope of an object.
 pub fn envelope(buf: &[u8]) -> Result<Envelope<'_>> {
-    let body = buf.strip_prefix(MAGIC.as_slice()).ok_or(DecodeError(
-        "not a Kubernetes protobuf object (no k8s\\0 prefix)",
-    ))?;
+    let body = buf.strip_prefix(MAGIC.as_slice()).ok_or(NOT_PROTOBUF)?;
     let mut out = Envelope {
         kind: String::new(),
         raw: &[],
@@ -310,56 +311,217 @@ pub fn slice(buf: &[u8]) -> Result<LeanSlice> {
     Ok(s)
 }
 
-/// An `EndpointSliceList` message: its items and list metadata.
-pub fn slice_list(buf: &[u8]) -> Result<(Vec<LeanSlice>, ListMeta)> {
-    let mut list = ListReader::new(buf);
-    let mut items = Vec::new();
-    while let Some(s) = list.next_item()? {
-        items.push(s);
+/// A whole `EndpointSliceList` response (envelope included): its items and list metadata.
+pub fn slice_list(response: &[u8]) -> Result<(Vec<LeanSlice>, ListMeta)> {
+    let mut list = ListStream::default();
+    list.feed(response);
+    let (mut items, mut meta) = (Vec::new(), ListMeta::default());
+    while let Some(part) = list.next_part()? {
+        match part {
+            ListPart::Meta(m) => meta = m,
+            ListPart::Item(s) => items.push(s),
+        }
     }
-    Ok((items, list.meta))
+    list.finish()?;
+    Ok((items, meta))
 }
 
+/// What a [`ListStream`] gives, in the order of the response (the API server writes the
+/// list's metadata before its items).
 #[derive(Debug)]
-/// Reads an `EndpointSliceList` one item at a time, so a large list is never held decoded
-/// whole; its metadata is known once every item has been read.
-pub struct ListReader<'a> {
-    fields: Fields<'a>,
-    /// The list's metadata (complete after the last item).
-    pub meta: ListMeta,
+#[allow(
+    clippy::large_enum_variant,
+    reason = "nearly every part is an item, moved on at once; boxing it would allocate once more per item"
+)]
+pub enum ListPart {
+    /// The list's metadata: where the watch starts, the next page's token.
+    Meta(ListMeta),
+    /// One item.
+    Item(LeanSlice),
 }
 
-impl<'a> ListReader<'a> {
-    /// A reader of the list message `buf` (the bytes inside the envelope).
-    pub fn new(buf: &'a [u8]) -> Self {
-        Self {
-            fields: Fields::new(buf),
-            meta: ListMeta::default(),
+/// Where a [`ListStream`] is in the response.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum ListAt {
+    /// Before the `k8s\0` prefix.
+    #[default]
+    Magic,
+    /// In the envelope, before its `raw` field (the list).
+    Envelope,
+    /// In the list; this many of its bytes are still to be read.
+    List(usize),
+    /// In the envelope, after the list.
+    After,
+}
+
+/// Decodes an `EndpointSliceList` response as its bytes arrive: fed the body in pieces of
+/// any size, it gives the list's metadata and each item as soon as their bytes are all
+/// there, and keeps only the bytes not yet decoded (at most one item's worth and a read's).
+/// So a list of 1M endpoints (138 MB) is never held whole, and decoding overlaps the API
+/// server's writing. An item (a field) over [`MAX_FRAME_BYTES`] is an error, not a buffer
+/// that grows.
+#[derive(Debug, Default)]
+pub struct ListStream {
+    buf: Vec<u8>,
+    /// How much of `buf` is decoded.
+    used: usize,
+    at: ListAt,
+}
+
+impl ListStream {
+    /// Adds the next bytes of the response.
+    pub fn feed(&mut self, data: &[u8]) {
+        if self.used == self.buf.len() {
+            self.buf.clear();
+            self.used = 0;
+        } else if self.used >= 64 << 10 {
+            self.buf.drain(..self.used);
+            self.used = 0;
+        }
+        self.buf.extend_from_slice(data);
+    }
+
+    /// The next part, `None` until more bytes are fed (or after the last).
+    pub fn next_part(&mut self) -> Result<Option<ListPart>> {
+        loop {
+            let rest = &self.buf[self.used..];
+            match self.at {
+                ListAt::Magic => {
+                    let n = rest.len().min(MAGIC.len());
+                    if rest[..n] != MAGIC[..n] {
+                        return Err(NOT_PROTOBUF);
+                    }
+                    if n < MAGIC.len() {
+                        return Ok(None);
+                    }
+                    self.used += MAGIC.len();
+                    self.at = ListAt::Envelope;
+                }
+                ListAt::Envelope | ListAt::After => {
+                    let Some(f) = extent(rest)? else {
+                        return Ok(None);
+                    };
+                    if self.at == ListAt::Envelope && f.number == 2 && f.wire == 2 {
+                        // The list (`raw`), of any size: read field by field as it arrives.
+                        self.used += f.value;
+                        self.at = ListAt::List(f.len);
+                        continue;
+                    }
+                    // typeMeta, contentType, anything else: whole, and not needed (as in
+                    // [`envelope`]).
+                    let end = f.buffered_end()?;
+                    if rest.len() < end {
+                        return Ok(None);
+                    }
+                    if f.number == 3 && f.len > 0 {
+                        return Err(DecodeError(
+                            "encoded content (contentEncoding) is not supported",
+                        ));
+                    }
+                    self.used += end;
+                }
+                ListAt::List(0) => self.at = ListAt::After,
+                ListAt::List(left) => {
+                    let within = &rest[..rest.len().min(left)];
+                    let Some(f) = extent(within)? else {
+                        if within.len() == left {
+                            return Err(DecodeError("truncated varint"));
+                        }
+                        return Ok(None);
+                    };
+                    let end = f.buffered_end()?;
+                    if end > left {
+                        return Err(DecodeError("length past the end"));
+                    }
+                    let Some(field) = within.get(f.value..end) else {
+                        return Ok(None);
+                    };
+                    let part = match (f.number, f.wire) {
+                        (1, 2) => Some(ListPart::Meta(list_meta(field)?)),
+                        (2, 2) => Some(ListPart::Item(slice(field)?)),
+                        (1 | 2, _) => return Err(DecodeError("expected a length-delimited field")),
+                        _ => None,
+                    };
+                    self.used += end;
+                    self.at = ListAt::List(left - end);
+                    if part.is_some() {
+                        return Ok(part);
+                    }
+                }
+            }
         }
     }
 
-    /// The list's metadata without decoding its items (the API server writes it first; the
-    /// items before it, if any, are skipped by their length).
-    pub fn peek_meta(&self) -> Result<ListMeta> {
-        let mut f = Fields::new(self.fields.buf);
-        while let Some((n, v)) = f.next_field()? {
-            if n == 1 {
-                return list_meta(bytes(v)?);
-            }
+    /// At the end of the body: `Ok` only when the whole list and its envelope were read.
+    pub fn finish(&self) -> Result<()> {
+        if self.at != ListAt::After || self.used != self.buf.len() {
+            return Err(DecodeError("list response ends early"));
         }
-        Ok(ListMeta::default())
+        Ok(())
     }
+}
 
-    /// The next item, `None` after the last.
-    pub fn next_item(&mut self) -> Result<Option<LeanSlice>> {
-        while let Some((n, v)) = self.fields.next_field()? {
-            match n {
-                1 => self.meta = list_meta(bytes(v)?)?,
-                2 => return slice(bytes(v)?).map(Some),
-                _ => {}
-            }
+/// Where a field lies at the front of a buffer, from its key (and length) alone: its value
+/// starts at `value` and is `len` bytes long, which may reach past what has arrived.
+struct Extent {
+    number: u64,
+    wire: u64,
+    value: usize,
+    len: usize,
+}
+
+impl Extent {
+    /// Where the field ends, for a field that is decoded whole (so held whole): one over
+    /// [`MAX_FRAME_BYTES`] is refused rather than waited for.
+    fn buffered_end(&self) -> Result<usize> {
+        if self.len > MAX_FRAME_BYTES {
+            return Err(DecodeError("field over 16 MiB"));
         }
-        Ok(None)
+        Ok(self.value + self.len)
+    }
+}
+
+/// The [`Extent`] of the field at the front of `buf`; `None` while its key or length is
+/// incomplete.
+fn extent(buf: &[u8]) -> Result<Option<Extent>> {
+    let Some((key, k)) = partial_varint(buf)? else {
+        return Ok(None);
+    };
+    let (number, wire) = (key >> 3, key & 7);
+    if number == 0 {
+        return Err(DecodeError("field number 0"));
+    }
+    let (value, len) = match wire {
+        0 => match partial_varint(&buf[k..])? {
+            Some((_, n)) => (k, n),
+            None => return Ok(None),
+        },
+        1 => (k, 8),
+        2 => match partial_varint(&buf[k..])? {
+            Some((n, l)) => (
+                k + l,
+                usize::try_from(n).map_err(|_| DecodeError("length"))?,
+            ),
+            None => return Ok(None),
+        },
+        5 => (k, 4),
+        _ => return Err(DecodeError("unsupported wire type")),
+    };
+    Ok(Some(Extent {
+        number,
+        wire,
+        value,
+        len,
+    }))
+}
+
+/// A varint at the front of `buf` and its length; `None` while it is incomplete.
+fn partial_varint(buf: &[u8]) -> Result<Option<(u64, usize)>> {
+    let mut f = Fields::new(buf);
+    match f.varint() {
+        Ok(v) => Ok(Some((v, buf.len() - f.buf.len()))),
+        Err(_) if buf.len() < 10 && buf.iter().all(|b| b & 0x80 != 0) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
@@ -561,11 +723,109 @@ mod tests {
         let env = envelope("EndpointSliceList", &list);
         let e = super::envelope(&env).unwrap();
         assert_eq!(e.kind, "EndpointSliceList");
-        let (items, meta) = slice_list(e.raw).unwrap();
+        let (items, meta) = slice_list(&env).unwrap();
         assert_eq!(items.len(), 1);
         assert_eq!(items[0].metadata.name.as_deref(), Some("web-c1"));
         assert_eq!(meta.resource_version, "1234");
         assert_eq!(meta.continue_token, "next-page");
+    }
+
+    /// A list response as the API server writes it: metadata, `n` items, and the envelope's
+    /// (empty) contentEncoding and contentType after the list.
+    fn a_list_response(n: usize) -> Vec<u8> {
+        let mut list = msg(1, &[s(2, "77"), s(3, "")]);
+        for _ in 0..n {
+            list.extend(msg(2, &[a_slice()]));
+        }
+        let mut out = envelope("EndpointSliceList", &list);
+        out.extend(s(3, ""));
+        out.extend(s(4, ""));
+        out
+    }
+
+    /// Feeds `response` in pieces of `step` bytes; the parts' names (`meta:VERSION` or the
+    /// item's name), or the first error.
+    fn streamed(response: &[u8], step: usize) -> Result<Vec<String>> {
+        let mut list = ListStream::default();
+        let mut got = Vec::new();
+        for piece in response.chunks(step) {
+            list.feed(piece);
+            while let Some(part) = list.next_part()? {
+                got.push(match part {
+                    ListPart::Meta(m) => format!("meta:{}", m.resource_version),
+                    ListPart::Item(s) => s.metadata.name.unwrap_or_default(),
+                });
+            }
+        }
+        list.finish()?;
+        Ok(got)
+    }
+
+    #[test]
+    fn a_list_streamed_in_pieces_of_any_size_gives_what_the_whole_gives() {
+        let response = a_list_response(3);
+        let whole = streamed(&response, response.len()).unwrap();
+        assert_eq!(whole, ["meta:77", "web-c1", "web-c1", "web-c1"]);
+        for step in 1..response.len() {
+            assert_eq!(
+                streamed(&response, step).unwrap(),
+                whole,
+                "pieces of {step}"
+            );
+        }
+        let empty = a_list_response(0);
+        assert_eq!(streamed(&empty, 1).unwrap(), ["meta:77"]);
+    }
+
+    #[test]
+    fn a_streamed_list_holds_only_what_it_has_not_decoded() {
+        let response = a_list_response(2000);
+        let item = msg(2, &[a_slice()]).len();
+        let mut list = ListStream::default();
+        let (mut items, mut held) = (0, 0);
+        for piece in response.chunks(16 << 10) {
+            list.feed(piece);
+            held = held.max(list.buf.len());
+            while let Some(part) = list.next_part().unwrap() {
+                items += usize::from(matches!(part, ListPart::Item(_)));
+            }
+        }
+        list.finish().unwrap();
+        assert_eq!(items, 2000);
+        assert!(response.len() > 4 * (80 << 10));
+        assert!(
+            held <= (64 << 10) + (16 << 10) + item,
+            "held {held} bytes of {}",
+            response.len()
+        );
+    }
+
+    #[test]
+    fn a_cut_or_encoded_list_is_an_error() {
+        let response = a_list_response(2);
+        // Cut anywhere in the list: an error by the end of the body, never a silent short
+        // list. (A cut after it, in the envelope's last two fields, loses nothing.)
+        let list_end = response.len() - 2 * s(3, "").len();
+        for cut in 0..list_end {
+            assert!(streamed(&response[..cut], 7).is_err(), "cut at {cut}");
+        }
+        let mut encoded = envelope("EndpointSliceList", &msg(1, &[s(2, "1")]));
+        encoded.extend(s(3, "gzip"));
+        assert_eq!(
+            streamed(&encoded, 5).unwrap_err(),
+            DecodeError("encoded content (contentEncoding) is not supported")
+        );
+        assert_eq!(streamed(b"{\"kind\"", 1).unwrap_err(), NOT_PROTOBUF);
+        // An item that says it is 1 GiB is refused from its header, not waited for.
+        let mut huge = MAGIC.to_vec();
+        huge.extend([0x12, 0xff, 0xff, 0xff, 0xff, 0x0f]); // raw: 4 GiB
+        huge.extend([0x12, 0x80, 0x80, 0x80, 0x80, 0x04]); // an item of 1 GiB
+        let mut list = ListStream::default();
+        list.feed(&huge);
+        assert_eq!(
+            list.next_part().unwrap_err(),
+            DecodeError("field over 16 MiB")
+        );
     }
 
     #[test]
@@ -644,6 +904,17 @@ mod tests {
             let _ = super::envelope(&b);
             let _ = status(&b);
             let _ = next_frame(&b);
+        }
+
+        #[test]
+        fn arbitrary_bytes_streamed_in_arbitrary_pieces_never_panic(
+            b in proptest::collection::vec(proptest::num::u8::ANY, 0..512),
+            step in 1usize..64,
+        ) {
+            let mut prefixed = MAGIC.to_vec();
+            prefixed.extend(&b);
+            let _ = streamed(&b, step);
+            let _ = streamed(&prefixed, step);
         }
     }
 }

@@ -21,7 +21,7 @@ use kube::{
     runtime::watcher::{Error, Event},
 };
 
-use super::protobuf::{self, DecodeError};
+use super::protobuf::{self, DecodeError, ListPart};
 use crate::convert::LeanSlice;
 
 /// The server-side timeout of a watch request (kube-rs's default).
@@ -75,16 +75,18 @@ pub fn slices(
             let Some(from) = version.clone() else {
                 yield Ok(Event::Init);
                 // The next page is fetched while this one's items are handed on, so the API
-                // server's work and ours overlap.
+                // server's work and ours overlap; a page read live is decoded as it arrives.
                 let mut pending: Option<Prefetch> = None;
                 let mut next = String::new();
                 loop {
-                    let fetched = match pending.take() {
-                        Some(p) => p.get().await,
-                        None => list_body(&client, &label_selector, list, &next).await,
+                    let opened = match pending.take() {
+                        Some(p) => p.get().await.map(ListBody::fetched),
+                        None => open_list(&client, &label_selector, list, &next)
+                            .await
+                            .map(ListBody::live),
                     };
-                    let body = match fetched {
-                        Ok(b) => b,
+                    let mut page = match opened {
+                        Ok(p) => p,
                         Err(e) => {
                             // Listed again from the start on the next poll (a 410 means the
                             // continue token expired: the same).
@@ -92,30 +94,23 @@ pub fn slices(
                             break;
                         }
                     };
-                    let opened = protobuf::envelope(&body).and_then(|env| {
-                        let items = protobuf::ListReader::new(env.raw);
-                        items.peek_meta().map(|meta| (items, meta))
-                    });
-                    // Items are decoded and handed on one at a time.
-                    let (mut items, meta) = match opened {
-                        Ok(o) => o,
-                        Err(e) => {
-                            yield Err(Error::InitialListFailed(decode_error(e)));
-                            break;
-                        }
-                    };
-                    if !meta.continue_token.is_empty() {
-                        pending = Some(Prefetch::start(&client, &label_selector, list, &meta.continue_token));
-                    }
+                    let mut meta = protobuf::ListMeta::default();
                     let failed = loop {
-                        match items.next_item() {
-                            Ok(Some(s)) => yield Ok(Event::InitApply(s)),
+                        match page.next_part().await {
+                            Ok(Some(ListPart::Meta(m))) => {
+                                // Written before the items: the next page starts now.
+                                pending = (!m.continue_token.is_empty()).then(|| {
+                                    Prefetch::start(&client, &label_selector, list, &m.continue_token)
+                                });
+                                meta = m;
+                            }
+                            Ok(Some(ListPart::Item(s))) => yield Ok(Event::InitApply(s)),
                             Ok(None) => break None,
                             Err(e) => break Some(e),
                         }
                     };
                     if let Some(e) = failed {
-                        yield Err(Error::InitialListFailed(decode_error(e)));
+                        yield Err(Error::InitialListFailed(e));
                         break;
                     }
                     if meta.continue_token.is_empty() {
@@ -338,13 +333,13 @@ impl Drop for Prefetch {
     }
 }
 
-/// One list response's body: a page of a consistent list, or the whole list from the cache.
-async fn list_body(
+/// A list request sent, its response's status checked: the body still to be read.
+async fn open_list(
     client: &Client,
     label_selector: &str,
     list: ListFrom,
     next: &str,
-) -> Result<bytes::Bytes, kube::Error> {
+) -> Result<Body, kube::Error> {
     let res = send(
         client,
         list_request(label_selector, list, next),
@@ -352,11 +347,80 @@ async fn list_body(
     )
     .await?;
     let status = res.status();
-    let body = res.into_body().collect_bytes().await?;
     if !status.is_success() {
+        let body = res.into_body().collect_bytes().await?;
         return Err(kube::Error::Api(error_status(status, &body).boxed()));
     }
-    Ok(body)
+    Ok(res.into_body())
+}
+
+/// One list response's body, whole (a prefetched page).
+async fn list_body(
+    client: &Client,
+    label_selector: &str,
+    list: ListFrom,
+    next: &str,
+) -> Result<bytes::Bytes, kube::Error> {
+    open_list(client, label_selector, list, next)
+        .await?
+        .collect_bytes()
+        .await
+}
+
+/// How much of a prefetched page is decoded at a time (so the decoder's buffer stays small).
+const FETCHED_PIECE: usize = 64 << 10;
+
+/// A list response being decoded: read as its body arrives, or already fetched whole.
+struct ListBody {
+    parts: protobuf::ListStream,
+    live: Option<Body>,
+    fetched: bytes::Bytes,
+}
+
+impl ListBody {
+    fn live(body: Body) -> Self {
+        Self {
+            parts: protobuf::ListStream::default(),
+            live: Some(body),
+            fetched: bytes::Bytes::new(),
+        }
+    }
+
+    fn fetched(body: bytes::Bytes) -> Self {
+        Self {
+            parts: protobuf::ListStream::default(),
+            live: None,
+            fetched: body,
+        }
+    }
+
+    /// The next part of the list; `None` after the last, once the whole body was read and
+    /// was a whole list.
+    async fn next_part(&mut self) -> Result<Option<ListPart>, kube::Error> {
+        loop {
+            if let Some(part) = self.parts.next_part().map_err(decode_error)? {
+                return Ok(Some(part));
+            }
+            if !self.fetched.is_empty() {
+                let piece = self.fetched.split_to(self.fetched.len().min(FETCHED_PIECE));
+                self.parts.feed(&piece);
+                continue;
+            }
+            let Some(body) = &mut self.live else {
+                self.parts.finish().map_err(decode_error)?;
+                return Ok(None);
+            };
+            match body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.parts.feed(&data);
+                    }
+                }
+                Some(Err(e)) => return Err(e),
+                None => self.live = None,
+            }
+        }
+    }
 }
 
 #[cfg(test)]
