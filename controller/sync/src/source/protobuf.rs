@@ -357,9 +357,9 @@ enum ListAt {
 /// Decodes an `EndpointSliceList` response as its bytes arrive: fed the body in pieces of
 /// any size, it gives the list's metadata and each item as soon as their bytes are all
 /// there, and keeps only the bytes not yet decoded (at most one item's worth and a read's).
-/// So a list of 1M endpoints (138 MB) is never held whole, and decoding overlaps the API
-/// server's writing. An item (a field) over [`MAX_FRAME_BYTES`] is an error, not a buffer
-/// that grows.
+/// So a list of 1M endpoints (138 MB) is never held whole, and decoding overlaps the
+/// transfer. An item (a field) over [`MAX_FRAME_BYTES`] is an error, not a buffer that
+/// grows.
 #[derive(Debug, Default)]
 pub struct ListStream {
     buf: Vec<u8>,
