@@ -190,25 +190,6 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
         return;
     };
     tracing::info!(version, "watching ServiceImports in {MCS_GROUP}/{version}");
-    let protobuf = match encoding {
-        SliceEncoding::Json => false,
-        SliceEncoding::Protobuf => {
-            let probe = until_ok(&mut retry, &tx, "cannot list EndpointSlices yet", || {
-                slice_watch::serves_protobuf(&client, LABEL_SERVICE_NAME)
-            });
-            let Some(p) = probe.await else { return };
-            p
-        }
-    };
-    if encoding == SliceEncoding::Protobuf && !protobuf {
-        tracing::warn!(
-            "the API server does not answer EndpointSlices in protobuf; reading them as JSON"
-        );
-    }
-    tracing::info!(
-        encoding = if protobuf { "protobuf" } else { "json" },
-        "watching EndpointSlices"
-    );
     let remaining = Arc::new(AtomicUsize::new(if watch_cluster_id { 3 } else { 2 }));
     let delete_import = |ns, name| Some(SourceEvent::DeleteImport(ns, name));
     let (import_client, import_tx, import_remaining) =
@@ -244,23 +225,52 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
             .await;
         }
     };
-    let slice_stream = if protobuf {
-        slice_watch::slices(client.clone(), LABEL_SERVICE_NAME.to_string(), slice_list).boxed()
-    } else {
-        watcher(
-            Api::<convert::LeanSlice>::all(client.clone()),
-            slice_list_config().labels(LABEL_SERVICE_NAME),
+    // The ServiceImports' list (the longer one at scale) starts now; the EndpointSlices' first
+    // asks whether they come in protobuf.
+    let (slice_client, slice_tx, slice_remaining) = (client.clone(), tx.clone(), remaining.clone());
+    let slices = async move {
+        let protobuf = match encoding {
+            SliceEncoding::Json => false,
+            SliceEncoding::Protobuf => {
+                let mut retry = WatchRetry::new(retry_max);
+                let probe = until_ok(
+                    &mut retry,
+                    &slice_tx,
+                    "cannot list EndpointSlices yet",
+                    || slice_watch::serves_protobuf(&slice_client, LABEL_SERVICE_NAME),
+                );
+                let Some(p) = probe.await else { return };
+                p
+            }
+        };
+        if encoding == SliceEncoding::Protobuf && !protobuf {
+            tracing::warn!(
+                "the API server does not answer EndpointSlices in protobuf; reading them as JSON"
+            );
+        }
+        tracing::info!(
+            encoding = if protobuf { "protobuf" } else { "json" },
+            "watching EndpointSlices"
+        );
+        let stream = if protobuf {
+            slice_watch::slices(slice_client, LABEL_SERVICE_NAME.to_string(), slice_list).boxed()
+        } else {
+            watcher(
+                Api::<convert::LeanSlice>::all(slice_client),
+                slice_list_config().labels(LABEL_SERVICE_NAME),
+            )
+            .boxed()
+        };
+        watch(
+            stream,
+            retry_max,
+            slice_tx,
+            slice_remaining,
+            |es| Some(SourceEvent::Slice(convert::slice(es))),
+            |ns, name| Some(SourceEvent::DeleteSlice(ns, name)),
         )
-        .boxed()
+        .await;
     };
-    let slices = watch(
-        slice_stream,
-        retry_max,
-        tx.clone(),
-        remaining.clone(),
-        |es| Some(SourceEvent::Slice(convert::slice(es))),
-        |ns, name| Some(SourceEvent::DeleteSlice(ns, name)),
-    );
     if watch_cluster_id {
         let props = watch(
             watcher(
