@@ -311,21 +311,6 @@ pub fn slice(buf: &[u8]) -> Result<LeanSlice> {
     Ok(s)
 }
 
-/// A whole `EndpointSliceList` response (envelope included): its items and list metadata.
-pub fn slice_list(response: &[u8]) -> Result<(Vec<LeanSlice>, ListMeta)> {
-    let mut list = ListStream::default();
-    list.feed(response);
-    let (mut items, mut meta) = (Vec::new(), ListMeta::default());
-    while let Some(part) = list.next_part()? {
-        match part {
-            ListPart::Meta(m) => meta = m,
-            ListPart::Item(s) => items.push(s),
-        }
-    }
-    list.finish()?;
-    Ok((items, meta))
-}
-
 /// What a [`ListStream`] gives, in the order of the response (the API server writes the
 /// list's metadata before its items).
 #[derive(Debug)]
@@ -730,6 +715,33 @@ mod tests {
         assert_eq!(meta.continue_token, "next-page");
     }
 
+    /// The parts of `response`, fed to a [`ListStream`] in pieces of `step` bytes; the first
+    /// error, also a response that ends early.
+    fn parts(response: &[u8], step: usize) -> Result<Vec<ListPart>> {
+        let mut list = ListStream::default();
+        let mut got = Vec::new();
+        for piece in response.chunks(step.max(1)) {
+            list.feed(piece);
+            while let Some(part) = list.next_part()? {
+                got.push(part);
+            }
+        }
+        list.finish()?;
+        Ok(got)
+    }
+
+    /// A whole `EndpointSliceList` response (envelope included): its items and list metadata.
+    fn slice_list(response: &[u8]) -> Result<(Vec<LeanSlice>, ListMeta)> {
+        let (mut items, mut meta) = (Vec::new(), ListMeta::default());
+        for part in parts(response, response.len())? {
+            match part {
+                ListPart::Meta(m) => meta = m,
+                ListPart::Item(s) => items.push(s),
+            }
+        }
+        Ok((items, meta))
+    }
+
     /// A list response as the API server writes it: metadata, `n` items, and the envelope's
     /// (empty) contentEncoding and contentType after the list.
     fn a_list_response(n: usize) -> Vec<u8> {
@@ -746,19 +758,13 @@ mod tests {
     /// Feeds `response` in pieces of `step` bytes; the parts' names (`meta:VERSION` or the
     /// item's name), or the first error.
     fn streamed(response: &[u8], step: usize) -> Result<Vec<String>> {
-        let mut list = ListStream::default();
-        let mut got = Vec::new();
-        for piece in response.chunks(step) {
-            list.feed(piece);
-            while let Some(part) = list.next_part()? {
-                got.push(match part {
-                    ListPart::Meta(m) => format!("meta:{}", m.resource_version),
-                    ListPart::Item(s) => s.metadata.name.unwrap_or_default(),
-                });
-            }
-        }
-        list.finish()?;
-        Ok(got)
+        Ok(parts(response, step)?
+            .into_iter()
+            .map(|part| match part {
+                ListPart::Meta(m) => format!("meta:{}", m.resource_version),
+                ListPart::Item(s) => s.metadata.name.unwrap_or_default(),
+            })
+            .collect())
     }
 
     #[test]
