@@ -71,7 +71,7 @@ impl Route {
             .maglev()
             .pick(flow_hash(client, self.affinity.is_some()))?;
         let i = (first + attempt) % n;
-        Some((i, self.backends[i].addr))
+        Some((i, self.backends.addr(i)))
     }
 
     /// The route's Maglev table (built now if this is its first use).
@@ -79,7 +79,7 @@ impl Route {
     pub fn maglev(&self) -> &Maglev {
         self.maglev.get_or_init(|| {
             // Keyed by the backends' `addr:port` text, as the metric labels spell them.
-            let labels: Vec<String> = self.backends.iter().map(|b| b.addr.to_string()).collect();
+            let labels: Vec<String> = self.backends.addrs().map(|a| a.to_string()).collect();
             let keys: Vec<&[u8]> = labels.iter().map(|l| l.as_bytes()).collect();
             Maglev::new(&keys, self.maglev_size)
         })
@@ -87,7 +87,7 @@ impl Route {
 
     /// Whether `backend` is still a selected backend of this route.
     pub fn has_backend(&self, backend: SocketAddr) -> bool {
-        self.backends.iter().any(|b| b.addr == backend)
+        self.backends.addrs().any(|a| a == backend)
     }
 }
 
@@ -287,7 +287,7 @@ mod tests {
         };
         let a = "198.18.1.2:8080";
         let first = set(&[a, "198.18.1.3:8080"]);
-        first.backends[0].cells.bytes_tx.inc_by(100);
+        first.backends.cells(0).bytes_tx.inc_by(100);
         // Same backends (another field of the service changed): the same counters.
         let again = set(&[a, "198.18.1.3:8080"]);
         assert!(Arc::ptr_eq(&first.backends, &again.backends));
@@ -295,8 +295,8 @@ mod tests {
         // A backend leaves and another joins while `first` (a connection) is still open.
         let second = set(&[a, "198.18.1.4:8080"]);
         assert!(!Arc::ptr_eq(&first.backends, &second.backends));
-        first.backends[0].cells.bytes_tx.inc_by(50);
-        second.backends[0].cells.bytes_tx.inc_by(1);
+        first.backends.cells(0).bytes_tx.inc_by(50);
+        second.backends.cells(0).bytes_tx.inc_by(1);
         let text = exposed(&registry);
         assert_eq!(value(&text, "bytes_tx", a), Some(151), "{text}");
         assert_eq!(
@@ -317,10 +317,48 @@ mod tests {
         drop(third);
         let fourth = set(&[a]);
         assert_eq!(metrics.retired_slabs(&fourth.frontend), 0);
-        fourth.backends[0].cells.bytes_tx.inc_by(1);
+        fourth.backends.cells(0).bytes_tx.inc_by(1);
         let text = exposed(&registry);
         assert_eq!(value(&text, "bytes_tx", a), Some(152), "{text}");
         assert_eq!(value(&text, "bytes_tx", "198.18.1.4:8080"), None, "{text}");
+    }
+
+    /// A route nothing has used holds no counters (a node with 100k frontends carries
+    /// connections on few of them), yet its series are exposed at 0; the first count
+    /// allocates them and shows.
+    #[test]
+    fn counters_are_allocated_at_the_first_count() {
+        let (metrics, registry, routes, f) = bed();
+        let mut d = TableDiff::default();
+        d.upsert
+            .insert(f, service(&["198.18.1.2:8080", "198.18.1.3:8080"]).into());
+        routes.apply(&d, 1021, &metrics);
+        let route = routes
+            .load()
+            .get(SocketAddr::new(f.vip, f.port), f.protocol)
+            .cloned()
+            .unwrap();
+        assert!(!route.backends.counted());
+        let text = exposed(&registry);
+        assert_eq!(
+            value(&text, "connections", "198.18.1.3:8080"),
+            Some(0),
+            "{text}"
+        );
+        assert!(!route.backends.counted(), "a scrape allocates nothing");
+        route.backends.cells(1).connections.inc();
+        assert!(route.backends.counted());
+        let text = exposed(&registry);
+        assert_eq!(
+            value(&text, "connections", "198.18.1.3:8080"),
+            Some(1),
+            "{text}"
+        );
+        assert_eq!(
+            value(&text, "connections", "198.18.1.2:8080"),
+            Some(0),
+            "{text}"
+        );
     }
 
     /// Label sets of backends that left and of frontends that went are dropped: churn does not

@@ -251,11 +251,11 @@ async fn handle(
                 break;
             }
             Ok(Err(e)) => {
-                route.backends[i].cells.connect_failures.inc();
+                route.backends.cells(i).connect_failures.inc();
                 tracing::debug!(%backend, error = %e, "connect failed");
             }
             Err(_) => {
-                route.backends[i].cells.connect_failures.inc();
+                route.backends.cells(i).connect_failures.inc();
                 tracing::debug!(%backend, "connect timed out");
             }
         }
@@ -266,7 +266,7 @@ async fn handle(
         reset(&client_stream);
         return;
     };
-    let counters = &route.backends[i].cells;
+    let counters = route.backends.cells(i);
     counters.connections.inc();
 
     let mut seen = *signals.borrow_and_update();

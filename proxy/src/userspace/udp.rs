@@ -189,7 +189,7 @@ async fn open_session(
     let (up, down) = match opened {
         Ok(s) => s,
         Err(e) => {
-            route.backends[i].cells.connect_failures.inc();
+            route.backends.cells(i).connect_failures.inc();
             tracing::debug!(%client, %backend, error = %e, "cannot open udp session");
             return;
         }
@@ -203,7 +203,7 @@ async fn open_session(
     // route with its Maglev table.
     let backends = route.backends.clone();
     drop(route);
-    let counters = &backends[i].cells;
+    let counters = backends.cells(i);
     counters.connections.inc();
     counters.bytes_tx.inc_by(first.len() as u64);
     {
@@ -214,7 +214,7 @@ async fn open_session(
     shared.metrics.udp_sessions.inc();
     let (shared, sessions) = (shared.clone(), sessions.clone());
     tokio::spawn(async move {
-        relay(&up, &down, &backends[i].cells, &shared, vip, backend).await;
+        relay(&up, &down, backends.cells(i), &shared, vip, backend).await;
         {
             let mut t = sessions.map.lock().expect("sessions lock");
             if t.by_flow.remove(&(client, vip)).is_some()

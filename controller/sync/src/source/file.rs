@@ -65,8 +65,9 @@ enum Object {
 }
 
 /// Key of an object: (kind, namespace, name) or, for unreadable documents, (marker, file,
-/// index).
-type Key = (String, String, String);
+/// index). Kinds and markers are fixed words; the rest are boxed (one key is kept per object
+/// between reads: 144 bytes with its two strings, where three `String`s took 192).
+type Key = (&'static str, Box<str>, Box<str>);
 
 /// What the source keeps of an object between reads. Imports and slices are kept as a
 /// fingerprint (128 bits of SipHash over the converted input): the object itself goes to the
@@ -75,20 +76,24 @@ type Key = (String, String, String);
 /// with the kube source). The small ones (the cluster id, unreadable documents) are kept
 /// whole. An object whose definition changes to a file not parsed in this read (a duplicate
 /// in an earlier file went away) is read again from that file.
+/// (24 bytes: a `u128` or a `String` in it would make it 32.)
 #[derive(Clone, Debug, PartialEq)]
 enum Held {
-    Import(u128),
-    Slice(u128),
-    ClusterId(String),
+    Import(Fingerprint),
+    Slice(Fingerprint),
+    ClusterId(Box<str>),
     Unreadable(Arc<Rejection>),
 }
+
+/// 128 bits, as two words (8-byte aligned).
+type Fingerprint = [u64; 2];
 
 impl Held {
     fn of(object: &Object) -> Self {
         match object {
             Object::Import(i) => Held::Import(fingerprint(1, i)),
             Object::Slice(s) => Held::Slice(fingerprint(2, s)),
-            Object::ClusterId(id) => Held::ClusterId(id.clone()),
+            Object::ClusterId(id) => Held::ClusterId(id.as_str().into()),
             Object::Unreadable(r) => Held::Unreadable(Arc::new(r.clone())),
         }
     }
@@ -97,7 +102,7 @@ impl Held {
 /// 128 bits of SipHash-1-3 (two fixed-key streams) over `kind` and `value`: equal for equal
 /// values within this process; a collision between two versions of one object is as likely
 /// as guessing a random 128-bit number.
-fn fingerprint(kind: u8, value: &impl std::hash::Hash) -> u128 {
+fn fingerprint(kind: u8, value: &impl std::hash::Hash) -> Fingerprint {
     use std::hash::{DefaultHasher, Hash as _, Hasher as _};
     let mut a = DefaultHasher::new();
     let mut b = DefaultHasher::new();
@@ -105,7 +110,7 @@ fn fingerprint(kind: u8, value: &impl std::hash::Hash) -> u128 {
     (kind, 1u8).hash(&mut b);
     value.hash(&mut a);
     value.hash(&mut b);
-    (u128::from(a.finish()) << 64) | u128::from(b.finish())
+    [a.finish(), b.finish()]
 }
 
 /// One key, shared by the per-file and merged views.
@@ -121,8 +126,8 @@ pub struct FileSource {
     dir: PathBuf,
     limits: FileLimits,
     stamps: HashMap<PathBuf, (u64, SystemTime)>,
-    /// What each file held when it last parsed.
-    per_file: HashMap<PathBuf, BTreeMap<SharedKey, Held>>,
+    /// What each file held when it last parsed, in key order.
+    per_file: HashMap<PathBuf, Box<[(SharedKey, Held)]>>,
     /// Why a file could not be read this time (its last good objects stay in `per_file`).
     broken: HashMap<PathBuf, Arc<Rejection>>,
     /// What was last sent.
@@ -199,7 +204,7 @@ impl FileSource {
             let Some(objs) = self.per_file.get(path) else {
                 continue;
             };
-            for (k, v) in objs {
+            for (k, v) in objs.iter() {
                 if let Some(first) = origin.get(k) {
                     let (dk, dv) = duplicate(k, path, first);
                     next.insert(Arc::new(dk), (Held::Unreadable(Arc::new(dv)), None));
@@ -286,8 +291,12 @@ impl FileSource {
         for (key, old) in &self.current {
             if !next.contains_key(key) {
                 events.push(match old {
-                    Held::Import(_) => SourceEvent::DeleteImport(key.1.clone(), key.2.clone()),
-                    Held::Slice(_) => SourceEvent::DeleteSlice(key.1.clone(), key.2.clone()),
+                    Held::Import(_) => {
+                        SourceEvent::DeleteImport(key.1.to_string(), key.2.to_string())
+                    }
+                    Held::Slice(_) => {
+                        SourceEvent::DeleteSlice(key.1.to_string(), key.2.to_string())
+                    }
                     Held::Unreadable(r) => SourceEvent::Readable(r.object.clone()),
                     Held::ClusterId(_) => continue,
                 });
@@ -300,7 +309,7 @@ impl FileSource {
                 continue;
             }
             let event = match &held {
-                Held::ClusterId(id) => SourceEvent::ClusterId(id.clone()),
+                Held::ClusterId(id) => SourceEvent::ClusterId(id.to_string()),
                 Held::Unreadable(r) => SourceEvent::Unreadable(Rejection::clone(r)),
                 // Moved out of this read's parse: sent without a copy.
                 Held::Import(_) | Held::Slice(_) => {
@@ -376,9 +385,9 @@ impl FileSource {
 
 fn unreadable_key(path: &Path, index: usize) -> Key {
     (
-        "#unreadable".into(),
-        path.display().to_string(),
-        format!("{index:020}"),
+        "#unreadable",
+        path.display().to_string().into(),
+        format!("{index:020}").into(),
     )
 }
 
@@ -400,9 +409,9 @@ fn duplicate(key: &Key, path: &Path, first: &Path) -> (Key, Rejection) {
     let object = format!("{kind} {ns}/{name} in {}", path.display());
     (
         (
-            "#duplicate".into(),
-            path.display().to_string(),
-            format!("{kind}/{ns}/{name}"),
+            "#duplicate",
+            path.display().to_string().into(),
+            format!("{kind}/{ns}/{name}").into(),
         ),
         Rejection::new(
             &object,
@@ -600,9 +609,9 @@ fn object(v: serde_json::Value) -> Result<Option<(Key, Object)>, (Reason, String
                 serde_json::from_value(v).map_err(|e| unparsable(format!("ServiceImport: {e}")))?;
             let input = convert::import(&si);
             let key = (
-                "ServiceImport".into(),
-                input.namespace.clone(),
-                input.name.clone(),
+                "ServiceImport",
+                input.namespace.as_str().into(),
+                input.name.as_str().into(),
             );
             Ok(Some((key, Object::Import(input))))
         }
@@ -611,9 +620,9 @@ fn object(v: serde_json::Value) -> Result<Option<(Key, Object)>, (Reason, String
                 serde_json::from_value(v).map_err(|e| unparsable(format!("EndpointSlice: {e}")))?;
             let input = convert::slice(es);
             let key = (
-                "EndpointSlice".into(),
-                input.namespace.clone(),
-                input.name.clone(),
+                "EndpointSlice",
+                input.namespace.as_str().into(),
+                input.name.as_str().into(),
             );
             Ok(Some((key, Object::Slice(input))))
         }
@@ -624,8 +633,8 @@ fn object(v: serde_json::Value) -> Result<Option<(Key, Object)>, (Reason, String
                 return Ok(None);
             }
             let key = (
-                "ClusterProperty".into(),
-                String::new(),
+                "ClusterProperty",
+                "".into(),
                 mcs_api::CLUSTER_ID_PROPERTY.into(),
             );
             Ok(Some((key, Object::ClusterId(cp.spec.value))))
