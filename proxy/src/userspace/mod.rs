@@ -400,7 +400,12 @@ impl Dataplane for Userspace {
                 .map_err(|e| DataplaneError {
                     message: e.to_string(),
                 })?;
-            self.programmed.extend(add);
+            if self.programmed.is_empty() {
+                // Built at once (full nodes), not element by element.
+                self.programmed = add.into_iter().collect();
+            } else {
+                self.programmed.extend(add);
+            }
         }
         Ok(())
     }

@@ -302,10 +302,12 @@ impl FileSource {
                 });
             }
         }
-        let mut current = BTreeMap::new();
+        // In key order (as `next` is): collected at the end, the map is built with full
+        // nodes (inserted one by one, its nodes were about half full: ~7 MiB at 1M).
+        let mut current = Vec::with_capacity(next.len());
         for (key, (held, path)) in next {
             if self.current.get(&key) == Some(&held) {
-                current.insert(key, held);
+                current.push((key, held));
                 continue;
             }
             let event = match &held {
@@ -323,7 +325,7 @@ impl FileSource {
                             // Its file could not be parsed again: what was sent stays.
                             tracing::warn!(file = ?path, object = ?key, "cannot read an object's definition again; it keeps its previous state until its file changes");
                             if let Some(old) = self.current.get(&key) {
-                                current.insert(key, old.clone());
+                                current.push((key, old.clone()));
                             }
                             continue;
                         }
@@ -331,9 +333,9 @@ impl FileSource {
                 }
             };
             events.push(event);
-            current.insert(key, held);
+            current.push((key, held));
         }
-        self.current = current;
+        self.current = current.into_iter().collect();
         Ok(events)
     }
 
