@@ -116,10 +116,6 @@ fn fingerprint(kind: u8, value: &impl std::hash::Hash) -> Fingerprint {
 /// One key, shared by the per-file and merged views.
 type SharedKey = Arc<Key>;
 
-/// The merged view: each key's winning definition and the file it is in (`None` for entries
-/// the merge makes: duplicates, broken files).
-type Merged<'f> = BTreeMap<SharedKey, (Held, Option<&'f Path>)>;
-
 /// The state of the directory as last read.
 #[derive(Debug, Default)]
 pub struct FileSource {
@@ -149,10 +145,10 @@ impl FileSource {
         }
     }
 
-    /// Reads and parses `path` (`len` bytes long): its objects go into `fresh` and their
-    /// fingerprints into `per_file`; a file that cannot be read or parsed goes into `broken`
-    /// and keeps what it last held.
-    fn read(&mut self, path: &Path, len: u64, fresh: &mut HashMap<PathBuf, BTreeMap<Key, Object>>) {
+    /// Reads and parses `path` (`len` bytes long): its fingerprints go into `per_file` and
+    /// its objects are returned; a file that cannot be read or parsed goes into `broken` and
+    /// keeps what it last held (`None`).
+    fn read(&mut self, path: &Path, len: u64) -> Option<BTreeMap<Key, Object>> {
         let parsed = if len > self.limits.max_file_bytes {
             Err(file_rejection(
                 path,
@@ -180,46 +176,45 @@ impl FileSource {
                     .collect();
                 self.per_file.insert(path.to_path_buf(), held);
                 self.broken.remove(path);
-                fresh.insert(path.to_path_buf(), objects);
+                Some(objects)
             }
             Err(rejection) => {
                 // Keep what the file held when it last parsed.
                 self.broken.insert(path.to_path_buf(), Arc::new(rejection));
+                None
             }
         }
-    }
-
-    /// The first definition of an object wins (files in sorted order); later ones are
-    /// reported.
-    fn merge<'f>(&self, files: &'f [PathBuf]) -> Merged<'f> {
-        let mut next: Merged<'f> = BTreeMap::new();
-        let mut origin: HashMap<SharedKey, &Path> = HashMap::new();
-        for path in files {
-            if let Some(broken) = self.broken.get(path) {
-                next.insert(
-                    Arc::new(unreadable_key(path, usize::MAX)),
-                    (Held::Unreadable(broken.clone()), None),
-                );
-            }
-            let Some(objs) = self.per_file.get(path) else {
-                continue;
-            };
-            for (k, v) in objs.iter() {
-                if let Some(first) = origin.get(k) {
-                    let (dk, dv) = duplicate(k, path, first);
-                    next.insert(Arc::new(dk), (Held::Unreadable(Arc::new(dv)), None));
-                    continue;
-                }
-                origin.insert(k.clone(), path);
-                next.insert(k.clone(), (v.clone(), Some(path.as_path())));
-            }
-        }
-        next
     }
 
     /// Reads the directory and returns the events that turn the previous state into the new
-    /// one. An unreadable directory is an error (the previous state is kept).
+    /// one: removals first, then the rest in file order. An unreadable directory is an error
+    /// (the previous state is kept).
     pub fn scan(&mut self) -> std::io::Result<Vec<SourceEvent>> {
+        let mut events = Vec::new();
+        let mut removals = Vec::new();
+        self.scan_each(&mut |ev| {
+            if matches!(
+                ev,
+                SourceEvent::DeleteImport(..)
+                    | SourceEvent::DeleteSlice(..)
+                    | SourceEvent::Readable(_)
+            ) {
+                removals.push(ev);
+            } else {
+                events.push(ev);
+            }
+            true
+        })?;
+        removals.append(&mut events);
+        Ok(removals)
+    }
+
+    /// Reads the directory and hands each event to `emit` as soon as it is known, file by
+    /// file (the files' objects are not all held at once: at 1M endpoints holding them was
+    /// 240 MiB above the settled size), removals last. `emit` returning false stops the
+    /// read (the receiver is gone); the state is then partly updated. An unreadable
+    /// directory is an error (the previous state is kept).
+    pub fn scan_each(&mut self, emit: &mut dyn FnMut(SourceEvent) -> bool) -> std::io::Result<()> {
         let mut files: Vec<PathBuf> = std::fs::read_dir(&self.dir)?
             .filter_map(Result::ok)
             .map(|e| e.path())
@@ -232,9 +227,8 @@ impl FileSource {
             .collect();
         files.sort();
         let mut seen = HashMap::new();
-        let mut changed = false;
-        // The objects of the files parsed in this read: what the events are made of.
-        let mut fresh: HashMap<PathBuf, BTreeMap<Key, Object>> = HashMap::new();
+        // Files whose size or modification time changed (or that are new): parsed again.
+        let mut changed: HashMap<&Path, u64> = HashMap::new();
         for path in &files {
             let Ok(meta) = std::fs::metadata(path) else {
                 continue;
@@ -250,8 +244,7 @@ impl FileSource {
                 continue;
             }
             self.stamps.insert(path.clone(), stamp);
-            changed = true;
-            self.read(path, meta.len(), &mut fresh);
+            changed.insert(path, meta.len());
         }
         let before = self.per_file.len() + self.broken.len();
         self.per_file.retain(|p, _| seen.contains_key(p));
@@ -259,94 +252,136 @@ impl FileSource {
         self.stamps.retain(|p, _| seen.contains_key(p));
         // Nothing read and nothing removed: the state is what it was. (Merging and comparing
         // every object on each poll cost half a core at 10k services with 100 ms polling.)
-        if !changed && self.per_file.len() + self.broken.len() == before {
-            return Ok(Vec::new());
+        if changed.is_empty() && self.per_file.len() + self.broken.len() == before {
+            return Ok(());
         }
-        // An object to send whose winning definition is in a file not parsed now: parse that
-        // file again (each at most once), then merge again.
-        let mut reread: std::collections::HashSet<PathBuf> = std::collections::HashSet::new();
-        let next = loop {
-            let next = self.merge(&files);
-            let missing: std::collections::BTreeSet<&Path> = next
-                .iter()
-                .filter(|(k, (held, _))| {
-                    matches!(held, Held::Import(_) | Held::Slice(_))
-                        && self.current.get(*k) != Some(held)
+        // The merge, file by file in sorted order: the first definition of an object wins,
+        // later ones are reported. `next` is the merged view; what differs from `current` is
+        // sent as it is found.
+        let mut next: HashMap<SharedKey, Held> = HashMap::with_capacity(self.current.len());
+        let mut origin: HashMap<SharedKey, &Path> = HashMap::new();
+        for path in &files {
+            let mut parsed = match changed.get(path.as_path()) {
+                Some(&len) => self.read(path, len),
+                None => None,
+            };
+            if let Some(broken) = self.broken.get(path) {
+                let key = Arc::new(unreadable_key(path, usize::MAX));
+                let held = Held::Unreadable(broken.clone());
+                if !self.place(key, held, None, path, &mut next, emit) {
+                    return Ok(());
+                }
+            }
+            // A winning object that changed but whose file was not parsed now (a duplicate in
+            // an earlier file went away): parse the file again.
+            if parsed.is_none()
+                && !changed.contains_key(path.as_path())
+                && self.per_file.get(path).is_some_and(|objs| {
+                    objs.iter().any(|(k, v)| {
+                        matches!(v, Held::Import(_) | Held::Slice(_))
+                            && !origin.contains_key(k)
+                            && self.current.get(k) != Some(v)
+                    })
                 })
-                .filter_map(|(_, (_, path))| *path)
-                .filter(|p| !fresh.contains_key(*p) && !reread.contains(*p))
-                .collect();
-            if missing.is_empty() {
-                break next;
+            {
+                let len = std::fs::metadata(path).map_or(0, |m| m.len());
+                parsed = self.read(path, len);
             }
-            let missing: Vec<PathBuf> = missing.into_iter().map(Path::to_path_buf).collect();
-            drop(next);
-            for path in missing {
-                let len = std::fs::metadata(&path).map_or(0, |m| m.len());
-                self.read(&path, len, &mut fresh);
-                reread.insert(path);
-            }
-        };
-        let mut events = Vec::new();
-        for (key, old) in &self.current {
-            if !next.contains_key(key) {
-                events.push(match old {
-                    Held::Import(_) => {
-                        SourceEvent::DeleteImport(key.1.to_string(), key.2.to_string())
+            let Some(objs) = self.per_file.get(path) else {
+                continue;
+            };
+            for (k, v) in objs.iter() {
+                if let Some(first) = origin.get(k) {
+                    let (dk, dv) = duplicate(k, path, first);
+                    let held = Held::Unreadable(Arc::new(dv));
+                    if !self.place(Arc::new(dk), held, None, path, &mut next, emit) {
+                        return Ok(());
                     }
-                    Held::Slice(_) => {
-                        SourceEvent::DeleteSlice(key.1.to_string(), key.2.to_string())
-                    }
-                    Held::Unreadable(r) => SourceEvent::Readable(r.object.clone()),
-                    Held::ClusterId(_) => continue,
-                });
+                    continue;
+                }
+                origin.insert(k.clone(), path);
+                let object = parsed.as_mut().and_then(|o| o.remove(&**k));
+                if !self.place(k.clone(), v.clone(), object, path, &mut next, emit) {
+                    return Ok(());
+                }
             }
         }
-        // In key order (as `next` is): collected at the end, the map is built with full
-        // nodes (inserted one by one, its nodes were about half full: ~7 MiB at 1M).
-        let mut current = Vec::with_capacity(next.len());
-        for (key, (held, path)) in next {
-            if self.current.get(&key) == Some(&held) {
-                current.push((key, held));
+        for (key, old) in &self.current {
+            if next.contains_key(key) {
                 continue;
             }
-            let event = match &held {
-                Held::ClusterId(id) => SourceEvent::ClusterId(id.to_string()),
-                Held::Unreadable(r) => SourceEvent::Unreadable(Rejection::clone(r)),
-                // Moved out of this read's parse: sent without a copy.
-                Held::Import(_) | Held::Slice(_) => {
-                    match path
-                        .and_then(|p| fresh.get_mut(p))
-                        .and_then(|o| o.remove(&*key))
-                    {
-                        Some(Object::Import(i)) => SourceEvent::Import(i),
-                        Some(Object::Slice(s)) => SourceEvent::Slice(s),
-                        _ => {
-                            // Its file could not be parsed again: what was sent stays.
-                            tracing::warn!(file = ?path, object = ?key, "cannot read an object's definition again; it keeps its previous state until its file changes");
-                            if let Some(old) = self.current.get(&key) {
-                                current.push((key, old.clone()));
-                            }
-                            continue;
-                        }
-                    }
-                }
+            let event = match old {
+                Held::Import(_) => SourceEvent::DeleteImport(key.1.to_string(), key.2.to_string()),
+                Held::Slice(_) => SourceEvent::DeleteSlice(key.1.to_string(), key.2.to_string()),
+                Held::Unreadable(r) => SourceEvent::Readable(r.object.clone()),
+                Held::ClusterId(_) => continue,
             };
-            events.push(event);
-            current.push((key, held));
+            if !emit(event) {
+                return Ok(());
+            }
         }
+        // Built at once from key order: full B-tree nodes (inserted one by one, its nodes
+        // were about half full: ~7 MiB at 1M).
+        let mut current: Vec<(SharedKey, Held)> = next.into_iter().collect();
+        current.sort_unstable_by(|a, b| a.0.cmp(&b.0));
         self.current = current.into_iter().collect();
-        Ok(events)
+        Ok(())
     }
 
-    /// Reads the directory once, sends everything and `Synced`, then re-reads it every
-    /// `interval` and sends changes, until the receiver is dropped. Reading and parsing run on
-    /// a blocking thread, never on the runtime's workers.
+    /// Puts `key` into the merged view `next` and sends what changed: `held` if it differs
+    /// from what was sent last (an import or slice with its `object`, parsed from `path` in
+    /// this read). False when `emit` says the receiver is gone.
+    fn place(
+        &self,
+        key: SharedKey,
+        held: Held,
+        object: Option<Object>,
+        path: &Path,
+        next: &mut HashMap<SharedKey, Held>,
+        emit: &mut dyn FnMut(SourceEvent) -> bool,
+    ) -> bool {
+        if self.current.get(&key) == Some(&held) {
+            next.insert(key, held);
+            return true;
+        }
+        let event = match &held {
+            Held::ClusterId(id) => SourceEvent::ClusterId(id.to_string()),
+            Held::Unreadable(r) => SourceEvent::Unreadable(Rejection::clone(r)),
+            // Moved out of this read's parse: sent without a copy.
+            Held::Import(_) | Held::Slice(_) => match object {
+                Some(Object::Import(i)) => SourceEvent::Import(i),
+                Some(Object::Slice(s)) => SourceEvent::Slice(s),
+                _ => {
+                    // Its file could not be parsed again: what was sent stays.
+                    tracing::warn!(file = %path.display(), object = ?key, "cannot read an object's definition again; it keeps its previous state until its file changes");
+                    if let Some(old) = self.current.get(&key) {
+                        next.insert(key, old.clone());
+                    }
+                    return true;
+                }
+            },
+        };
+        next.insert(key, held);
+        emit(event)
+    }
+
+    /// Reads the directory once, sends everything (as each file is read) and `Synced`, then
+    /// re-reads it every `interval` and sends changes (removals first), until the receiver is
+    /// dropped. Reading and parsing run on a blocking thread, never on the runtime's workers.
     pub async fn run(mut self, tx: mpsc::Sender<SourceEvent>, interval: Duration) {
         let mut synced = false;
         loop {
+            let first = !synced;
+            let sender = tx.clone();
             let (back, result) = match tokio::task::spawn_blocking(move || {
-                let r = self.scan();
+                let r = if first {
+                    // Straight into the channel: the index takes each file's objects while the
+                    // next file is parsed.
+                    self.scan_each(&mut |ev| sender.blocking_send(ev).is_ok())
+                        .map(|()| Vec::new())
+                } else {
+                    self.scan()
+                };
                 (self, r)
             })
             .await
