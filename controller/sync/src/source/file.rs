@@ -703,6 +703,33 @@ mod tests {
         );
     }
 
+    /// The first read hands a file's objects on before it parses the next file: an event of
+    /// `a.yaml` is seen while `b.yaml` is still unread (the test rewrites `b.yaml` then, and
+    /// the read sends what it holds now).
+    #[test]
+    fn each_file_is_sent_before_the_next_is_parsed() {
+        let dir = tempfile::tempdir().unwrap();
+        let import = |name: &str| IMPORT.replace("name: web", &format!("name: {name}"));
+        std::fs::write(dir.path().join("a.yaml"), import("first")).unwrap();
+        std::fs::write(dir.path().join("b.yaml"), import("second")).unwrap();
+        let mut src = FileSource::new(dir.path());
+        let mut names = Vec::new();
+        src.scan_each(&mut |ev| {
+            if let SourceEvent::Import(i) = ev {
+                if names.is_empty() {
+                    std::fs::write(dir.path().join("b.yaml"), import("rewritten")).unwrap();
+                }
+                names.push(i.name);
+            }
+            true
+        })
+        .unwrap();
+        assert_eq!(names, ["first", "rewritten"]);
+        // The rewrite changed b.yaml's size: the next read sees it and has nothing to send
+        // (what it holds was sent).
+        assert!(src.scan().unwrap().is_empty());
+    }
+
     #[test]
     fn broken_documents_are_reported_and_the_rest_is_read() {
         let dir = tempfile::tempdir().unwrap();
