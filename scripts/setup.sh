@@ -24,7 +24,7 @@ t0=$(date +%s)
 # --- Debian packages ---------------------------------------------------------------------------
 APT_PKGS=(etcd-server etcd-client nftables iproute2 bpftool openssl jq procps psmisc
   # peers and load generators of the benchmark harness (mcs-bench; its smoke run is in CI)
-  haproxy nginx-light libnginx-mod-stream wrk iperf3 iptables ipvsadm conntrack
+  haproxy nginx-light libnginx-mod-stream wrk iptables ipvsadm conntrack
   # DNS: dig in the tests, dnsperf in the DNS bench
   dnsutils dnsperf
   # the image without a registry or engine (deploy/image.sh)
@@ -41,7 +41,7 @@ if ((${#missing[@]})); then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   # The etcd-server package may start a system etcd; tests start their own.
-  # So may haproxy, nginx and iperf3; the harness starts its own inside its namespaces. And
+  # So may haproxy and nginx; the harness starts its own inside its namespaces. And
   # containerd: scripts/clusterset.sh runs one per node with its own configuration.
   if command -v systemctl >/dev/null 2>&1; then
     systemctl disable --now etcd haproxy nginx iperf3 containerd >/dev/null 2>&1 || true

@@ -32,7 +32,7 @@ struct RunArgs {
     #[arg(long, value_delimiter = ',')]
     modes: Vec<String>,
     /// Workloads, comma-separated: crr (new connections), rr (keep-alive requests with
-    /// latency), bulk-1, bulk-n (iperf3), udp-rr (default: all).
+    /// latency), bulk-1, bulk-n (tcp-bulk), udp-rr (default: all).
     #[arg(long, value_delimiter = ',')]
     workloads: Vec<String>,
     /// Seconds per run.
@@ -50,7 +50,7 @@ struct RunArgs {
     /// wrk connections.
     #[arg(long, default_value_t = 50)]
     connections: usize,
-    /// iperf3 streams of bulk-n.
+    /// Streams of bulk-n (a thread each).
     #[arg(long, default_value_t = 8)]
     bulk_streams: usize,
     /// UDP flows (one datagram in flight each).
@@ -70,7 +70,7 @@ struct RunArgs {
     /// Output directory.
     #[arg(long, default_value = "target/mcs-bench")]
     out: PathBuf,
-    /// Do not install missing peers (haproxy, nginx, wrk, iperf3, iptables, ipvsadm) with apt-get.
+    /// Do not install missing peers (haproxy, nginx, wrk, iptables, ipvsadm) with apt-get.
     #[arg(long)]
     no_install: bool,
     /// Give the measured service a backend in each cluster instead of one. Balanced modes
@@ -200,6 +200,22 @@ enum Tool {
         #[arg(long, default_value_t = 64)]
         size: usize,
     },
+    /// (internal) TCP sink: reads each connection to its end, answers the byte count.
+    #[command(hide = true)]
+    TcpSink {
+        #[arg(long)]
+        listen: SocketAddr,
+    },
+    /// (internal) TCP bulk streams into a sink; prints one JSON line.
+    #[command(hide = true)]
+    TcpBulk {
+        #[arg(long)]
+        target: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        streams: usize,
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+    },
     /// (internal) One HTTP GET and one UDP echo through a target.
     #[command(hide = true)]
     Check {
@@ -220,6 +236,15 @@ fn main() -> ExitCode {
             seconds,
             size,
         }) => harness::tools::udp_rr(&target, flows, seconds, size).and_then(|r| {
+            println!("{}", serde_json::to_string(&r)?);
+            Ok(())
+        }),
+        Some(Tool::TcpSink { listen }) => harness::tools::tcp_sink(listen),
+        Some(Tool::TcpBulk {
+            target,
+            streams,
+            seconds,
+        }) => harness::tools::tcp_bulk(target, streams, seconds).and_then(|r| {
             println!("{}", serde_json::to_string(&r)?);
             Ok(())
         }),

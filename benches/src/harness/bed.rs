@@ -3,12 +3,11 @@
 //!
 //! ```text
 //!  cli 198.18.10.2 ── node ── c1: 198.18.1.2 (nginx :8080, UDP echo :9000)
-//!                          └─ c2: 198.18.2.2 (nginx :8080, UDP echo :9000, iperf3 :5201)
+//!                          └─ c2: 198.18.2.2 (nginx :8080, UDP echo :9000, TCP sink :5201)
 //! ```
 //!
 //! Service `web` (80/TCP → 8080, 9000/UDP → 9000) has one backend, in c2, or with `--spread`
-//! one in each cluster; `bulk` (5201/TCP) one backend in c2 (iperf3's data connections must reach the server of its
-//! control connection). Each mode has its own ClusterSetIPs: see [`Mode::vip_base`].
+//! one in each cluster; `bulk` (5201/TCP) one backend in c2, the harness's TCP sink. Each mode has its own ClusterSetIPs: see [`Mode::vip_base`].
 
 use std::{
     collections::BTreeMap,
@@ -32,7 +31,7 @@ const FILLER_BACKENDS: [Ipv4Addr; 2] = [Ipv4Addr::new(198, 18, 1, 3), Ipv4Addr::
 pub const HTTP_PORT: u16 = 8080;
 /// UDP echo port (service and backend).
 pub const UDP_PORT: u16 = 9000;
-/// iperf3 port (service and backend).
+/// Bulk port (service and the TCP sink).
 pub const BULK_PORT: u16 = 5201;
 /// Most filler services a mode can hold (its /18 minus the first /24).
 pub const MAX_SERVICES: usize = 16_128;
@@ -151,7 +150,7 @@ pub struct Target {
     /// HTTP service: one address, or for `direct` every backend (spread over the client's
     /// threads / flows).
     pub web: Vec<SocketAddr>,
-    /// iperf3 service.
+    /// Bulk service.
     pub bulk: SocketAddr,
     /// UDP echo service (None: the mode has no UDP).
     pub udp: Option<Vec<SocketAddr>>,
@@ -354,12 +353,12 @@ impl Bed {
                 &["udp-echo", "--listen", &listen],
             )?;
         }
-        let bind = BACKENDS[1].to_string();
+        let listen = SocketAddr::from((BACKENDS[1], BULK_PORT)).to_string();
         self.spawn_in_cgroup(
-            "iperf3-server",
+            "tcp-sink",
             |t| &t.c2,
-            "iperf3",
-            &["-s", "-B", &bind, "-p", &BULK_PORT.to_string()],
+            &exe,
+            &["tcp-sink", "--listen", &listen],
         )?;
         // Ready when every backend answers from the client namespace.
         let cli = &self.topo.cli;

@@ -5,7 +5,9 @@
 //!   percentiles are exact (its own HdrHistogram) but closed-loop: a stalled connection
 //!   sends nothing while it waits, so the tail is understated under overload (coordinated
 //!   omission) — the same for every mode.
-//! - Bulk: `iperf3` (one stream, and `--bulk-streams` streams).
+//! - Bulk: our own [`super::tools::tcp_bulk`] (one stream, and `--bulk-streams` streams, a
+//!   thread each) into [`super::tools::tcp_sink`]; iperf3 3.12 runs every stream on one
+//!   thread, which was the limit of the many-streams figure (see the tools module).
 //! - UDP request/response: our own generator ([`super::tools::udp_rr`]).
 
 use std::{net::SocketAddr, path::Path, time::Duration};
@@ -17,7 +19,7 @@ use super::{
     bed::{Bed, Mode, Target},
     procs::run_bounded,
     stats::PERCENTILES,
-    tools::UdpReport,
+    tools::{BulkReport, UdpReport},
 };
 
 /// What is measured.
@@ -90,7 +92,7 @@ pub struct LoadConfig {
     pub threads: usize,
     /// wrk connections.
     pub connections: usize,
-    /// iperf3 streams of the many-streams run.
+    /// Streams of the many-streams bulk run.
     pub bulk_streams: usize,
     /// UDP flows.
     pub udp_flows: usize,
@@ -104,7 +106,7 @@ pub struct Run {
     /// Latency (percentile, µs), for request/response workloads.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub latency_us: Vec<(f64, f64)>,
-    /// Socket errors (wrk), lost datagrams (UDP) or retransmits (iperf3).
+    /// Socket errors (wrk), lost datagrams (UDP) or retransmits (bulk).
     pub errors: u64,
     /// CPU time of the load balancer's processes in % of one core, when it has processes.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -134,8 +136,8 @@ pub fn run(
     let mut run = match workload {
         Workload::Crr => wrk(bed, target, cfg, true, &base)?,
         Workload::Rr => wrk(bed, target, cfg, false, &base)?,
-        Workload::Bulk1 => iperf3(bed, target, cfg, 1, &base)?,
-        Workload::BulkN => iperf3(bed, target, cfg, cfg.bulk_streams, &base)?,
+        Workload::Bulk1 => bulk(bed, target, cfg, 1, &base)?,
+        Workload::BulkN => bulk(bed, target, cfg, cfg.bulk_streams, &base)?,
         Workload::UdpRr => udp(bed, target, cfg, &base)?,
     };
     let wall = t0.elapsed().as_micros() as f64;
@@ -241,45 +243,34 @@ pub fn parse_wrk(out: &str) -> anyhow::Result<Run> {
     Ok(run)
 }
 
-fn iperf3(
+fn bulk(
     bed: &Bed,
     target: &Target,
     cfg: &LoadConfig,
     streams: usize,
     base: &Path,
 ) -> anyhow::Result<Run> {
-    let mut cmd = bed.client(target, "iperf3");
+    let exe = std::env::current_exe()?;
+    let mut cmd = bed.client(target, &exe.to_string_lossy());
     cmd.args([
-        "-c",
-        &target.bulk.ip().to_string(),
-        "-p",
-        &target.bulk.port().to_string(),
-    ])
-    .args([
-        "-t",
-        &cfg.seconds.to_string(),
-        "-P",
+        "tcp-bulk",
+        "--target",
+        &target.bulk.to_string(),
+        "--streams",
         &streams.to_string(),
-        "-J",
-    ])
-    .args(["--connect-timeout", "3000"]);
+        "--seconds",
+        &cfg.seconds.to_string(),
+    ]);
     let out = run_bounded(cmd, base, limit(cfg))?;
-    parse_iperf3(&out).with_context(|| format!("parsing iperf3 output in {}", base.display()))
+    parse_bulk(&out).with_context(|| format!("parsing tcp-bulk output in {}", base.display()))
 }
 
-/// Reads received bits/s and retransmits from iperf3's JSON.
-pub fn parse_iperf3(out: &str) -> anyhow::Result<Run> {
-    let v: serde_json::Value = serde_json::from_str(out)?;
-    if let Some(e) = v.get("error").and_then(|e| e.as_str()) {
-        bail!("iperf3: {e}");
-    }
-    let end = &v["end"];
-    let bps = end["sum_received"]["bits_per_second"]
-        .as_f64()
-        .context("no end.sum_received.bits_per_second")?;
+/// Gbit/s received and retransmits from `tcp-bulk`'s JSON line.
+pub fn parse_bulk(out: &str) -> anyhow::Result<Run> {
+    let r: BulkReport = serde_json::from_str(out.trim())?;
     Ok(Run {
-        value: bps / 1e9,
-        errors: end["sum_sent"]["retransmits"].as_u64().unwrap_or(0),
+        value: r.bytes as f64 * 8.0 / r.seconds.max(1e-9) / 1e9,
+        errors: r.retransmits,
         ..Run::default()
     })
 }
@@ -323,13 +314,11 @@ mod tests {
     }
 
     #[test]
-    fn iperf3_json_is_parsed() {
-        let ok =
-            r#"{"end":{"sum_received":{"bits_per_second":8.5e9},"sum_sent":{"retransmits":7}}}"#;
-        let r = parse_iperf3(ok).unwrap();
-        assert_eq!((r.value, r.errors), (8.5, 7));
-        let err = r#"{"start":{},"end":{},"error":"unable to connect to server"}"#;
-        assert!(format!("{:#}", parse_iperf3(err).unwrap_err()).contains("unable to connect"));
+    fn bulk_report_is_parsed() {
+        let r = parse_bulk(r#"{"streams":8,"bytes":5000000000,"seconds":4.0,"retransmits":7}"#)
+            .unwrap();
+        assert_eq!((r.value, r.errors), (10.0, 7));
+        assert!(parse_bulk("tcp-bulk: error").is_err());
     }
 
     #[test]

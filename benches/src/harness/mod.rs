@@ -49,11 +49,10 @@ pub struct Options {
 }
 
 /// Debian packages of the peers and load generators, by the program they provide.
-const PEERS: [(&str, &str); 9] = [
+const PEERS: [(&str, &str); 8] = [
     ("haproxy", "haproxy"),
     ("nginx", "nginx-light"),
     ("wrk", "wrk"),
-    ("iperf3", "iperf3"),
     ("iptables-restore", "iptables"),
     ("nft", "nftables"),
     ("ipvsadm", "ipvsadm"),
@@ -109,7 +108,6 @@ fn versions() -> Vec<(String, String)> {
         ("haproxy", &["-v"][..]),
         ("nginx", &["-v"]),
         ("wrk", &["-v"]),
-        ("iperf3", &["--version"]),
         ("iptables", &["-V"]),
         ("nft", &["--version"]),
     ]

@@ -206,7 +206,7 @@ impl Report {
         let _ = writeln!(
             s,
             "Measured {} on {} CPUs, kernel {}; {} s per run, {} interleaved repetitions; \
-             wrk -t{} -c{}, iperf3, UDP {} flows; {}. Cells: median (ratio to `direct`) [min–max].\n",
+             wrk -t{} -c{}, tcp-bulk (a thread a stream), UDP {} flows; {}. Cells: median (ratio to `direct`) [min–max].\n",
             m.date,
             m.cpus,
             m.kernel,
