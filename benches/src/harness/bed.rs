@@ -933,7 +933,7 @@ fn haproxy_config(vip: Option<Ipv4Addr>, web: &[Ipv4Addr]) -> String {
         ),
     };
     format!(
-        "global\n  nbthread 2\n  maxconn 4096\n\
+        "global\n  nbthread 2\n  maxconn 4096\n  tune.pipesize 1048576\n\
          defaults\n  mode tcp\n  timeout connect 2s\n  timeout client 60s\n  timeout server 60s\n  option splice-auto\n\
          {proxies}"
     )
