@@ -951,6 +951,9 @@ fn haproxy_tproxy_rules(vip: Ipv4Addr) -> String {
     )
 }
 
+/// nginx's stream proxy. `proxy_half_close on` on the bulk server: without it nginx ends
+/// both directions at the client's FIN, and the sink's byte count never reaches the client
+/// (our forwarder and HAProxy pass a half-close on).
 fn nginx_proxy_config(vip: Ipv4Addr, web: &[Ipv4Addr], module: &Path, work: &Path) -> String {
     let b = BACKENDS[1];
     let servers = |port: u16| -> String {
@@ -968,7 +971,7 @@ fn nginx_proxy_config(vip: Ipv4Addr, web: &[Ipv4Addr], module: &Path, work: &Pat
            upstream bulk {{ server {b}:{BULK_PORT}; }}\n\
            server {{ listen {vip}:80 reuseport; proxy_pass web; }}\n\
            server {{ listen {vip}:{UDP_PORT} udp reuseport; proxy_pass udp; proxy_responses 1; proxy_timeout 5s; }}\n\
-           server {{ listen {vip}:{BULK_PORT}; proxy_pass bulk; }}\n\
+           server {{ listen {vip}:{BULK_PORT}; proxy_pass bulk; proxy_half_close on; }}\n\
          }}\n",
         module = module.display(),
         work = work.display()
