@@ -244,6 +244,10 @@ pub struct ProxyArgs {
     /// (small messages are always copied: for them a copy is cheaper than two splices).
     #[arg(long)]
     pub no_splice: bool,
+    /// TCP worker threads per address family, each with its own listener (the kernel
+    /// spreads new connections over them); 0: one per CPU the agent may run on.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=256))]
+    pub tcp_workers: u16,
 }
 
 /// Where the eBPF dataplane pins its maps and links.

@@ -259,6 +259,7 @@ fn userspace_config(p: &ProxyArgs) -> UserspaceConfig {
         max_udp_sessions: p.max_udp_sessions.max(1),
         max_udp_sessions_per_client: p.max_udp_sessions_per_client.max(1),
         splice: !p.no_splice,
+        tcp_workers: usize::from(p.tcp_workers),
         ..Default::default()
     }
 }
