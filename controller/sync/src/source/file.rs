@@ -265,13 +265,6 @@ impl FileSource {
                 Some(&len) => self.read(path, len),
                 None => None,
             };
-            if let Some(broken) = self.broken.get(path) {
-                let key = Arc::new(unreadable_key(path, usize::MAX));
-                let held = Held::Unreadable(broken.clone());
-                if !self.place(key, held, None, path, &mut next, emit) {
-                    return Ok(());
-                }
-            }
             // A winning object that changed but whose file was not parsed now (a duplicate in
             // an earlier file went away): parse the file again.
             if parsed.is_none()
@@ -286,6 +279,14 @@ impl FileSource {
             {
                 let len = std::fs::metadata(path).map_or(0, |m| m.len());
                 parsed = self.read(path, len);
+            }
+            // After any read of it: a file that stopped parsing is reported now.
+            if let Some(broken) = self.broken.get(path) {
+                let key = Arc::new(unreadable_key(path, usize::MAX));
+                let held = Held::Unreadable(broken.clone());
+                if !self.place(key, held, None, path, &mut next, emit) {
+                    return Ok(());
+                }
             }
             let Some(objs) = self.per_file.get(path) else {
                 continue;
@@ -728,6 +729,37 @@ mod tests {
         // The rewrite changed b.yaml's size: the next read sees it and has nothing to send
         // (what it holds was sent).
         assert!(src.scan().unwrap().is_empty());
+    }
+
+    /// A file not changed on disk (same size and mtime) that must be read again, because a
+    /// duplicate it held now wins, and no longer parses: it is reported in that same read.
+    #[test]
+    fn a_file_read_again_that_no_longer_parses_is_reported_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.yaml"), dir.path().join("b.yaml"));
+        std::fs::write(&a, IMPORT).unwrap();
+        let other = IMPORT.replace("port: 80", "port: 81");
+        std::fs::write(&b, &other).unwrap();
+        let mut src = FileSource::new(dir.path());
+        src.scan().unwrap();
+        // b.yaml turns unparsable at the same size and mtime; a.yaml goes.
+        let mtime = std::fs::metadata(&b).unwrap().modified().unwrap();
+        let broken = format!("kind: [{}", "x".repeat(other.len() - 7));
+        assert_eq!(broken.len(), other.len());
+        std::fs::write(&b, &broken).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&b)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        std::fs::remove_file(&a).unwrap();
+        let ev = src.scan().unwrap();
+        assert!(
+            ev.iter()
+                .any(|e| matches!(e, SourceEvent::Unreadable(r) if r.object.contains("b.yaml"))),
+            "{ev:?}"
+        );
     }
 
     #[test]
