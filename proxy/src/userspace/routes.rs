@@ -269,22 +269,30 @@ mod tests {
             .map(|v| v.parse().unwrap())
     }
 
+    /// Sets `f`'s backends and returns its route as built.
+    fn upsert(
+        routes: &SharedRoutes,
+        metrics: &ProxyMetrics,
+        f: Frontend,
+        backends: &[&str],
+    ) -> Arc<Route> {
+        let mut d = TableDiff::default();
+        d.upsert.insert(f, service(backends).into());
+        routes.apply(&d, 1021, metrics);
+        routes
+            .load()
+            .get(SocketAddr::new(f.vip, f.port), f.protocol)
+            .cloned()
+            .unwrap()
+    }
+
     /// A route rebuilt with the same backends keeps their counters; one whose backends change
     /// gets new ones, while a connection of the old route still counts into the same series,
     /// before and after the old route's counters are folded in.
     #[test]
     fn counters_survive_route_changes_and_connections_that_outlive_them() {
         let (metrics, registry, routes, f) = bed();
-        let set = |backends: &[&str]| {
-            let mut d = TableDiff::default();
-            d.upsert.insert(f, service(backends).into());
-            routes.apply(&d, 1021, &metrics);
-            routes
-                .load()
-                .get(SocketAddr::new(f.vip, f.port), f.protocol)
-                .cloned()
-                .unwrap()
-        };
+        let set = |backends: &[&str]| upsert(&routes, &metrics, f, backends);
         let a = "198.18.1.2:8080";
         let first = set(&[a, "198.18.1.3:8080"]);
         first.backends.cells(0).bytes_tx.inc_by(100);
@@ -329,15 +337,12 @@ mod tests {
     #[test]
     fn counters_are_allocated_at_the_first_count() {
         let (metrics, registry, routes, f) = bed();
-        let mut d = TableDiff::default();
-        d.upsert
-            .insert(f, service(&["198.18.1.2:8080", "198.18.1.3:8080"]).into());
-        routes.apply(&d, 1021, &metrics);
-        let route = routes
-            .load()
-            .get(SocketAddr::new(f.vip, f.port), f.protocol)
-            .cloned()
-            .unwrap();
+        let route = upsert(
+            &routes,
+            &metrics,
+            f,
+            &["198.18.1.2:8080", "198.18.1.3:8080"],
+        );
         assert!(!route.backends.counted());
         let text = exposed(&registry);
         assert_eq!(
@@ -366,15 +371,15 @@ mod tests {
     #[test]
     fn metric_label_sets_follow_the_routes() {
         let (metrics, registry, routes, f) = bed();
-        let mut d = TableDiff::default();
-        d.upsert
-            .insert(f, service(&["198.18.1.2:8080", "198.18.1.3:8080"]).into());
-        routes.apply(&d, 1021, &metrics);
+        upsert(
+            &routes,
+            &metrics,
+            f,
+            &["198.18.1.2:8080", "198.18.1.3:8080"],
+        );
         let text = exposed(&registry);
         assert!(text.contains("backend=\"198.18.1.3:8080\""), "{text}");
-        let mut d = TableDiff::default();
-        d.upsert.insert(f, service(&["198.18.1.2:8080"]).into());
-        routes.apply(&d, 1021, &metrics);
+        upsert(&routes, &metrics, f, &["198.18.1.2:8080"]);
         let text = exposed(&registry);
         assert!(!text.contains("198.18.1.3:8080"), "{text}");
         assert!(text.contains("198.18.1.2:8080"), "{text}");
