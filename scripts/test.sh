@@ -24,9 +24,18 @@ cargo clippy --locked --all-targets -- -D warnings
 
 step "tests"
 set +e
-cargo test --locked --no-fail-fast 2>&1 | tee "${MCS_TEST_LOG:-/tmp/mcs-test.log}"
+# The userspace tests run on the io_uring TCP workers here (the agent's default where the kernel
+# allows it; set explicitly so that a fallback to epoll fails them), and again on epoll below.
+MCS_TEST_TCP_ENGINE=io-uring cargo test --locked --no-fail-fast 2>&1 | tee "${MCS_TEST_LOG:-/tmp/mcs-test.log}"
 status=${PIPESTATUS[0]}
 set -e
+
+step "userspace forwarder tests again, on the epoll TCP workers (--tcp-engine epoll, the fallback)"
+set +e
+MCS_TEST_TCP_ENGINE=epoll cargo test --locked --no-fail-fast -p mcs-agent --test userspace 2>&1 | tee -a "${MCS_TEST_LOG:-/tmp/mcs-test.log}"
+epoll=${PIPESTATUS[0]}
+set -e
+if ((epoll == 0)); then echo "epoll forwarder tests: ok"; else echo "epoll forwarder tests: FAILED"; status=1; fi
 
 step "benchmark harness, smoke mode (proves every mode and workload runs; no speed asserted)"
 set +e

@@ -248,6 +248,13 @@ pub struct ProxyArgs {
     /// spreads new connections over them); 0: one per CPU the agent may run on.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=256))]
     pub tcp_workers: u16,
+    /// What the TCP workers run on: io-uring (one ring per worker: multishot accept, and
+    /// connects, receives and sends batched into one system call per loop), epoll, or auto:
+    /// io_uring where the kernel allows it (not kernel.io_uring_disabled, not blocked by
+    /// seccomp), else epoll with a warning. The metric mcs_proxy_tcp_io_uring_workers says
+    /// which runs.
+    #[arg(long, value_enum, env = "MCS_TCP_ENGINE", default_value_t = TcpEngineArg::Auto)]
+    pub tcp_engine: TcpEngineArg,
 }
 
 /// Where the eBPF dataplane pins its maps and links.
@@ -299,6 +306,17 @@ pub enum Selection {
     Random,
     /// Maglev table per frontend, hashed by the client's network namespace.
     Maglev,
+}
+
+/// What the userspace forwarder's TCP workers run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TcpEngineArg {
+    /// io_uring where available, else epoll.
+    Auto,
+    /// io_uring; the agent does not start without it.
+    IoUring,
+    /// epoll (tokio).
+    Epoll,
 }
 
 /// Output formats.

@@ -6,7 +6,7 @@ use anyhow::{Context as _, bail};
 use mcs_model::{Dataplane, Index, NodeConfig, render};
 use mcs_proxy::ebpf::{MapSizes, SocketLb, read_pinned};
 use mcs_proxy::userspace::{
-    Userspace, UserspaceConfig, metrics::ProxyMetrics, nft::InterceptConfig,
+    TcpEngine, Userspace, UserspaceConfig, metrics::ProxyMetrics, nft::InterceptConfig,
 };
 use mcs_sync::{
     LogDataplane, SourceEvent, SyncConfig, SyncLoop,
@@ -22,7 +22,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::cli::{
     Cli, Command, DataplaneKind, DnsQueryArgs, Format, ProxyArgs, RunArgs, SourceArgs, StatusArgs,
-    TableArgs,
+    TableArgs, TcpEngineArg,
 };
 
 /// Capacity of the source → controller channel.
@@ -260,6 +260,11 @@ fn userspace_config(p: &ProxyArgs) -> UserspaceConfig {
         max_udp_sessions_per_client: p.max_udp_sessions_per_client.max(1),
         splice: !p.no_splice,
         tcp_workers: usize::from(p.tcp_workers),
+        tcp_engine: match p.tcp_engine {
+            TcpEngineArg::Auto => TcpEngine::Auto,
+            TcpEngineArg::IoUring => TcpEngine::IoUring,
+            TcpEngineArg::Epoll => TcpEngine::Epoll,
+        },
         ..Default::default()
     }
 }

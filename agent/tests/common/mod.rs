@@ -133,6 +133,7 @@ impl Sandbox {
         .arg("--bpf-pin-dir")
         .arg(self.dir.path().join("no-pins"))
         .args(extra)
+        .args(tcp_engine().map(|e| format!("--tcp-engine={e}")))
         .stdout(Stdio::null())
         .stderr(if std::env::var_os("MCS_TEST_AGENT_LOG").is_some() {
             Stdio::inherit()
@@ -156,6 +157,26 @@ impl Sandbox {
             }
             assert!(Instant::now() < deadline, "agent not ready");
             std::thread::sleep(Duration::from_millis(50));
+        }
+        if let Some(engine) = tcp_engine() {
+            // The suite must test the engine it says.
+            let want_io_uring = engine == "io-uring";
+            let workers = || {
+                let (_, body) = self.http("/metrics")?;
+                body.lines()
+                    .find_map(|l| l.strip_prefix("mcs_proxy_tcp_io_uring_workers "))?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            };
+            while (workers().unwrap_or(0) > 0) != want_io_uring {
+                assert!(
+                    Instant::now() < deadline,
+                    "MCS_TEST_TCP_ENGINE={engine} but mcs_proxy_tcp_io_uring_workers is {:?}",
+                    workers()
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
     }
 
@@ -302,3 +323,11 @@ pub const ALL: [&str; 6] = [
     "[2001:2::1:2]:8080",
     "[2001:2::1:3]:8080",
 ];
+
+/// The TCP engine this run tests (`MCS_TEST_TCP_ENGINE=io-uring|epoll`, passed as
+/// `--tcp-engine` and checked in the agent's metrics); unset: the agent's default.
+pub fn tcp_engine() -> Option<String> {
+    std::env::var("MCS_TEST_TCP_ENGINE")
+        .ok()
+        .filter(|v| !v.is_empty())
+}

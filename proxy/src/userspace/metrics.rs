@@ -249,6 +249,8 @@ pub struct ProxyMetrics {
     pub udp_sessions: Gauge,
     /// Connections closed because their backend was removed and the drain bound passed.
     pub drained: Counter,
+    /// TCP workers running on io_uring (`--io-uring`; the others use epoll).
+    pub io_uring_workers: Gauge,
 }
 
 /// A family written from the store: name, help, which counter of the cells.
@@ -343,6 +345,11 @@ impl ProxyMetrics {
             "drained",
             "Connections closed after their backend was removed",
             self.drained.clone(),
+        );
+        r.register(
+            "tcp_io_uring_workers",
+            "TCP workers running on io_uring (the others use epoll)",
+            self.io_uring_workers.clone(),
         );
     }
 

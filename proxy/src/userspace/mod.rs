@@ -7,6 +7,7 @@
 //! - [`maglev`]: consistent hashing of flows onto backends.
 //! - [`tcp`]: accept, pick, connect with retries, relay (copy, splice for bulk), idle,
 //!   drain, cap.
+//! - [`uring`]: the same TCP worker on io_uring (`--io-uring`), epoll where it is unavailable.
 //! - [`udp`]: per-flow sessions with VIP-sourced replies.
 //! - [`metrics`]: per frontend and backend counters.
 //!
@@ -20,6 +21,7 @@ pub mod nft;
 pub mod routes;
 pub mod tcp;
 pub mod udp;
+pub mod uring;
 
 use std::{collections::BTreeSet, net::SocketAddr, sync::Arc, time::Duration};
 
@@ -63,6 +65,20 @@ pub struct UserspaceConfig {
     /// TCP worker threads, each with its own single-threaded runtime and SO_REUSEPORT
     /// listener (shared nothing but the route table and counters). 0: one per CPU.
     pub tcp_workers: usize,
+    /// What the TCP workers run on.
+    pub tcp_engine: TcpEngine,
+}
+
+/// What the TCP workers run on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TcpEngine {
+    /// io_uring where a ring can be made, else epoll (with a warning).
+    #[default]
+    Auto,
+    /// io_uring, or the forwarder does not start.
+    IoUring,
+    /// epoll (tokio).
+    Epoll,
 }
 
 impl Default for UserspaceConfig {
@@ -81,6 +97,7 @@ impl Default for UserspaceConfig {
             maglev_table_size: maglev::DEFAULT_TABLE_SIZE,
             splice: true,
             tcp_workers: 0,
+            tcp_engine: TcpEngine::Auto,
         }
     }
 }
@@ -101,6 +118,11 @@ pub enum StartError {
         #[source]
         source: std::io::Error,
     },
+    /// `--tcp-engine io-uring`, and no ring could be made.
+    #[error(
+        "io_uring is unavailable (kernel.io_uring_disabled, seccomp or an old kernel; --tcp-engine auto falls back to epoll)"
+    )]
+    IoUring(#[source] std::io::Error),
     /// nftables or policy routing failed.
     #[error("installing interception: {0}")]
     Intercept(#[from] nft::NftError),
@@ -148,6 +170,18 @@ impl Userspace {
         let cap = Arc::new(Semaphore::new(config.max_connections));
         let mut tasks = Vec::new();
         let sessions = Arc::new(udp::Sessions::default());
+        // Probed once here (each worker makes its own ring on its thread).
+        let io_uring = match config.tcp_engine {
+            TcpEngine::Epoll => false,
+            engine => match uring::ring() {
+                Ok(_) => true,
+                Err(e) if engine == TcpEngine::IoUring => return Err(StartError::IoUring(e)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "io_uring unavailable; the TCP workers use epoll");
+                    false
+                }
+            },
+        };
         let workers = match config.tcp_workers {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
@@ -156,13 +190,13 @@ impl Userspace {
             match listeners(port, v6, workers) {
                 Ok((tcp, udp_sock)) => {
                     for (i, l) in tcp.into_iter().enumerate() {
-                        spawn_worker(i, v6, l, shared.clone(), cap.clone()).map_err(|source| {
-                            StartError::Listen {
+                        spawn_worker(i, v6, l, io_uring, shared.clone(), cap.clone()).map_err(
+                            |source| StartError::Listen {
                                 what: "tcp worker",
                                 port,
                                 source,
-                            }
-                        })?;
+                            },
+                        )?;
                     }
                     tasks.push(tokio::spawn(udp::listen_loop(
                         udp_sock,
@@ -192,6 +226,7 @@ impl Userspace {
         tracing::info!(
             port,
             splice = config.splice,
+            tcp_workers = if io_uring { "io_uring" } else { "epoll" },
             "userspace forwarder listening"
         );
         Ok(Self {
@@ -241,6 +276,7 @@ fn spawn_worker(
     i: usize,
     v6: bool,
     listener: std::net::TcpListener,
+    io_uring: bool,
     shared: Arc<Shared>,
     cap: Arc<Semaphore>,
 ) -> std::io::Result<()> {
@@ -250,6 +286,18 @@ fn spawn_worker(
     std::thread::Builder::new()
         .name(format!("mcs-tcp{}-{i}", if v6 { 6 } else { 4 }))
         .spawn(move || {
+            if io_uring {
+                // The ring is made on the thread that uses it (SINGLE_ISSUER).
+                match uring::ring() {
+                    Ok(ring) => {
+                        uring::run(ring, listener, &shared, cap);
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "io_uring unavailable; this TCP worker uses epoll");
+                    }
+                }
+            }
             rt.block_on(async move {
                 let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
                     return;

@@ -47,7 +47,7 @@ const BULK_PIPE_MAX_BYTES: usize = 1 << 20;
 /// the user's pipe-page quota.
 const IDLE_PIPE_BYTES: usize = 1 << 16;
 /// Size of the copy buffer of each direction; a read that fills it switches to splice.
-const COPY_BUF_BYTES: usize = 16 << 10;
+pub(super) const COPY_BUF_BYTES: usize = 16 << 10;
 /// Pause after an accept error (e.g. out of file descriptors), doubling up to a second.
 const ACCEPT_BACKOFF_START_MS: u64 = 5;
 
@@ -72,7 +72,7 @@ impl ClientCounts {
     }
 
     /// Takes a slot for `client`, or `None` when it has `limit` open already.
-    fn take(&self, client: SocketAddr) -> Option<ClientSlot<'_>> {
+    pub(super) fn take(&self, client: SocketAddr) -> Option<ClientSlot<'_>> {
         let h = super::routes::flow_hash(client, true) as usize % CLIENT_BUCKETS;
         let b = &self.buckets[h];
         if b.fetch_add(1, Ordering::Relaxed) >= self.limit {
@@ -84,7 +84,7 @@ impl ClientCounts {
 }
 
 /// A client's slot, given back on drop.
-struct ClientSlot<'a>(&'a AtomicU32);
+pub(super) struct ClientSlot<'a>(&'a AtomicU32);
 
 impl Drop for ClientSlot<'_> {
     fn drop(&mut self) {
@@ -210,7 +210,7 @@ fn reset(stream: &TcpStream) {
 
 /// How long a connection accepted before the first table (a restarted agent's frontends stay
 /// intercepted) waits for it.
-const FIRST_TABLE_WAIT: Duration = Duration::from_secs(3);
+pub(super) const FIRST_TABLE_WAIT: Duration = Duration::from_secs(3);
 
 async fn handle(
     client_stream: TcpStream,
@@ -408,10 +408,10 @@ async fn relay(
 }
 
 /// A pipe for splicing: read end, write end, and its size now.
-struct Pipe {
-    r: OwnedFd,
-    w: OwnedFd,
-    size: usize,
+pub(super) struct Pipe {
+    pub(super) r: OwnedFd,
+    pub(super) w: OwnedFd,
+    pub(super) size: usize,
 }
 
 /// Empty pipes and copy buffers kept per worker thread (each worker is a single-threaded
@@ -448,7 +448,7 @@ fn resize_pipe(p: &mut Pipe, bytes: usize) {
 }
 
 /// An empty pipe grown for bulk: from this thread's pool or new.
-fn take_pipe() -> Option<Pipe> {
+pub(super) fn take_pipe() -> Option<Pipe> {
     let mut p = PIPE_POOL.with(|p| p.borrow_mut().pop()).or_else(|| {
         let flags = nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_CLOEXEC;
         let (r, w) = nix::unistd::pipe2(flags).ok()?;
@@ -467,7 +467,7 @@ fn take_pipe() -> Option<Pipe> {
 
 /// Returns an empty pipe, shrunk to the default size, to this thread's pool (or closes it when
 /// the pool is full).
-fn give_back_pipe(mut p: Pipe) {
+pub(super) fn give_back_pipe(mut p: Pipe) {
     if p.size > IDLE_PIPE_BYTES {
         resize_pipe(&mut p, IDLE_PIPE_BYTES);
     }
