@@ -52,6 +52,9 @@ const RING_ENTRIES: u32 = 4096;
 /// How often the loop wakes with nothing to do: shutdown, route changes, drain and idle
 /// bounds, connections waiting for the first table are looked at then.
 const TICK: Duration = Duration::from_millis(100);
+/// How often connections waiting for the first table look for it (the table arrives from
+/// another thread, which does not wake the ring).
+const WAITING_POLL: Duration = Duration::from_millis(5);
 /// Rounds of splicing one direction does before it lets the others run.
 const SPLICE_ROUNDS: usize = 16;
 /// Copy buffers kept for reuse per worker.
@@ -77,6 +80,8 @@ mod op {
     /// A spliced direction's source is readable, or its destination writable.
     pub const SPLICE0: u8 = 13;
     pub const SPLICE1: u8 = 14;
+    /// A short timeout while connections wait for the first table.
+    pub const WAKE: u8 = 15;
 }
 
 fn ud(slot: usize, op: u8) -> u64 {
@@ -187,6 +192,9 @@ struct Worker<'s> {
     now_s: u64,
     connect_timeout: types::Timespec,
     tick: types::Timespec,
+    waiting_poll: types::Timespec,
+    /// A `WAKE` timeout is in flight.
+    wake_armed: bool,
 }
 
 /// Runs a worker on `listener` until shutdown and its connections are done (or cut at the
@@ -206,6 +214,8 @@ pub fn run(ring: IoUring, listener: std::net::TcpListener, shared: &Shared, cap:
         now_s: 0,
         connect_timeout: timespec(shared.config.connect_timeout),
         tick: timespec(TICK),
+        waiting_poll: timespec(WAITING_POLL),
+        wake_armed: false,
     };
     w.event_loop(listener);
     shared.metrics.io_uring_workers.dec();
@@ -331,6 +341,11 @@ impl<'s> Worker<'s> {
                         self.push_tick();
                     }
                     op::CANCEL_ACCEPT => {}
+                    op::WAKE => {
+                        self.wake_armed = false;
+                        self.retry_waiting(Instant::now(), true);
+                        self.arm_wake();
+                    }
                     kind => self.completed(slot, kind, res),
                 }
             }
@@ -358,6 +373,18 @@ impl<'s> Worker<'s> {
                 .build()
                 .user_data(ud(0, op::ACCEPT)),
         );
+    }
+
+    /// While connections wait for the first table, look for it every few milliseconds.
+    fn arm_wake(&mut self) {
+        if self.wake_armed || self.waiting.is_empty() {
+            return;
+        }
+        self.wake_armed = true;
+        let e = opcode::Timeout::new(&self.waiting_poll)
+            .build()
+            .user_data(ud(0, op::WAKE));
+        self.push(e);
     }
 
     fn push_tick(&mut self) {
@@ -445,6 +472,7 @@ impl<'s> Worker<'s> {
                 // It counts as open while it waits.
                 self.shared.metrics.active_connections.inc();
                 self.waiting.push((fd, Instant::now() + FIRST_TABLE_WAIT));
+                self.arm_wake();
                 return;
             }
             tracing::debug!(%dst, "no route (frontend removed?)");
