@@ -249,7 +249,7 @@ pub struct ProxyMetrics {
     pub udp_sessions: Gauge,
     /// Connections closed because their backend was removed and the drain bound passed.
     pub drained: Counter,
-    /// TCP workers running on io_uring (`--io-uring`; the others use epoll).
+    /// TCP workers running on io_uring (`--tcp-engine`; the others use epoll).
     pub io_uring_workers: Gauge,
 }
 

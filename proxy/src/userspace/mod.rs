@@ -7,7 +7,7 @@
 //! - [`maglev`]: consistent hashing of flows onto backends.
 //! - [`tcp`]: accept, pick, connect with retries, relay (copy, splice for bulk), idle,
 //!   drain, cap.
-//! - [`uring`]: the same TCP worker on io_uring (`--io-uring`), epoll where it is unavailable.
+//! - [`uring`]: the same TCP worker on io_uring (`--tcp-engine`, by default where available).
 //! - [`udp`]: per-flow sessions with VIP-sourced replies.
 //! - [`metrics`]: per frontend and backend counters.
 //!

@@ -204,8 +204,8 @@ pub async fn accept_loop(
 }
 
 /// Close with RST (SO_LINGER 0), so the client sees a refusal, not a hang.
-fn reset(stream: &TcpStream) {
-    let _ = SockRef::from(stream).set_linger(Some(Duration::ZERO));
+pub(super) fn reset(socket: &impl std::os::fd::AsFd) {
+    let _ = SockRef::from(socket).set_linger(Some(Duration::ZERO));
 }
 
 /// How long a connection accepted before the first table (a restarted agent's frontends stay
@@ -480,10 +480,10 @@ pub(super) fn give_back_pipe(mut p: Pipe) {
 }
 
 /// A copy buffer from this thread's pool, returned to it on drop.
-struct PooledBuf(Option<Box<[u8]>>);
+pub(super) struct PooledBuf(Option<Box<[u8]>>);
 
 impl PooledBuf {
-    fn take() -> Self {
+    pub(super) fn take() -> Self {
         let buf = BUF_POOL
             .with(|p| p.borrow_mut().pop())
             .unwrap_or_else(|| vec![0u8; COPY_BUF_BYTES].into_boxed_slice());

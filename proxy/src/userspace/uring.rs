@@ -1,4 +1,4 @@
-//! The io_uring TCP worker (`--io-uring`; issue 16): the same job as [`super::tcp`]'s epoll
+//! The io_uring TCP worker (`--tcp-engine auto|io-uring`; issue 16): the same job as [`super::tcp`]'s epoll
 //! worker — accept, pick, connect with a timeout and retries, relay both ways, pass
 //! half-closes and resets on, idle timeout, drain, caps — with its system calls batched into
 //! one `io_uring_enter` per loop: a multishot accept, and per connection a connect linked to
@@ -43,7 +43,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use super::{
     Shared,
     routes::{Route, normalize},
-    tcp::{COPY_BUF_BYTES, ClientSlot, FIRST_TABLE_WAIT, Pipe, give_back_pipe, take_pipe},
+    tcp::{ClientSlot, FIRST_TABLE_WAIT, Pipe, PooledBuf, give_back_pipe, reset, take_pipe},
 };
 
 /// Entries of each ring's submission queue (the completion queue has twice that; the kernel
@@ -57,8 +57,6 @@ const TICK: Duration = Duration::from_millis(100);
 const WAITING_POLL: Duration = Duration::from_millis(5);
 /// Rounds of splicing one direction does before it lets the others run.
 const SPLICE_ROUNDS: usize = 16;
-/// Copy buffers kept for reuse per worker.
-const SPARE_BUFS: usize = 1024;
 
 /// What an operation was, in the low byte of its `user_data`; the rest is the connection's
 /// slot. Per-direction kinds come in pairs (direction 0: client → backend, 1: backend →
@@ -133,7 +131,8 @@ struct Conn<'s> {
     attempt: usize,
     /// The backend address of the connect in flight.
     sockaddr: SockAddr,
-    bufs: [Box<[u8]>; 2],
+    /// From the thread's pool (the epoll worker's), given back on drop.
+    bufs: [PooledBuf; 2],
     /// Bytes in `bufs[d]`, and how many of them are sent.
     pending: [(usize, usize); 2],
     ended: [bool; 2],
@@ -174,6 +173,10 @@ impl Conn<'_> {
     fn raw(fd: Option<BorrowedFd<'_>>) -> i32 {
         fd.map_or(-1, |f| f.as_raw_fd())
     }
+
+    fn log_error(&self, e: impl std::fmt::Display) {
+        tracing::debug!(client = %self.client_addr, backend = %self.backend.1, error = %e, "connection ended with an error");
+    }
 }
 
 /// The worker's state.
@@ -183,7 +186,6 @@ struct Worker<'s> {
     cap: Arc<Semaphore>,
     conns: Vec<Option<Box<Conn<'s>>>>,
     free: Vec<usize>,
-    spare_bufs: Vec<Box<[u8]>>,
     /// Accepted before the first table: retried when it comes, or refused at the deadline.
     waiting: Vec<(OwnedFd, Instant)>,
     generation: watch::Receiver<u64>,
@@ -195,6 +197,8 @@ struct Worker<'s> {
     waiting_poll: types::Timespec,
     /// A `WAKE` timeout is in flight.
     wake_armed: bool,
+    /// Some connection has a drain bound (its backend left the route).
+    draining: bool,
 }
 
 /// Runs a worker on `listener` until shutdown and its connections are done (or cut at the
@@ -207,7 +211,6 @@ pub fn run(ring: IoUring, listener: std::net::TcpListener, shared: &Shared, cap:
         cap,
         conns: Vec::new(),
         free: Vec::new(),
-        spare_bufs: Vec::new(),
         waiting: Vec::new(),
         generation: shared.routes.subscribe(),
         start: Instant::now(),
@@ -216,6 +219,7 @@ pub fn run(ring: IoUring, listener: std::net::TcpListener, shared: &Shared, cap:
         tick: timespec(TICK),
         waiting_poll: timespec(WAITING_POLL),
         wake_armed: false,
+        draining: false,
     };
     w.event_loop(listener);
     shared.metrics.io_uring_workers.dec();
@@ -225,11 +229,6 @@ fn timespec(d: Duration) -> types::Timespec {
     types::Timespec::new()
         .sec(d.as_secs())
         .nsec(d.subsec_nanos())
-}
-
-/// Close with RST (SO_LINGER 0), so the peer sees a refusal or a cut.
-fn set_reset(fd: BorrowedFd<'_>) {
-    let _ = SockRef::from(&fd).set_linger(Some(Duration::ZERO));
 }
 
 /// `n` bytes went out in direction `d` to backend `backend` of `route`: counted.
@@ -334,7 +333,7 @@ impl<'s> Worker<'s> {
                         if listener.is_none() && self.conns.iter().all(Option::is_none) {
                             for (fd, _) in self.waiting.drain(..) {
                                 self.shared.metrics.active_connections.dec();
-                                set_reset(fd.as_fd());
+                                reset(&fd);
                             }
                             return;
                         }
@@ -343,7 +342,7 @@ impl<'s> Worker<'s> {
                     op::CANCEL_ACCEPT => {}
                     op::WAKE => {
                         self.wake_armed = false;
-                        self.retry_waiting(Instant::now(), true);
+                        self.retry_waiting(Instant::now());
                         self.arm_wake();
                     }
                     kind => self.completed(slot, kind, res),
@@ -405,6 +404,7 @@ impl<'s> Worker<'s> {
             self.generation.borrow_and_update();
             let routes = self.shared.routes.load();
             let drain = self.shared.config.drain_timeout;
+            self.draining = false;
             for c in self.conns.iter_mut().flatten() {
                 let still = routes
                     .get(c.dst, Protocol::Tcp)
@@ -414,10 +414,16 @@ impl<'s> Worker<'s> {
                 } else {
                     c.drain_at.or(Some(now + drain))
                 };
+                self.draining |= c.drain_at.is_some();
             }
-            self.retry_waiting(now, true);
-        } else if !self.waiting.is_empty() {
-            self.retry_waiting(now, false);
+        }
+        if !self.waiting.is_empty() {
+            self.retry_waiting(now);
+        }
+        // The connections are looked at once a second (idle), or every tick while a drain
+        // bound is set.
+        if !idle_check && !self.draining && drain_until.is_none() {
+            return;
         }
         let idle_s = self.shared.config.idle_timeout.as_secs().max(1);
         for i in 0..self.conns.len() {
@@ -442,8 +448,8 @@ impl<'s> Worker<'s> {
 
     /// Connections accepted before the first table: looked up again once there is one, and
     /// refused when it did not come in time.
-    fn retry_waiting(&mut self, now: Instant, table: bool) {
-        let have_table = table && *self.generation.borrow() != 0;
+    fn retry_waiting(&mut self, now: Instant) {
+        let have_table = *self.generation.borrow() != 0;
         let waiting = std::mem::take(&mut self.waiting);
         for (fd, deadline) in waiting {
             if have_table || now >= deadline {
@@ -468,29 +474,28 @@ impl<'s> Worker<'s> {
         let Some(route) = route else {
             if may_wait && *self.generation.borrow() == 0 {
                 // No table yet (a restarted agent keeps its frontends intercepted): wait for
-                // the first one, bounded.
-                // It counts as open while it waits.
+                // the first one, bounded. It counts as open while it waits.
                 self.shared.metrics.active_connections.inc();
                 self.waiting.push((fd, Instant::now() + FIRST_TABLE_WAIT));
                 self.arm_wake();
                 return;
             }
             tracing::debug!(%dst, "no route (frontend removed?)");
-            set_reset(fd.as_fd());
+            reset(&fd);
             return;
         };
         let Ok(permit) = self.cap.clone().try_acquire_owned() else {
             // Over the cap: refuse cleanly with a reset; open connections are untouched.
             route.frontend_counters.refused.inc();
-            set_reset(fd.as_fd());
+            reset(&fd);
             return;
         };
         let Some(slot) = self.shared.per_client.take(client) else {
             route.frontend_counters.refused.inc();
-            set_reset(fd.as_fd());
+            reset(&fd);
             return;
         };
-        let bufs = [self.buf(), self.buf()];
+        let bufs = [PooledBuf::take(), PooledBuf::take()];
         let conn = Box::new(Conn {
             client: fd,
             up: None,
@@ -526,12 +531,6 @@ impl<'s> Worker<'s> {
         };
         self.shared.metrics.active_connections.inc();
         self.connect(i);
-    }
-
-    fn buf(&mut self) -> Box<[u8]> {
-        self.spare_bufs
-            .pop()
-            .unwrap_or_else(|| vec![0u8; COPY_BUF_BYTES].into_boxed_slice())
     }
 
     /// Starts the next connect attempt, or refuses the client when none is left.
@@ -682,7 +681,7 @@ impl<'s> Worker<'s> {
                     Err(nix::errno::Errno::EAGAIN) => return self.poll(i, d, dst, libc::POLLOUT),
                     Err(nix::errno::Errno::EINTR) => continue,
                     Err(e) => {
-                        tracing::debug!(client = %c.client_addr, backend = %c.backend.1, error = %e, "connection ended with an error");
+                        c.log_error(e);
                         return self.finish(i, End::Reset);
                     }
                 }
@@ -703,7 +702,7 @@ impl<'s> Worker<'s> {
                 Err(nix::errno::Errno::EAGAIN) => return self.poll(i, d, src, libc::POLLIN),
                 Err(nix::errno::Errno::EINTR) => {}
                 Err(e) => {
-                    tracing::debug!(client = %c.client_addr, backend = %c.backend.1, error = %e, "connection ended with an error");
+                    c.log_error(e);
                     return self.finish(i, End::Reset);
                 }
             }
@@ -726,18 +725,16 @@ impl<'s> Worker<'s> {
             return;
         }
         c.end = how;
-        let fds: Vec<i32> = [c.src(0), c.src(1)]
-            .into_iter()
-            .flatten()
-            .map(|f| {
+        let fds = [c.src(0), c.src(1)].map(|f| {
+            f.map(|f| {
                 if how == End::Reset {
-                    set_reset(f);
+                    reset(&f);
                 }
                 f.as_raw_fd()
             })
-            .collect();
+        });
         if c.inflight > 0 {
-            for fd in fds {
+            for fd in fds.into_iter().flatten() {
                 if let Some(c) = self.conns[i].as_deref_mut() {
                     c.inflight += 1;
                 }
@@ -762,15 +759,10 @@ impl<'s> Worker<'s> {
         let Some(c) = self.conns[i].take() else {
             return;
         };
-        let Conn { bufs, spliced, .. } = *c;
-        for sp in spliced.into_iter().flatten() {
+        // Its buffers go back to the pool as it drops, and its empty pipes too.
+        for sp in c.spliced.into_iter().flatten() {
             if sp.left == 0 {
                 give_back_pipe(sp.pipe);
-            }
-        }
-        for b in bufs {
-            if self.spare_bufs.len() < SPARE_BUFS {
-                self.spare_bufs.push(b);
             }
         }
         self.free.push(i);
@@ -814,7 +806,7 @@ impl<'s> Worker<'s> {
                             Ok(fin) => c.last[1] = fin,
                             Err(e) => {
                                 // Data, then a reset: the data goes on, then the reset.
-                                tracing::debug!(client = %c.client_addr, backend = %c.backend.1, error = %e, "connection ended with an error");
+                                c.log_error(e);
                                 c.reset_after = true;
                             }
                         }
@@ -829,7 +821,7 @@ impl<'s> Worker<'s> {
                 } else if res == -libc::EAGAIN || res == -libc::EINTR {
                     self.recv(i, d);
                 } else {
-                    tracing::debug!(client = %c.client_addr, backend = %c.backend.1, error = %os_error(res), "connection ended with an error");
+                    c.log_error(os_error(res));
                     return self.finish(i, End::Reset);
                 }
             }
@@ -863,7 +855,7 @@ impl<'s> Worker<'s> {
                         self.recv(i, d);
                     }
                 } else {
-                    tracing::debug!(client = %c.client_addr, backend = %c.backend.1, error = %os_error(res), "connection ended with an error");
+                    c.log_error(os_error(res));
                     return self.finish(i, End::Reset);
                 }
             }
@@ -873,7 +865,7 @@ impl<'s> Worker<'s> {
             op::SPLICE0 | op::SPLICE1 if open => {
                 let d = usize::from(kind - op::SPLICE0);
                 if res < 0 && res != -libc::EINTR {
-                    tracing::debug!(client = %c.client_addr, backend = %c.backend.1, error = %os_error(res), "connection ended with an error");
+                    c.log_error(os_error(res));
                     return self.finish(i, End::Reset);
                 }
                 self.splice_step(i, d);
