@@ -174,6 +174,44 @@ pub struct DnsArgs {
         default_value_t = 20_000
     )]
     pub rate_limit: u32,
+    /// DNS-over-TCP connections open at once, in total (past it, new ones are closed at once
+    /// and counted in `mcs_dns_tcp_refused_total{cap="total"}`). Lowered at start if the
+    /// open-file limit would leave fewer than 512 descriptors for the rest of the agent.
+    #[arg(
+        long = "dns-tcp-connections",
+        env = "MCS_DNS_TCP_CONNECTIONS",
+        default_value_t = crate::dns::TcpLimits::default().connections,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000)
+    )]
+    pub tcp_connections: usize,
+    /// DNS-over-TCP connections open at once from one client (an IPv4 address, an IPv6 /64);
+    /// `cap="per_client"` in the same counter. Each connection is closed after 5 s without a
+    /// query and after 30 s in any case (`--dns-tcp-idle-s`, `--dns-tcp-lifetime-s`).
+    #[arg(
+        long = "dns-tcp-connections-per-client",
+        env = "MCS_DNS_TCP_CONNECTIONS_PER_CLIENT",
+        default_value_t = crate::dns::TcpLimits::default().per_client,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000)
+    )]
+    pub tcp_connections_per_client: usize,
+    /// Seconds a DNS-over-TCP connection may stay without a query (before the first one and
+    /// between two).
+    #[arg(
+        long = "dns-tcp-idle-s",
+        env = "MCS_DNS_TCP_IDLE_S",
+        default_value_t = 5,
+        value_parser = clap::value_parser!(u64).range(1..=3600)
+    )]
+    pub tcp_idle_s: u64,
+    /// Seconds a DNS-over-TCP connection may stay open at all, however busy (a client that
+    /// keeps it alive with a query every few seconds is closed then, and reconnects).
+    #[arg(
+        long = "dns-tcp-lifetime-s",
+        env = "MCS_DNS_TCP_LIFETIME_S",
+        default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(1..=86_400)
+    )]
+    pub tcp_lifetime_s: u64,
 }
 
 /// How answers are made.

@@ -394,15 +394,25 @@ async fn agent(args: RunArgs) -> anyhow::Result<ExitCode> {
     let dns = if args.dns.listen.is_empty() {
         None
     } else {
+        let fd_limit = crate::dns::raise_fd_limit();
         let config = crate::dns::DnsConfig {
             listen: args.dns.listen.clone(),
             ttl: args.dns.answers.ttl,
             rate_limit: args.dns.rate_limit,
+            tcp: crate::dns::fit_to_fd_limit(
+                crate::dns::TcpLimits {
+                    connections: args.dns.tcp_connections,
+                    per_client: args.dns.tcp_connections_per_client,
+                    idle: Duration::from_secs(args.dns.tcp_idle_s),
+                    lifetime: Duration::from_secs(args.dns.tcp_lifetime_s),
+                },
+                fd_limit,
+            ),
         };
         let server =
             crate::dns::DnsServer::start(zone.clone(), &config, &mut registry, health.clone())
                 .await?;
-        tracing::info!(addrs = ?server.addrs, ttl = config.ttl, rate_limit = config.rate_limit, "serving clusterset.local DNS (UDP and TCP)");
+        tracing::info!(addrs = ?server.addrs, ttl = config.ttl, rate_limit = config.rate_limit, tcp_connections = config.tcp.connections, tcp_connections_per_client = config.tcp.per_client, fd_limit, "serving clusterset.local DNS (UDP and TCP)");
         Some(server)
     };
     let addr = http::spawn(args.metrics_addr, Arc::new(registry), health.clone())

@@ -1,10 +1,21 @@
 //! The agent's `clusterset.local` DNS server: UDP and TCP on every `--dns-listen` address,
 //! answers from the agent's own zone (`mcs-dns`), a per-client rate limit, metrics.
 //!
-//! hickory-server (0.26.3) does the wire work: it answers FORMERR to undecodable queries
-//! itself, and caps UDP responses at 512 bytes without EDNS, else at the payload size of
-//! the EDNS record we attach (the client's, at most [`MAX_UDP_PAYLOAD`]), setting TC when an
-//! answer does not fit (the client then asks over TCP).
+//! UDP: hickory-server (0.26.3) does the wire work: it answers FORMERR to undecodable queries
+//! itself. Every answer is made within what the response can carry ([`mcs_dns::Budget`]: 512
+//! bytes without EDNS, else the payload size of the EDNS record we attach — the client's, at
+//! most [`MAX_UDP_PAYLOAD`]), with TC when records were left out (the client then asks over
+//! TCP).
+//!
+//! TCP is served here, not by hickory-server, whose TCP listener has no connection cap and
+//! whose idle timeout restarts with every message (issue 32: 1,100 held connections used up
+//! the agent's file descriptors, and with them `/healthz` and the watches). Here a connection
+//! is refused (closed at once, counted) past [`TcpLimits::connections`] in total or
+//! [`TcpLimits::per_client`] from one client; it is closed after [`TcpLimits::idle`] without a
+//! query and after [`TcpLimits::lifetime`] however busy; a failed `accept` (no file
+//! descriptor left) backs off instead of spinning. [`raise_fd_limit`] lifts the soft file
+//! limit to the hard one at start, and the total cap is kept below it with room for the
+//! health server, the watches, the metrics and the maps.
 
 use std::{
     collections::HashMap,
@@ -16,27 +27,37 @@ use std::{
 use anyhow::Context as _;
 use hickory_server::{
     Server,
-    net::runtime::Time,
+    net::{
+        NetError,
+        runtime::{Time, TokioTime},
+        xfer::Protocol,
+    },
     proto::{
-        op::{Edns, Header, MessageType, OpCode, ResponseCode},
-        rr::{Name, RecordType},
+        op::{Edns, Header, Message, MessageType, OpCode, ResponseCode},
+        rr::{Name, Record, RecordType},
+        serialize::binary::BinEncoder,
     },
     server::{Request, RequestHandler, ResponseHandler, ResponseInfo},
-    zone_handler::MessageResponseBuilder,
+    zone_handler::{MessageResponse, MessageResponseBuilder},
 };
-use mcs_dns::Answerer;
+use mcs_dns::{Answerer, Budget};
 use mcs_sync::http::Health;
 use prometheus_client::{
     encoding::EncodeLabelSet,
-    metrics::{counter::Counter, family::Family, histogram::Histogram},
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
     registry::Registry,
 };
 
 /// The largest UDP response we send to an EDNS client (the DNS flag day 2020 value: no IP
 /// fragmentation on common paths).
 pub const MAX_UDP_PAYLOAD: u16 = 1232;
-/// Idle time allowed between two queries on a TCP connection.
-const TCP_IDLE: Duration = Duration::from_secs(5);
+/// File descriptors kept free of DNS-over-TCP connections for everything else the agent
+/// holds open (API server watches, the health and metrics server, the dataplane's maps and
+/// listeners, the file source).
+pub const FD_HEADROOM: u64 = 512;
+/// The OPT record we attach to an EDNS client's answer (no options): not part of the
+/// answer's budget.
+const OPT_RECORD: u16 = 11;
 /// Clients tracked by the rate limiter at most (beyond, idle ones are forgotten first).
 const MAX_TRACKED_CLIENTS: usize = 65_536;
 
@@ -49,6 +70,70 @@ pub struct DnsConfig {
     pub ttl: u32,
     /// Queries per second per client (IPv4 address, IPv6 /64); 0: no limit.
     pub rate_limit: u32,
+    /// Caps of DNS over TCP.
+    pub tcp: TcpLimits,
+}
+
+/// Caps of DNS over TCP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpLimits {
+    /// Connections open at once, over every listener.
+    pub connections: usize,
+    /// Connections open at once from one client (an IPv4 address, an IPv6 /64).
+    pub per_client: usize,
+    /// Time allowed before the first query and between two queries.
+    pub idle: Duration,
+    /// A connection's whole life, however many queries it sends: then it is closed (RFC
+    /// 7766 6.2.3 lets a server close idle or long connections; clients reconnect).
+    pub lifetime: Duration,
+}
+
+impl Default for TcpLimits {
+    fn default() -> Self {
+        Self {
+            connections: 512,
+            per_client: 32,
+            idle: Duration::from_secs(5),
+            lifetime: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Lifts this process's soft limit of open files to its hard limit (the DaemonSet's runtime
+/// sets both; the soft one is often 1,024) and returns the soft limit now in force.
+pub fn raise_fd_limit() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => hard,
+            Err(e) => {
+                tracing::warn!(soft, hard, error = %e, "cannot raise the open-file limit");
+                soft
+            }
+        },
+        Ok((soft, _)) => soft,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the open-file limit");
+            1024
+        }
+    }
+}
+
+/// `limits` with the total connection cap lowered, if need be, to leave [`FD_HEADROOM`] file
+/// descriptors free under `fd_limit` (logged when lowered).
+pub fn fit_to_fd_limit(mut limits: TcpLimits, fd_limit: u64) -> TcpLimits {
+    let room = usize::try_from(fd_limit.saturating_sub(FD_HEADROOM)).unwrap_or(usize::MAX);
+    if limits.connections > room {
+        tracing::warn!(
+            asked = limits.connections,
+            kept = room,
+            fd_limit,
+            "DNS over TCP: fewer connections than asked, to keep {FD_HEADROOM} file descriptors for the rest of the agent"
+        );
+        limits.connections = room;
+    }
+    limits.per_client = limits.per_client.min(limits.connections);
+    limits
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -58,12 +143,22 @@ struct QueryLabels {
     rcode: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RefusedLabels {
+    /// `total` or `per_client`: which cap refused the connection.
+    cap: &'static str,
+}
+
 /// DNS metrics (`mcs_dns_*`).
 #[derive(Clone, Debug)]
 struct DnsMetrics {
     queries: Family<QueryLabels, Counter>,
     seconds: Histogram,
     rate_limited: Counter,
+    truncated: Counter,
+    tcp_open: Gauge,
+    tcp_refused: Family<RefusedLabels, Counter>,
+    tcp_closed_idle: Counter,
 }
 
 impl DnsMetrics {
@@ -72,6 +167,10 @@ impl DnsMetrics {
             queries: Family::default(),
             seconds: Histogram::new([1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.02]),
             rate_limited: Counter::default(),
+            truncated: Counter::default(),
+            tcp_open: Gauge::default(),
+            tcp_refused: Family::default(),
+            tcp_closed_idle: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("mcs_dns");
         r.register(
@@ -88,6 +187,26 @@ impl DnsMetrics {
             "rate_limited",
             "Queries dropped unanswered: their client was over --dns-rate-limit",
             m.rate_limited.clone(),
+        );
+        r.register(
+            "truncated",
+            "Answers that left records out (TC over UDP; over TCP, what fits in one message)",
+            m.truncated.clone(),
+        );
+        r.register(
+            "tcp_connections",
+            "DNS-over-TCP connections open",
+            m.tcp_open.clone(),
+        );
+        r.register(
+            "tcp_refused",
+            "DNS-over-TCP connections closed at once: over the total or the per-client cap",
+            m.tcp_refused.clone(),
+        );
+        r.register(
+            "tcp_closed_idle",
+            "DNS-over-TCP connections closed for idleness or at the end of their lifetime",
+            m.tcp_closed_idle.clone(),
         );
         m
     }
@@ -106,13 +225,7 @@ impl RateLimit {
         if self.per_second <= 0.0 {
             return true;
         }
-        let key = match ip {
-            IpAddr::V4(_) => ip,
-            IpAddr::V6(v6) => {
-                let s = v6.segments();
-                IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
-            }
-        };
+        let key = client_key(ip);
         let now = Instant::now();
         let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
         if clients.len() >= MAX_TRACKED_CLIENTS && !clients.contains_key(&key) {
@@ -132,6 +245,21 @@ impl RateLimit {
         } else {
             false
         }
+    }
+}
+
+/// Who a client is, for its rate limit and its TCP connections: its IPv4 address (also when
+/// it reaches a `[::]` listener as an IPv4-mapped address), or its IPv6 /64.
+fn client_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let s = v6.segments();
+                IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+            }
+        },
     }
 }
 
@@ -208,7 +336,23 @@ impl RequestHandler for Handler {
             {
                 let q = info.query;
                 let name: Name = q.original().name().clone();
-                let mut a = self.answerer.answer(&name, q.query_type(), q.query_class());
+                let opt = if edns.is_some() { OPT_RECORD } else { 0 };
+                let start = usize::from(request.metadata.id);
+                let budget = if request.protocol() == Protocol::Udp {
+                    let payload = edns.as_ref().map_or(512, |e| e.max_payload().max(512));
+                    Budget::udp(payload - opt, start)
+                } else {
+                    Budget {
+                        bytes: u16::MAX - opt,
+                        ..Budget::tcp(start)
+                    }
+                };
+                let mut a =
+                    self.answerer
+                        .answer_within(&name, q.query_type(), q.query_class(), budget);
+                if a.truncated {
+                    self.metrics.truncated.inc();
+                }
                 if !self.health.is_ready() && a.rcode != ResponseCode::Refused {
                     // Before the first full sync the zone is incomplete: an NXDOMAIN now
                     // would be cached by clients. SERVFAIL makes them retry.
@@ -224,6 +368,7 @@ impl RequestHandler for Handler {
         };
         meta.response_code = answer.rcode;
         meta.authoritative = answer.authoritative;
+        meta.truncation = answer.truncated;
         let sent = response
             .send_response(builder.build(
                 meta,
@@ -276,9 +421,225 @@ fn bind_udp(addr: SocketAddr) -> anyhow::Result<tokio::net::UdpSocket> {
     Ok(tokio::net::UdpSocket::from_std(std_socket)?)
 }
 
+/// The handler, shared by hickory-server's UDP sockets and our TCP listeners.
+#[derive(Clone)]
+struct Shared(Arc<Handler>);
+
+#[async_trait::async_trait]
+impl RequestHandler for Shared {
+    async fn handle_request<R: ResponseHandler, T: Time>(
+        &self,
+        request: &Request,
+        response: R,
+    ) -> ResponseInfo {
+        self.0.handle_request::<R, T>(request, response).await
+    }
+}
+
+/// Where a TCP connection's responses go: encoded (at most one DNS message, 64 KiB) and kept
+/// for the connection to write.
+#[derive(Clone, Default)]
+struct Collected(Arc<Mutex<Vec<Vec<u8>>>>);
+
+#[async_trait::async_trait]
+impl ResponseHandler for Collected {
+    async fn send_response<'a>(
+        &mut self,
+        response: MessageResponse<
+            '_,
+            'a,
+            impl Iterator<Item = &'a Record> + Send + 'a,
+            impl Iterator<Item = &'a Record> + Send + 'a,
+            impl Iterator<Item = &'a Record> + Send + 'a,
+            impl Iterator<Item = &'a Record> + Send + 'a,
+        >,
+    ) -> Result<ResponseInfo, NetError> {
+        let mut bytes = Vec::with_capacity(512);
+        let mut encoder = BinEncoder::new(&mut bytes);
+        encoder.set_max_size(u16::MAX);
+        let info = response.destructive_emit(&mut encoder)?;
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(bytes);
+        Ok(info)
+    }
+}
+
+/// Open TCP connections, in total and per client.
+#[derive(Debug)]
+struct TcpConnections {
+    limits: TcpLimits,
+    open: Mutex<(usize, HashMap<IpAddr, usize>)>,
+}
+
+/// One admitted connection; dropping it gives its place back.
+struct TcpPermit {
+    table: Arc<TcpConnections>,
+    key: IpAddr,
+    gauge: Gauge,
+}
+
+impl TcpConnections {
+    /// A place for a connection of `ip`, or which cap refused it.
+    fn admit(self: &Arc<Self>, ip: IpAddr, gauge: &Gauge) -> Result<TcpPermit, &'static str> {
+        let key = client_key(ip);
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        if open.0 >= self.limits.connections {
+            return Err("total");
+        }
+        let mine = open.1.entry(key).or_insert(0);
+        if *mine >= self.limits.per_client {
+            return Err("per_client");
+        }
+        *mine += 1;
+        open.0 += 1;
+        gauge.inc();
+        Ok(TcpPermit {
+            table: self.clone(),
+            key,
+            gauge: gauge.clone(),
+        })
+    }
+}
+
+impl Drop for TcpPermit {
+    fn drop(&mut self) {
+        let mut open = self.table.open.lock().unwrap_or_else(|p| p.into_inner());
+        open.0 = open.0.saturating_sub(1);
+        if let Some(n) = open.1.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                open.1.remove(&self.key);
+            }
+        }
+        self.gauge.dec();
+    }
+}
+
+/// Accepts DNS-over-TCP connections on `listener` within the caps; each connection runs in
+/// a task of this one's (they end with it).
+async fn serve_tcp(
+    listener: tokio::net::TcpListener,
+    handler: Arc<Handler>,
+    table: Arc<TcpConnections>,
+) {
+    let mut connections = tokio::task::JoinSet::new();
+    let mut last_warning: Option<Instant> = None;
+    loop {
+        while connections.try_join_next().is_some() {}
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // EMFILE/ENFILE (no descriptor left), ECONNABORTED, ...: the listener stays;
+                // wait a little rather than spin on an error that will repeat.
+                if last_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                    tracing::warn!(error = %e, "DNS over TCP: accept failed; retrying in 100 ms");
+                    last_warning = Some(Instant::now());
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        match table.admit(peer.ip(), &handler.metrics.tcp_open) {
+            Ok(permit) => {
+                let handler = handler.clone();
+                let limits = table.limits;
+                connections.spawn(async move {
+                    let _permit = permit;
+                    tcp_connection(stream, peer, &handler, limits).await;
+                });
+            }
+            Err(cap) => {
+                handler
+                    .metrics
+                    .tcp_refused
+                    .get_or_create(&RefusedLabels { cap })
+                    .inc();
+                drop(stream);
+            }
+        }
+    }
+}
+
+/// One DNS-over-TCP connection: length-prefixed queries (RFC 1035 4.2.2), answered in
+/// order, until the client closes, is idle too long, sends something that is not a query,
+/// or the connection's lifetime is over.
+async fn tcp_connection(
+    mut stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    handler: &Handler,
+    limits: TcpLimits,
+) {
+    use tokio::{
+        io::{AsyncReadExt as _, AsyncWriteExt as _},
+        time::timeout_at,
+    };
+    let end = tokio::time::Instant::now() + limits.lifetime;
+    loop {
+        let idle_end = (tokio::time::Instant::now() + limits.idle).min(end);
+        // Whether `buf` was filled before `idle_end` (a timeout is counted).
+        let mut fill =
+            async |buf: &mut [u8]| match timeout_at(idle_end, stream.read_exact(buf)).await {
+                Ok(read) => read.is_ok(),
+                Err(_) => {
+                    handler.metrics.tcp_closed_idle.inc();
+                    false
+                }
+            };
+        let mut len = [0u8; 2];
+        if !fill(&mut len).await {
+            return;
+        }
+        let mut message = vec![0u8; usize::from(u16::from_be_bytes(len))];
+        if !fill(&mut message).await {
+            return;
+        }
+        let id = (message.len() >= 12).then(|| u16::from_be_bytes([message[0], message[1]]));
+        let request = match Request::from_bytes(message, peer, Protocol::Tcp) {
+            Ok(r) if r.metadata.message_type == MessageType::Query => r,
+            // A response: never answered (no reflection); the connection ends.
+            Ok(_) => return,
+            // Not a query we can read: FORMERR when it had a header (as over UDP), and the
+            // connection ends (its framing cannot be trusted any more).
+            Err(_) => {
+                let started = Instant::now();
+                if let Some(id) = id {
+                    let mut m = Message::new(id, MessageType::Response, OpCode::Query);
+                    m.metadata.response_code = ResponseCode::FormErr;
+                    if let Ok(bytes) = m.to_vec()
+                        && let Ok(n) = u16::try_from(bytes.len())
+                    {
+                        let mut framed = n.to_be_bytes().to_vec();
+                        framed.extend_from_slice(&bytes);
+                        let _ = timeout_at(end, stream.write_all(&framed)).await;
+                    }
+                }
+                handler.count(None, ResponseCode::FormErr, started);
+                return;
+            }
+        };
+        let out = Collected::default();
+        handler
+            .handle_request::<_, TokioTime>(&request, out.clone())
+            .await;
+        let responses = std::mem::take(&mut *out.0.lock().unwrap_or_else(|p| p.into_inner()));
+        for r in responses {
+            let Ok(n) = u16::try_from(r.len()) else {
+                return;
+            };
+            let mut framed = Vec::with_capacity(r.len() + 2);
+            framed.extend_from_slice(&n.to_be_bytes());
+            framed.extend_from_slice(&r);
+            match timeout_at(end, stream.write_all(&framed)).await {
+                Ok(Ok(())) => {}
+                _ => return,
+            }
+        }
+    }
+}
+
 /// A running DNS server (stopped when dropped or by [`DnsServer::shutdown`]).
 pub struct DnsServer {
-    server: Server<Handler>,
+    server: Server<Shared>,
+    tcp: Vec<tokio::task::JoinHandle<()>>,
     /// The bound addresses (UDP and TCP alike), for logs and tests.
     pub addrs: Vec<SocketAddr>,
 }
@@ -300,7 +661,7 @@ impl DnsServer {
         registry: &mut Registry,
         health: Health,
     ) -> anyhow::Result<Self> {
-        let handler = Handler {
+        let handler = Arc::new(Handler {
             answerer: Answerer::new(zone, config.ttl),
             health,
             metrics: DnsMetrics::new(registry),
@@ -308,27 +669,47 @@ impl DnsServer {
                 per_second: f64::from(config.rate_limit),
                 clients: Mutex::new(HashMap::new()),
             },
-        };
-        let mut server = Server::new(handler);
+        });
+        let table = Arc::new(TcpConnections {
+            limits: config.tcp,
+            open: Mutex::new((0, HashMap::new())),
+        });
+        let mut server = Server::new(Shared(handler.clone()));
         let mut addrs = Vec::new();
+        let mut tcp = Vec::new();
         for addr in &config.listen {
-            let tcp = tokio::net::TcpListener::bind(addr)
+            let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("binding the DNS address {addr} (TCP)"))?;
-            let bound = tcp.local_addr()?;
+            let bound = listener.local_addr()?;
             let udp = bind_udp(bound)
                 .with_context(|| format!("binding the DNS address {bound} (UDP)"))?;
-            server.register_listener(tcp, TCP_IDLE, 16);
+            tcp.push(tokio::spawn(serve_tcp(
+                listener,
+                handler.clone(),
+                table.clone(),
+            )));
             server.register_socket(udp);
             addrs.push(bound);
         }
-        Ok(Self { server, addrs })
+        Ok(Self { server, tcp, addrs })
     }
 
     /// Stops serving and waits for the tasks.
     pub async fn shutdown(mut self) {
+        for t in &self.tcp {
+            t.abort();
+        }
         if let Err(e) = self.server.shutdown_gracefully().await {
             tracing::debug!(error = %e, "DNS server shutdown");
+        }
+    }
+}
+
+impl Drop for DnsServer {
+    fn drop(&mut self) {
+        for t in &self.tcp {
+            t.abort();
         }
     }
 }
@@ -357,6 +738,16 @@ mod tests {
             *seen -= Duration::from_secs(1);
         }
         assert!(l.allow(a));
+        // IPv4 clients of a `[::]` listener arrive IPv4-mapped: each is its own client, not
+        // one /64 for all of them.
+        let m1: IpAddr = "::ffff:198.18.0.7".parse().unwrap();
+        let m2: IpAddr = "::ffff:198.18.0.8".parse().unwrap();
+        assert_eq!(client_key(m1), "198.18.0.7".parse::<IpAddr>().unwrap());
+        assert!((0..3).all(|_| l.allow(m1)));
+        assert!(
+            l.allow(m2),
+            "another mapped client is not limited by the first"
+        );
         let none = RateLimit {
             per_second: 0.0,
             clients: Mutex::new(HashMap::new()),

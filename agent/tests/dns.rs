@@ -132,6 +132,11 @@ impl Drop for Agent {
 }
 
 impl Agent {
+    fn child_alive(&self) -> bool {
+        // `try_wait` needs `&mut`; /proc tells the same without reaping.
+        Path::new(&format!("/proc/{}", self.child.id())).exists()
+    }
+
     fn start(dir: &Path, extra: &[&str]) -> Self {
         let source = format!("file:{}", dir.display());
         Self::start_with(&["--source", &source], extra)
@@ -139,10 +144,25 @@ impl Agent {
 
     /// An agent with `source` arguments (`--source ...` and what goes with it).
     fn start_with(source: &[&str], extra: &[&str]) -> Self {
+        Self::start_under(Command::new(env!("CARGO_BIN_EXE_mcs-agent")), source, extra)
+    }
+
+    /// An agent whose soft and hard open-file limits are both `nofile` (prlimit), as a
+    /// container runtime may set them.
+    fn start_with_fd_limit(dir: &Path, nofile: u32, extra: &[&str]) -> Self {
+        let mut cmd = Command::new("prlimit");
+        cmd.arg(format!("--nofile={nofile}:{nofile}"))
+            .arg("--")
+            .arg(env!("CARGO_BIN_EXE_mcs-agent"));
+        let source = format!("file:{}", dir.display());
+        Self::start_under(cmd, &["--source", &source], extra)
+    }
+
+    fn start_under(mut cmd: Command, source: &[&str], extra: &[&str]) -> Self {
         let (dns_port, metrics) = (free_port(), free_port());
         let dns: SocketAddr = format!("127.0.0.1:{dns_port}").parse().unwrap();
         let log = tempfile::NamedTempFile::new().unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
+        let child = cmd
             .env("MCS_CLUSTERSET_IP_CIDR", mcs_test_support::CLUSTERSET_CIDRS)
             .args(["run", "--dataplane", "log", "--cluster-id", "c1"])
             .args(["--file-poll-ms", "100", "--dns-ttl", "3"])
@@ -169,6 +189,22 @@ impl Agent {
             std::thread::sleep(Duration::from_millis(50));
         }
         agent
+    }
+
+    /// A counter or gauge of `/metrics` (the first series whose line starts with `series`).
+    fn metric(&self, series: &str) -> f64 {
+        let (_, body) = self.http("/metrics").expect("/metrics answers");
+        body.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// File descriptors the agent holds.
+    fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+            .map(|d| d.count())
+            .unwrap_or(0)
     }
 
     fn http(&self, path: &str) -> Option<(u16, String)> {
@@ -923,4 +959,230 @@ fn garbage_queries_do_not_stop_the_server() {
         agent.child.try_wait().unwrap().is_none(),
         "the agent exited"
     );
+}
+
+/// A TCP connection to `to` from the loopback address `from` (any port).
+fn connect_from(from: &str, to: SocketAddr) -> std::io::Result<TcpStream> {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    s.bind(&format!("{from}:0").parse::<SocketAddr>().unwrap().into())?;
+    s.connect_timeout(&to.into(), Duration::from_secs(5))?;
+    Ok(s.into())
+}
+
+/// Whether the server closed `s` (EOF or reset) within a read timeout of `wait`.
+fn closed_by_server(s: &mut TcpStream, wait: Duration) -> bool {
+    s.set_read_timeout(Some(wait)).unwrap();
+    let mut b = [0u8; 1];
+    match s.read(&mut b) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => !matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+    }
+}
+
+/// This test process's own soft open-file limit, lifted to its hard limit (it holds many
+/// client sockets).
+fn lift_own_fd_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).unwrap();
+}
+
+#[test]
+fn held_tcp_connections_are_capped_and_the_agent_keeps_working() {
+    // Issue 32: 1,100 held DNS-over-TCP connections at the default 1,024 file descriptors
+    // stopped /healthz, other clients' TCP queries and the file source. Here the agent runs
+    // with 1,024 descriptors (soft = hard, so it cannot lift them): DNS over TCP keeps 512 of
+    // them for the rest, one client gets at most 32 connections, and everything else works.
+    lift_own_fd_limit();
+    let dir = tempfile::tempdir().unwrap();
+    write_objects(dir.path());
+    let agent = Agent::start_with_fd_limit(dir.path(), 1024, &[]);
+    let q = query("web.shop.svc.clusterset.local.", RecordType::A, None);
+    // One client holds as many connections as it can: 32 stay, the rest are closed at once.
+    let mut held: Vec<TcpStream> = (0..1100)
+        .filter_map(|_| connect_from("127.0.0.1", agent.dns).ok())
+        .collect();
+    let deadline = Instant::now() + WAIT;
+    while agent.metric("mcs_dns_tcp_refused_total{cap=\"per_client\"}") < 1000.0 {
+        assert!(Instant::now() < deadline, "per-client refusals not counted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(agent.metric("mcs_dns_tcp_connections") <= 32.0);
+    // Many clients (127.0.0.2..=127.0.0.41: 40 x 32 > 512): the total cap holds.
+    for c in 2..=41 {
+        held.extend((0..32).filter_map(|_| connect_from(&format!("127.0.0.{c}"), agent.dns).ok()));
+    }
+    while agent.metric("mcs_dns_tcp_refused_total{cap=\"total\"}") < 1.0 {
+        assert!(Instant::now() < deadline, "total refusals not counted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(agent.metric("mcs_dns_tcp_connections") <= 512.0);
+    assert!(
+        agent.open_fds() < 1024 - 256,
+        "{} descriptors open",
+        agent.open_fds()
+    );
+    // Health, UDP and the file source still work while every TCP place is taken.
+    assert_eq!(agent.http("/healthz").map(|(c, _)| c), Some(200));
+    assert_eq!(rdatas(&udp(agent.dns, &q).0), ["198.18.100.10"]);
+    std::fs::write(
+        dir.path().join("late.yaml"),
+        "apiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceImport\nmetadata: { name: late, namespace: shop }\nspec: { type: ClusterSetIP, ips: [\"198.18.100.77\"], ports: [{ port: 80, protocol: TCP }] }\n",
+    )
+    .unwrap();
+    let late = query("late.shop.svc.clusterset.local.", RecordType::A, None);
+    while rdatas(&udp(agent.dns, &late).0) != ["198.18.100.77"] {
+        assert!(Instant::now() < deadline, "a file change did not reach DNS");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The held connections send nothing: closed after the idle time (5 s), after which
+    // another client's TCP query is answered.
+    drop(held);
+    let deadline = Instant::now() + WAIT;
+    while agent.metric("mcs_dns_tcp_connections") > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "closed connections still counted"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(rdatas(&tcp(agent.dns, &q)), ["198.18.100.10"]);
+    assert!(agent.child_alive());
+}
+
+#[test]
+fn a_busy_tcp_connection_is_closed_at_the_end_of_its_lifetime() {
+    // The idle timeout used to restart with every message: a query every 4 s held a
+    // connection forever. Here: idle 1 s, lifetime 3 s; a query every 300 ms keeps it from
+    // being idle, and it is closed all the same.
+    let dir = tempfile::tempdir().unwrap();
+    write_objects(dir.path());
+    let agent = Agent::start(
+        dir.path(),
+        &["--dns-tcp-idle-s", "1", "--dns-tcp-lifetime-s", "3"],
+    );
+    let mut s = TcpStream::connect(agent.dns).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let body = query("web.shop.svc.clusterset.local.", RecordType::A, None)
+        .to_vec()
+        .unwrap();
+    let started = Instant::now();
+    let mut answered = 0;
+    let closed = loop {
+        assert!(started.elapsed() < WAIT, "never closed");
+        let mut framed = (body.len() as u16).to_be_bytes().to_vec();
+        framed.extend_from_slice(&body);
+        if s.write_all(&framed).is_err() {
+            break true;
+        }
+        let mut len = [0u8; 2];
+        match s.read_exact(&mut len) {
+            Ok(()) => {}
+            Err(_) => break true,
+        }
+        let mut buf = vec![0u8; usize::from(u16::from_be_bytes(len))];
+        s.read_exact(&mut buf).unwrap();
+        assert_eq!(rdatas(&Message::from_vec(&buf).unwrap()), ["198.18.100.10"]);
+        answered += 1;
+        if closed_by_server(&mut s, Duration::from_millis(300)) {
+            break true;
+        }
+    };
+    assert!(
+        closed && answered >= 2,
+        "answered {answered} before the close"
+    );
+    assert!(agent.metric("mcs_dns_tcp_closed_idle_total") >= 1.0);
+    // A connection that never asks is closed after the idle time.
+    let mut idle = TcpStream::connect(agent.dns).unwrap();
+    assert!(closed_by_server(&mut idle, WAIT));
+}
+
+#[test]
+fn a_huge_headless_service_is_answered_within_one_message() {
+    // Issue 32: ten slices of 1,000 endpoints x 100 ports were all accepted and one SRV
+    // query built 100,000 records (1.7 s, +300 MB). Now the import holds 1,024 endpoints
+    // (rejected as too_many_backends past them), and an answer holds what fits.
+    let dir = tempfile::tempdir().unwrap();
+    let mut text = String::from(
+        "apiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceImport\nmetadata: { name: huge, namespace: shop }\nspec:\n  type: Headless\n  ports:\n",
+    );
+    for p in 0..100 {
+        text.push_str(&format!(
+            "  - {{ name: p{p}, protocol: TCP, port: {} }}\n",
+            1000 + p
+        ));
+    }
+    let ports: String = (0..100)
+        .map(|p| format!("  - {{ name: p{p}, protocol: TCP, port: {} }}\n", 1000 + p))
+        .collect();
+    for s in 0..10 {
+        text.push_str(&format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: huge-{s}\n  namespace: shop\n  labels:\n    multicluster.kubernetes.io/service-name: huge\n    multicluster.kubernetes.io/source-cluster: c{s}\n    endpointslice.kubernetes.io/managed-by: mcs-controller.multicluster.x-k8s.io\naddressType: IPv4\nports:\n{ports}endpoints:\n"
+        ));
+        for e in 0..1000u32 {
+            let ip = std::net::Ipv4Addr::from(0xc612_0000 + (s << 12) + e + 2);
+            text.push_str(&format!(
+                "  - {{ addresses: [\"{ip}\"], hostname: h{e}, conditions: {{ ready: true }} }}\n"
+            ));
+        }
+    }
+    std::fs::write(dir.path().join("huge.yaml"), text).unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let srv = query("huge.shop.svc.clusterset.local.", RecordType::SRV, None);
+    let deadline = Instant::now() + WAIT;
+    let m = loop {
+        let m = tcp(agent.dns, &srv);
+        if !m.answers.is_empty() {
+            break m;
+        }
+        assert!(Instant::now() < deadline, "no SRV answer");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!m.answers.is_empty() && m.answers.len() < 100_000);
+    assert!(m.to_vec().unwrap().len() <= 65_535);
+    let (m, n) = udp(agent.dns, &srv);
+    assert!(
+        m.metadata.truncation && n <= 512 && !m.answers.is_empty(),
+        "TC {} size {n}",
+        m.metadata.truncation
+    );
+    let (m, n) = udp(
+        agent.dns,
+        &query("huge.shop.svc.clusterset.local.", RecordType::A, Some(4096)),
+    );
+    assert!(
+        m.metadata.truncation && n <= 1232,
+        "TC {} size {n}",
+        m.metadata.truncation
+    );
+    // Every A record fits over TCP: the 1,024 kept, this cluster's (none here) first, then by cluster.
+    let m = tcp(
+        agent.dns,
+        &query("huge.shop.svc.clusterset.local.", RecordType::A, None),
+    );
+    assert_eq!(m.answers.len(), 1024);
+    let (_, body) = agent.http("/metrics").unwrap();
+    assert!(body.contains("reason=\"too_many_backends\""), "{body}");
+    // ANY over UDP: RFC 8482's one record, not every record.
+    let (m, _) = udp(
+        agent.dns,
+        &query("huge.shop.svc.clusterset.local.", RecordType::ANY, None),
+    );
+    assert_eq!(m.answers.len(), 1);
+    assert!(matches!(m.answers[0].data, RData::HINFO(_)));
+    // NXDOMAIN under the big service is a lookup, not a walk: answered (no timing asserted).
+    let m = tcp(
+        agent.dns,
+        &query(
+            "nope.c1.huge.shop.svc.clusterset.local.",
+            RecordType::A,
+            None,
+        ),
+    );
+    assert_eq!(m.metadata.response_code, ResponseCode::NXDomain);
 }

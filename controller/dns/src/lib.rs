@@ -13,6 +13,15 @@
 //! | `<hostname>.<clusterid>.<svc>.<ns>.svc.clusterset.local`, Headless | A/AAAA of that endpoint (`hostname`: the endpoint's, else its dashed address; cluster ids may hold dots) |
 //! | `_<port>._<proto>.<svc>.<ns>.svc.clusterset.local`, Headless | SRV per endpoint of that named port |
 //!
+//! Answers are bounded by what one response can carry ([`Budget`]: 512 bytes or the EDNS
+//! payload over UDP, 64 KiB over TCP): records are encoded as they are made and stop at the
+//! first that does not fit, so a headless service with a thousand endpoints of a hundred
+//! ports each costs one message's worth of work, not a hundred thousand records. A long RRset
+//! starts where the query's id points (the same records for the same query; queries spread
+//! over all of them). Over UDP a cut answer sets TC, and ANY gets RFC 8482's one HINFO
+//! record. Endpoint names are published only when `<hostname>.<cluster>` is made of valid
+//! DNS labels; endpoints that share a name are one SRV target.
+//!
 //! An existing name asked for another type is NODATA (NOERROR, no answer, the SOA in the
 //! authority section); so are empty non-terminals (`svc.clusterset.local`, a namespace with
 //! services, `<clusterid>.<svc>…` above endpoint names). Anything else in the zone is
@@ -23,15 +32,16 @@
 use std::{net::IpAddr, sync::Arc};
 
 use hickory_proto::{
-    op::{Message, MessageType, OpCode, ResponseCode},
+    op::{Message, MessageType, OpCode, Query, ResponseCode},
     rr::{
         DNSClass, Name, RData, Record, RecordType,
-        rdata::{A, AAAA, SOA, SRV, TXT},
+        rdata::{A, AAAA, HINFO, SOA, SRV, TXT},
     },
+    serialize::binary::{BinEncodable, BinEncoder},
 };
 use mcs_model::{
     Protocol,
-    dns::{DnsEndpoint, DnsPort, ServiceRecords, Zone},
+    dns::{DnsPort, ServiceRecords, Zone},
 };
 
 /// The zone's name.
@@ -41,6 +51,44 @@ pub const DNS_VERSION: &str = "1.0.0";
 /// The default TTL of every record (and the SOA minimum, the negative-caching TTL).
 pub const DEFAULT_TTL: u32 = 5;
 
+/// How large an answer may be, and where a long RRset starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Budget {
+    /// Bytes the whole response may take: header, question and records (an OPT record the
+    /// server adds is not counted: leave room for it).
+    pub bytes: u16,
+    /// Over UDP, an answer that leaves records out sets TC (the client asks again over TCP),
+    /// and ANY gets RFC 8482's minimal answer (one HINFO record) instead of every record: a
+    /// small spoofed query must not draw a large reply at someone else.
+    pub udp: bool,
+    /// Where a long RRset starts (records are taken from there on, wrapping around): a
+    /// client's query id, so one query always gets the same records and many queries spread
+    /// over all of them.
+    pub start: usize,
+}
+
+impl Budget {
+    /// A TCP answer: at most a whole DNS message (64 KiB); what does not fit is left out,
+    /// without TC (there is nothing larger to retry with).
+    pub fn tcp(start: usize) -> Self {
+        Self {
+            bytes: u16::MAX,
+            udp: false,
+            start,
+        }
+    }
+
+    /// A UDP answer of at most `bytes` (512 without EDNS, else the client's payload size less
+    /// the OPT record).
+    pub fn udp(bytes: u16, start: usize) -> Self {
+        Self {
+            bytes,
+            udp: true,
+            start,
+        }
+    }
+}
+
 /// One answer: what goes into the response besides the question.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Answer {
@@ -48,6 +96,8 @@ pub struct Answer {
     pub rcode: ResponseCode,
     /// Set for every name in the zone.
     pub authoritative: bool,
+    /// Set when records were left out over UDP (TC).
+    pub truncated: bool,
     /// Answer section.
     pub answers: Vec<Record>,
     /// Authority section (the SOA of negative answers).
@@ -65,6 +115,7 @@ impl Answer {
         Self {
             rcode,
             authoritative: false,
+            truncated: false,
             answers: Vec::new(),
             authority: Vec::new(),
         }
@@ -91,8 +142,50 @@ enum Node {
     Service(Arc<ServiceRecords>),
     /// `_<port>._<proto>.<service>`: the service and the (name, protocol) asked for.
     Port(Arc<ServiceRecords>, String, Protocol),
-    /// `<hostname>.<cluster>.<service>` of a headless service: the matching endpoints.
-    Endpoint(Vec<DnsEndpoint>),
+    /// `<hostname>.<cluster>.<service>` of a headless service: the service and the name
+    /// below it (`<hostname>.<cluster>`).
+    Endpoint(Arc<ServiceRecords>, String),
+}
+
+/// The records of an answer as they are made, each encoded as it is added (with the header,
+/// the question and name compression, as the response will be), so that an answer never
+/// holds more than fits: a service with a hundred thousand SRV records costs the records that
+/// fit in one message, not all of them.
+struct Sink<'b> {
+    encoder: BinEncoder<'b>,
+    records: Vec<Record>,
+    full: bool,
+}
+
+impl<'b> Sink<'b> {
+    fn new(buf: &'b mut Vec<u8>, budget: Budget, qname: &Name, qtype: RecordType) -> Self {
+        let mut encoder = BinEncoder::new(buf);
+        encoder.set_max_size(budget.bytes);
+        // The header is 12 bytes; the question as the response echoes it.
+        let fits = encoder.emit_vec(&[0; 12]).is_ok()
+            && Query::query(qname.clone(), qtype)
+                .emit(&mut encoder)
+                .is_ok();
+        Self {
+            encoder,
+            records: Vec::new(),
+            full: !fits,
+        }
+    }
+
+    /// Adds `record` if it fits; false once one did not (nothing more is added then).
+    fn push(&mut self, record: Record) -> bool {
+        if self.full {
+            return false;
+        }
+        if self.encoder.emit_all(std::iter::once(&record)).is_ok() {
+            self.records.push(record);
+            true
+        } else {
+            self.full = true;
+            false
+        }
+    }
 }
 
 impl Answerer {
@@ -110,8 +203,20 @@ impl Answerer {
         self.ttl
     }
 
-    /// The answer to one question.
+    /// The answer to one question, as TCP would carry it (see [`Answerer::answer_within`]).
     pub fn answer(&self, qname: &Name, qtype: RecordType, qclass: DNSClass) -> Answer {
+        self.answer_within(qname, qtype, qclass, Budget::tcp(0))
+    }
+
+    /// The answer to one question within `budget`: records are made one at a time and stop
+    /// at the first that does not fit.
+    pub fn answer_within(
+        &self,
+        qname: &Name,
+        qtype: RecordType,
+        qclass: DNSClass,
+        budget: Budget,
+    ) -> Answer {
         if !matches!(qclass, DNSClass::IN | DNSClass::ANY) || !self.origin.zone_of(qname) {
             return Answer::refused();
         }
@@ -121,6 +226,7 @@ impl Answerer {
         let mut out = Answer {
             rcode: ResponseCode::NoError,
             authoritative: true,
+            truncated: false,
             answers: Vec::new(),
             authority: Vec::new(),
         };
@@ -129,18 +235,47 @@ impl Answerer {
             out.authority.push(self.soa());
             return out;
         };
-        let owner = qname.clone();
+        let mut buf = Vec::with_capacity(512);
+        let mut sink = Sink::new(&mut buf, budget, qname, qtype);
+        if qtype == RecordType::ANY && budget.udp {
+            // RFC 8482 4.2: one synthesized HINFO instead of every record of the name.
+            sink.push(Record::from_rdata(
+                qname.clone(),
+                self.ttl,
+                RData::HINFO(HINFO::new("RFC8482".to_string(), String::new())),
+            ));
+        } else {
+            self.records(qname, qtype, node, budget.start, &mut sink);
+        }
+        out.truncated = sink.full && budget.udp;
+        out.answers = sink.records;
+        if out.answers.is_empty() {
+            out.authority.push(self.soa());
+        }
+        out
+    }
+
+    /// The records of `node` for `qtype`, into `sink` until it is full.
+    fn records(
+        &self,
+        qname: &Name,
+        qtype: RecordType,
+        node: Node,
+        start: usize,
+        sink: &mut Sink<'_>,
+    ) {
+        let owner = qname;
         let want = |t: RecordType| qtype == t || qtype == RecordType::ANY;
         match node {
             Node::Apex => {
                 if want(RecordType::SOA) {
-                    out.answers.push(self.soa());
+                    sink.push(self.soa());
                 }
             }
             Node::Version => {
                 if want(RecordType::TXT) {
-                    out.answers.push(Record::from_rdata(
-                        owner,
+                    sink.push(Record::from_rdata(
+                        owner.clone(),
                         self.ttl,
                         RData::TXT(TXT::new(vec![DNS_VERSION.to_string()])),
                     ));
@@ -148,34 +283,22 @@ impl Answerer {
             }
             Node::Empty => {}
             Node::Service(s) if !s.headless => {
-                self.addresses(&owner, s.ips.iter().copied(), qtype, &mut out.answers);
+                self.addresses(owner, s.ips.iter().copied(), qtype, sink);
                 if want(RecordType::SRV) {
                     let target = qname.to_lowercase();
-                    for port in port_numbers(&s.ports) {
-                        out.answers
-                            .push(self.srv(&owner, 100, port, target.clone()));
+                    for port in port_numbers(s.ports.iter()) {
+                        if !sink.push(self.srv(owner, 100, port, target.clone())) {
+                            break;
+                        }
                     }
                 }
             }
             Node::Service(s) => {
-                self.addresses(
-                    &owner,
-                    s.endpoints.iter().map(|e| e.address),
-                    qtype,
-                    &mut out.answers,
-                );
+                let eps = s.endpoints();
+                self.addresses(owner, rotated(eps, start).map(|e| e.address), qtype, sink);
                 if want(RecordType::SRV) {
                     let base = qname.to_lowercase();
-                    let weight = weight(s.endpoints.len());
-                    for e in &s.endpoints {
-                        let Some(target) = endpoint_name(e, &base) else {
-                            continue;
-                        };
-                        for port in port_numbers(&e.ports) {
-                            out.answers
-                                .push(self.srv(&owner, weight, port, target.clone()));
-                        }
-                    }
+                    self.endpoint_srvs(owner, &s, &base, start, |_| true, sink);
                 }
             }
             Node::Port(s, name, protocol) => {
@@ -185,39 +308,50 @@ impl Answerer {
                         .to_lowercase()
                         .trim_to(usize::from(qname.num_labels()) - 2);
                     let named =
-                        |p: &&DnsPort| p.name.as_deref() == Some(&name) && p.protocol == protocol;
+                        |p: &DnsPort| p.name.as_deref() == Some(&name) && p.protocol == protocol;
                     if s.headless {
-                        let weight = weight(s.endpoints.len());
-                        for e in &s.endpoints {
-                            let Some(target) = endpoint_name(e, &base) else {
-                                continue;
-                            };
-                            for p in e.ports.iter().filter(named) {
-                                out.answers
-                                    .push(self.srv(&owner, weight, p.port, target.clone()));
-                            }
-                        }
+                        self.endpoint_srvs(owner, &s, &base, start, named, sink);
                     } else {
-                        for p in s.ports.iter().filter(named) {
-                            out.answers
-                                .push(self.srv(&owner, 100, p.port, base.clone()));
+                        for p in s.ports.iter().filter(|p| named(p)) {
+                            if !sink.push(self.srv(owner, 100, p.port, base.clone())) {
+                                break;
+                            }
                         }
                     }
                 }
             }
-            Node::Endpoint(eps) => {
-                self.addresses(
-                    &owner,
-                    eps.iter().map(|e| e.address),
-                    qtype,
-                    &mut out.answers,
-                );
+            Node::Endpoint(s, name) => {
+                let eps = s.lookup(&name);
+                self.addresses(owner, eps.iter().map(|e| e.address), qtype, sink);
             }
         }
-        if out.answers.is_empty() {
-            out.authority.push(self.soa());
+    }
+
+    /// SRV records of a headless service: one per endpoint name and distinct port number
+    /// among the ports `keep` admits, names taken from `start` on.
+    fn endpoint_srvs(
+        &self,
+        owner: &Name,
+        s: &ServiceRecords,
+        base: &Name,
+        start: usize,
+        keep: impl Fn(&DnsPort) -> bool,
+        sink: &mut Sink<'_>,
+    ) {
+        let names = s.names();
+        let weight = weight(names.len());
+        for name in rotated(&names, start) {
+            let Some(target) = endpoint_name(name, base) else {
+                continue;
+            };
+            let eps = s.lookup(name);
+            let ports = eps.iter().flat_map(|e| e.ports.iter()).filter(|p| keep(p));
+            for port in port_numbers(ports) {
+                if !sink.push(self.srv(owner, weight, port, target.clone())) {
+                    return;
+                }
+            }
         }
-        out
     }
 
     /// A whole response to a request message (for `mcs-agent dns` and tests; the server
@@ -244,6 +378,7 @@ impl Answerer {
         };
         resp.metadata.response_code = a.rcode;
         resp.metadata.authoritative = a.authoritative;
+        resp.metadata.truncation = a.truncated;
         resp.answers = a.answers;
         resp.authorities = a.authority;
         resp
@@ -279,7 +414,7 @@ impl Answerer {
         owner: &Name,
         ips: impl Iterator<Item = IpAddr>,
         qtype: RecordType,
-        out: &mut Vec<Record>,
+        sink: &mut Sink<'_>,
     ) {
         for ip in ips {
             let rdata = match ip {
@@ -291,7 +426,9 @@ impl Answerer {
                 }
                 _ => continue,
             };
-            out.push(Record::from_rdata(owner.clone(), self.ttl, rdata));
+            if !sink.push(Record::from_rdata(owner.clone(), self.ttl, rdata)) {
+                return;
+            }
         }
     }
 
@@ -321,7 +458,7 @@ impl Answerer {
             return self.zone.has_namespace(ns).then_some(Node::Empty);
         }
         let service = self.zone.get(ns, &labels[n - 3])?;
-        if service.headless && service.endpoints.is_empty() {
+        if service.headless && service.endpoints().is_empty() {
             return None;
         }
         let rest = &labels[..n - 3];
@@ -339,7 +476,7 @@ impl Answerer {
             };
             let has = |p: &DnsPort| p.name.as_deref() == Some(port) && p.protocol == protocol;
             let exists = if service.headless {
-                service.endpoints.iter().any(|e| e.ports.iter().any(has))
+                service.endpoints().iter().any(|e| e.ports.iter().any(has))
             } else {
                 service.ports.iter().any(has)
             };
@@ -349,31 +486,20 @@ impl Answerer {
             return None;
         }
         let asked = rest.join(".");
-        let matching: Vec<DnsEndpoint> = service
-            .endpoints
-            .iter()
-            .filter(|e| asked == format!("{}.{}", e.hostname, e.cluster))
-            .cloned()
-            .collect();
-        if !matching.is_empty() {
-            return Some(Node::Endpoint(matching));
+        if !service.lookup(&asked).is_empty() {
+            return Some(Node::Endpoint(service, asked));
         }
         // An empty non-terminal above some endpoint's name (`<cluster>`, or a part of a dotted
         // cluster id)?
-        let ent = service.endpoints.iter().any(|e| {
-            let full = format!("{}.{}", e.hostname, e.cluster);
-            full.len() > asked.len() && full.ends_with(&format!(".{asked}"))
-        });
-        ent.then_some(Node::Empty)
+        service.is_cluster(&asked).then_some(Node::Empty)
     }
 }
 
-/// `<hostname>.<cluster>.<service name>`, if it makes a valid name.
 /// The distinct port numbers of `ports`, in order: ports that differ only in protocol
 /// (tcp/42 and udp/42) give the same SRV data at a bare name, and an RRset holds no duplicates
 /// (RFC 2181 5).
-fn port_numbers(ports: &[DnsPort]) -> Vec<u16> {
-    let mut out: Vec<u16> = Vec::with_capacity(ports.len());
+fn port_numbers<'p>(ports: impl Iterator<Item = &'p DnsPort>) -> Vec<u16> {
+    let mut out: Vec<u16> = Vec::new();
     for p in ports {
         if !out.contains(&p.port) {
             out.push(p.port);
@@ -382,11 +508,15 @@ fn port_numbers(ports: &[DnsPort]) -> Vec<u16> {
     out
 }
 
-fn endpoint_name(e: &DnsEndpoint, service: &Name) -> Option<Name> {
-    Name::from_ascii(format!("{}.{}", e.hostname, e.cluster))
-        .ok()?
-        .append_domain(service)
-        .ok()
+/// `items` from `start` (modulo their number) on, wrapping around.
+fn rotated<T>(items: &[T], start: usize) -> impl Iterator<Item = &T> {
+    let at = start.checked_rem(items.len()).unwrap_or(0);
+    items[at..].iter().chain(&items[..at])
+}
+
+/// `<hostname>.<cluster>.<service name>`, if it makes a valid name.
+fn endpoint_name(name: &str, service: &Name) -> Option<Name> {
+    Name::from_ascii(name).ok()?.append_domain(service).ok()
 }
 
 /// SRV weight of each of `n` equal targets.

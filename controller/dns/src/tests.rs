@@ -26,7 +26,7 @@ fn ep(cluster: &str, hostname: &str, addr: &str) -> DnsEndpoint {
         cluster: cluster.into(),
         hostname: hostname.into(),
         address: addr.parse().unwrap(),
-        ports: vec![port(Some("http"), Protocol::Tcp, 8080)],
+        ports: Arc::from(vec![port(Some("http"), Protocol::Tcp, 8080)]),
     }
 }
 
@@ -34,41 +34,32 @@ fn zone() -> Answerer {
     let z = Arc::new(Zone::new());
     z.set(
         &ServiceRef::new("shop", "web"),
-        Some(ServiceRecords {
-            headless: false,
-            ips: vec![
+        Some(ServiceRecords::cluster_set_ip(
+            vec![
                 "198.18.100.7".parse().unwrap(),
                 "2001:2::100:7".parse().unwrap(),
             ],
-            ports: vec![
+            vec![
                 port(Some("http"), Protocol::Tcp, 80),
                 port(None, Protocol::Udp, 53),
                 // Same number as the UDP port: one SRV record for both.
                 port(Some("dns-tcp"), Protocol::Tcp, 53),
             ],
-            endpoints: vec![],
-        }),
+        )),
     );
     z.set(
         &ServiceRef::new("shop", "db"),
-        Some(ServiceRecords {
-            headless: true,
-            ips: vec![],
-            ports: vec![port(Some("http"), Protocol::Tcp, 80)],
-            endpoints: vec![
+        Some(ServiceRecords::headless(
+            vec![port(Some("http"), Protocol::Tcp, 80)],
+            vec![
                 ep("c1", "db-0", "198.18.64.2"),
                 ep("eu.c2", "198-18-68-3", "198.18.68.3"),
             ],
-        }),
+        )),
     );
     z.set(
         &ServiceRef::new("shop", "empty"),
-        Some(ServiceRecords {
-            headless: true,
-            ips: vec![],
-            ports: vec![],
-            endpoints: vec![],
-        }),
+        Some(ServiceRecords::headless(vec![], vec![])),
     );
     Answerer::new(z, 7)
 }
@@ -302,6 +293,169 @@ fn any_returns_every_record_of_the_name() {
     let a = zone();
     let ans = ask(&a, "web.shop.svc.clusterset.local.", RecordType::ANY);
     assert_eq!(ans.answers.len(), 4, "{:?}", rdatas(&ans));
+}
+
+/// A headless service as issue 32 found it: 10 slices of 1,000 endpoints × 100 ports (here
+/// 1,000 endpoints, each with the same 100 shared ports: what the index keeps after its cap).
+fn huge() -> Answerer {
+    let z = Arc::new(Zone::new());
+    let ports: Arc<[DnsPort]> = (0..100)
+        .map(|i| port(Some(&format!("p{i}")), Protocol::Tcp, 1000 + i))
+        .collect();
+    let eps = (0..1000u32)
+        .map(|i| DnsEndpoint {
+            cluster: "c1".into(),
+            hostname: format!("pod-{i}").into(),
+            address: std::net::Ipv4Addr::from(0xc612_4000 + i).into(),
+            ports: ports.clone(),
+        })
+        .collect();
+    z.set(
+        &ServiceRef::new("shop", "big"),
+        Some(ServiceRecords::headless(vec![], eps)),
+    );
+    Answerer::new(z, 5)
+}
+
+fn encoded_len(a: &Answerer, name: &str, t: RecordType, budget: Budget) -> (Answer, usize) {
+    let qname = Name::from_ascii(name).unwrap();
+    let ans = a.answer_within(&qname, t, DNSClass::IN, budget);
+    let mut m = Message::query();
+    m.add_query(Query::query(qname, t));
+    m.metadata.message_type = MessageType::Response;
+    m.answers = ans.answers.clone();
+    m.authorities = ans.authority.clone();
+    let n = m.to_vec().unwrap().len();
+    (ans, n)
+}
+
+#[test]
+fn answers_hold_only_what_fits_and_say_so_over_udp() {
+    let a = huge();
+    let name = "big.shop.svc.clusterset.local.";
+    for t in [RecordType::SRV, RecordType::A, RecordType::ANY] {
+        let (ans, n) = encoded_len(&a, name, t, Budget::tcp(0));
+        assert!(n <= 65_535, "{t}: {n} bytes over TCP");
+        assert!(!ans.truncated, "{t}: no TC over TCP");
+        let (ans, n) = encoded_len(&a, name, t, Budget::udp(512, 0));
+        assert!(n <= 512, "{t}: {n} bytes over UDP");
+        assert!(
+            ans.truncated || t == RecordType::ANY,
+            "{t}: TC when records were left out"
+        );
+        assert!(!ans.answers.is_empty(), "{t}: what fits is answered");
+    }
+    // Over TCP the SRV answer is a subset of the 100,000 records, each one valid.
+    let (ans, _) = encoded_len(&a, name, RecordType::SRV, Budget::tcp(0));
+    assert!(
+        ans.answers.len() > 500 && ans.answers.len() < 100_000,
+        "{}",
+        ans.answers.len()
+    );
+    // A named port of the headless service: bounded too.
+    let (ans, n) = encoded_len(
+        &a,
+        "_p7._tcp.big.shop.svc.clusterset.local.",
+        RecordType::SRV,
+        Budget::udp(1232 - 11, 3),
+    );
+    assert!(n <= 1221 && ans.truncated && !ans.answers.is_empty());
+    // Every A record fits over TCP: all 1,000 addresses.
+    let (ans, _) = encoded_len(&a, name, RecordType::A, Budget::tcp(0));
+    assert_eq!(ans.answers.len(), 1000);
+}
+
+#[test]
+fn a_long_rrset_starts_where_the_query_id_points() {
+    let a = huge();
+    let name = "big.shop.svc.clusterset.local.";
+    let first = |start: usize| {
+        let (ans, _) = encoded_len(&a, name, RecordType::A, Budget::udp(512, start));
+        rdatas(&ans)
+    };
+    assert_eq!(first(7), first(7), "the same query gets the same records");
+    assert_ne!(first(7), first(8));
+    // Every address is in some UDP answer: 1,000 starts cover all.
+    let mut seen = std::collections::BTreeSet::new();
+    for start in 0..1000 {
+        seen.extend(first(start));
+    }
+    assert_eq!(seen.len(), 1000);
+}
+
+#[test]
+fn any_over_udp_gets_one_hinfo_record() {
+    let a = zone();
+    for n in [
+        "web.shop.svc.clusterset.local.",
+        "db.shop.svc.clusterset.local.",
+    ] {
+        let ans = a.answer_within(
+            &Name::from_ascii(n).unwrap(),
+            RecordType::ANY,
+            DNSClass::IN,
+            Budget::udp(512, 0),
+        );
+        assert_eq!(ans.answers.len(), 1, "{n}");
+        assert!(matches!(ans.answers[0].data, RData::HINFO(_)), "{n}");
+        assert!(!ans.truncated);
+    }
+    // A name that does not exist is still NXDOMAIN.
+    let ans = a.answer_within(
+        &Name::from_ascii("nope.shop.svc.clusterset.local.").unwrap(),
+        RecordType::ANY,
+        DNSClass::IN,
+        Budget::udp(512, 0),
+    );
+    assert_eq!(ans.rcode, ResponseCode::NXDomain);
+}
+
+#[test]
+fn endpoints_without_a_valid_name_and_duplicate_hostnames() {
+    let z = Arc::new(Zone::new());
+    z.set(
+        &ServiceRef::new("shop", "db"),
+        Some(ServiceRecords::headless(
+            vec![],
+            vec![
+                ep("c1", "db-0", "198.18.64.2"),
+                // The same hostname again: one name, both addresses, one SRV target.
+                ep("c1", "db-0", "198.18.64.3"),
+                // Cluster ids that make no DNS name: addresses at the service's name only.
+                ep("C2", "db-0", "198.18.65.2"),
+                ep("c3.", "db-0", "198.18.65.3"),
+                ep("c\\4", "db-0", "198.18.65.4"),
+            ],
+        )),
+    );
+    let a = Answerer::new(z, 5);
+    assert_eq!(
+        rdatas(&ask(&a, "db.shop.svc.clusterset.local.", RecordType::A)).len(),
+        5
+    );
+    assert_eq!(
+        rdatas(&ask(&a, "db.shop.svc.clusterset.local.", RecordType::SRV)),
+        ["0 100 8080 db-0.c1.db.shop.svc.clusterset.local."]
+    );
+    assert_eq!(
+        rdatas(&ask(
+            &a,
+            "db-0.c1.db.shop.svc.clusterset.local.",
+            RecordType::A
+        )),
+        ["198.18.64.2", "198.18.64.3"]
+    );
+    for n in [
+        "db-0.c2.db.shop.svc.clusterset.local.",
+        "c2.db.shop.svc.clusterset.local.",
+        "c3.db.shop.svc.clusterset.local.",
+    ] {
+        assert_eq!(
+            ask(&a, n, RecordType::A).rcode,
+            ResponseCode::NXDomain,
+            "{n}"
+        );
+    }
 }
 
 #[test]

@@ -27,17 +27,20 @@ pub struct DnsPort {
 /// A ready endpoint of a headless service.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct DnsEndpoint {
-    /// Its cluster id (may contain dots).
-    pub cluster: String,
+    /// Its cluster id (may contain dots; shared with the index's other copies).
+    pub cluster: Arc<str>,
     /// Its hostname, or its address with dashes (`198-18-1-2`, `2001-2--5`) when it has none.
-    pub hostname: String,
+    pub hostname: Box<str>,
     /// Its address.
     pub address: IpAddr,
-    /// Its slice's ports (target ports), for SRV.
-    pub ports: Vec<DnsPort>,
+    /// Its slice's ports (target ports), for SRV: one allocation per slice, shared by every
+    /// endpoint of it.
+    pub ports: Arc<[DnsPort]>,
 }
 
-/// The records of one service.
+/// The records of one service. Built by [`ServiceRecords::cluster_set_ip`] or
+/// [`ServiceRecords::headless`], which also index the endpoints' names (a lookup by name is
+/// a binary search, not a walk over every endpoint).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceRecords {
     /// `spec.type: Headless`.
@@ -46,8 +49,109 @@ pub struct ServiceRecords {
     pub ips: Vec<IpAddr>,
     /// The import's ports (SRV of a ClusterSetIP service).
     pub ports: Vec<DnsPort>,
-    /// Ready endpoints (Headless only), sorted, one per (cluster, address).
-    pub endpoints: Vec<DnsEndpoint>,
+    /// Ready endpoints (Headless only), sorted by (cluster, address), one per (cluster,
+    /// address).
+    endpoints: Vec<DnsEndpoint>,
+    /// `<hostname>.<cluster>` of every endpoint whose name is a valid DNS name, sorted, with
+    /// the endpoint's index. Endpoints that share a name (a hostname used twice in a cluster)
+    /// are one name with several addresses: one SRV target, not duplicates.
+    names: Vec<(Box<str>, usize)>,
+    /// The empty non-terminals above those names: each named cluster id and its dotted
+    /// suffixes (`eu.c2`, `c2`), sorted, distinct.
+    clusters: Vec<Box<str>>,
+}
+
+impl ServiceRecords {
+    /// A ClusterSetIP service: its addresses (those this node programs) and ports.
+    pub fn cluster_set_ip(ips: Vec<IpAddr>, ports: Vec<DnsPort>) -> Self {
+        Self {
+            headless: false,
+            ips,
+            ports,
+            endpoints: Vec::new(),
+            names: Vec::new(),
+            clusters: Vec::new(),
+        }
+    }
+
+    /// A headless service: its import's ports and its ready endpoints (any order; one is kept
+    /// per (cluster, address), the one with the smallest hostname). An endpoint whose
+    /// `<hostname>.<cluster>` is not a valid DNS name keeps its address records at the
+    /// service's name but gets no name of its own (and so no SRV record): a name that does
+    /// not resolve is never published.
+    pub fn headless(ports: Vec<DnsPort>, mut endpoints: Vec<DnsEndpoint>) -> Self {
+        endpoints.sort_by(|a, b| {
+            (&a.cluster, a.address, &a.hostname).cmp(&(&b.cluster, b.address, &b.hostname))
+        });
+        endpoints.dedup_by(|a, b| a.cluster == b.cluster && a.address == b.address);
+        endpoints.shrink_to_fit();
+        let mut names = Vec::new();
+        let mut clusters: Vec<Box<str>> = Vec::new();
+        for (i, e) in endpoints.iter().enumerate() {
+            let name = format!("{}.{}", e.hostname, e.cluster);
+            if !valid_name(&name) {
+                continue;
+            }
+            names.push((name.into_boxed_str(), i));
+            if clusters.last().is_none_or(|c| **c != *e.cluster) {
+                let mut rest: &str = &e.cluster;
+                loop {
+                    clusters.push(rest.into());
+                    match rest.split_once('.') {
+                        Some((_, r)) => rest = r,
+                        None => break,
+                    }
+                }
+            }
+        }
+        names.sort();
+        clusters.sort();
+        clusters.dedup();
+        Self {
+            headless: true,
+            ips: Vec::new(),
+            ports,
+            endpoints,
+            names,
+            clusters,
+        }
+    }
+
+    /// The ready endpoints (Headless only), sorted by (cluster, address).
+    pub fn endpoints(&self) -> &[DnsEndpoint] {
+        &self.endpoints
+    }
+
+    /// The distinct endpoint names (`<hostname>.<cluster>`), sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.names
+            .chunk_by(|a, b| a.0 == b.0)
+            .map(|group| &*group[0].0)
+            .collect()
+    }
+
+    /// The endpoints named `name` (`<hostname>.<cluster>`, lowercase).
+    pub fn lookup(&self, name: &str) -> Vec<&DnsEndpoint> {
+        let from = self.names.partition_point(|(n, _)| &**n < name);
+        self.names[from..]
+            .iter()
+            .take_while(|(n, _)| &**n == name)
+            .map(|(_, i)| &self.endpoints[*i])
+            .collect()
+    }
+
+    /// Whether `name` (lowercase) is an empty non-terminal above some endpoint's name: a
+    /// named cluster id or a dotted suffix of one.
+    pub fn is_cluster(&self, name: &str) -> bool {
+        self.clusters.binary_search_by(|c| (**c).cmp(name)).is_ok()
+    }
+}
+
+/// Whether `name` (dotted labels, no trailing dot) is made of valid DNS labels as Kubernetes
+/// allows them (lowercase RFC 1123 labels). A name too long to sit under its service's name
+/// is left out by the answerer.
+fn valid_name(name: &str) -> bool {
+    name.split('.').all(crate::validate::dns_label)
 }
 
 /// `198.18.1.2` → `198-18-1-2`; `2001:2::5` → `2001-2--5`.
@@ -143,12 +247,7 @@ mod tests {
     use super::*;
 
     fn rec(ip: &str) -> ServiceRecords {
-        ServiceRecords {
-            headless: false,
-            ips: vec![ip.parse().unwrap()],
-            ports: vec![],
-            endpoints: vec![],
-        }
+        ServiceRecords::cluster_set_ip(vec![ip.parse().unwrap()], vec![])
     }
 
     #[test]
@@ -167,6 +266,49 @@ mod tests {
         z.set(&b, None);
         assert!(!z.has_namespace("ns") && z.is_empty());
         assert_eq!(z.serial(), serial + 2);
+    }
+
+    fn ep(cluster: &str, hostname: &str, addr: &str, ports: &Arc<[DnsPort]>) -> DnsEndpoint {
+        DnsEndpoint {
+            cluster: cluster.into(),
+            hostname: hostname.into(),
+            address: addr.parse().unwrap(),
+            ports: ports.clone(),
+        }
+    }
+
+    #[test]
+    fn headless_records_index_valid_names_merge_duplicates_and_skip_bad_clusters() {
+        let ports: Arc<[DnsPort]> = Arc::from(vec![DnsPort {
+            name: Some("http".into()),
+            protocol: Protocol::Tcp,
+            port: 80,
+        }]);
+        let r = ServiceRecords::headless(
+            vec![],
+            vec![
+                ep("eu.c2", "db-0", "198.18.68.3", &ports),
+                ep("c1", "db-0", "198.18.64.2", &ports),
+                // The same hostname twice in a cluster: one name, two addresses.
+                ep("c1", "db-0", "198.18.64.9", &ports),
+                // The same (cluster, address) twice: one endpoint.
+                ep("c1", "db-z", "198.18.64.2", &ports),
+                // Cluster ids no DNS name can hold: addresses kept, no name.
+                ep("C3", "db-0", "198.18.65.1", &ports),
+                ep("c4.", "db-0", "198.18.65.2", &ports),
+                ep("c\\5", "db-0", "198.18.65.3", &ports),
+            ],
+        );
+        assert_eq!(r.endpoints().len(), 6);
+        assert!(
+            Arc::ptr_eq(&r.endpoints()[0].ports, &ports),
+            "ports are shared"
+        );
+        assert_eq!(r.names(), ["db-0.c1", "db-0.eu.c2"]);
+        assert_eq!(r.lookup("db-0.c1").len(), 2);
+        assert!(r.lookup("db-z.c1").is_empty() && r.lookup("db-0.c3").is_empty());
+        assert!(r.is_cluster("c1") && r.is_cluster("eu.c2") && r.is_cluster("c2"));
+        assert!(!r.is_cluster("c3") && !r.is_cluster("eu"));
     }
 
     #[test]

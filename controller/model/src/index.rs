@@ -13,7 +13,7 @@
 //! imports, done only while over a cap.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     net::IpAddr,
     sync::Arc,
 };
@@ -441,6 +441,23 @@ impl Index {
         out.age_key = Some(import.age_key.clone());
         out.vips = import.vips.clone();
         let limits = self.node.guard.limits;
+        if import.headless {
+            // No frontend, but every ready endpoint is held (and answered) by DNS: counted as
+            // a backend against the caps, at most `backends_per_frontend` of them.
+            let n = self.headless_endpoints(svc);
+            if n > limits.backends_per_frontend {
+                out.rejections.push(Rejection {
+                    object: format!("ServiceImport {svc}"),
+                    reason: Reason::TooManyBackends,
+                    message: format!(
+                        "headless service with {n} ready endpoints; DNS keeps {}: this cluster's first, then by cluster and address",
+                        limits.backends_per_frontend
+                    ),
+                });
+            }
+            out.backends = n.min(limits.backends_per_frontend);
+            return out;
+        }
         let slices: Vec<&ValidSlice> = self.live_slices(svc).collect();
         let mut unmatched: BTreeSet<(Arc<str>, String)> = BTreeSet::new();
         for fe in &import.frontends {
@@ -658,38 +675,55 @@ impl Index {
                         .is_some_and(|owner| &owner.2 == svc)
                 })
                 .collect();
-            return (!ips.is_empty()).then_some(ServiceRecords {
-                headless: false,
-                ips,
-                ports,
-                endpoints: Vec::new(),
-            });
+            return (!ips.is_empty()).then(|| ServiceRecords::cluster_set_ip(ips, ports));
         }
-        let mut endpoints: Vec<DnsEndpoint> = self
-            .live_slices(svc)
-            .flat_map(|s| {
+        let mut endpoints: Vec<DnsEndpoint> = Vec::new();
+        for s in self.live_slices(svc) {
+            // One copy of the slice's ports, shared by its endpoints.
+            let slice_ports: Arc<[DnsPort]> = s.ports.iter().map(port).collect();
+            endpoints.extend(s.endpoints.iter().filter(|e| e.ready).map(|e| {
+                DnsEndpoint {
+                    cluster: s.cluster.clone(),
+                    hostname: e
+                        .hostname
+                        .clone()
+                        .unwrap_or_else(|| crate::dns::dashed(e.address).into_boxed_str()),
+                    address: e.address,
+                    ports: slice_ports.clone(),
+                }
+            }));
+        }
+        let cap = self.node.guard.limits.backends_per_frontend;
+        if endpoints.len() > cap {
+            // The same subset always: this cluster's endpoints first, then by cluster and
+            // address (the rejection is said by `derive`).
+            let local = &*self.node.cluster_id;
+            endpoints.sort_by(|a, b| {
+                (&*a.cluster != local, &a.cluster, a.address).cmp(&(
+                    &*b.cluster != local,
+                    &b.cluster,
+                    b.address,
+                ))
+            });
+            endpoints.dedup_by(|a, b| a.cluster == b.cluster && a.address == b.address);
+            endpoints.truncate(cap);
+        }
+        Some(ServiceRecords::headless(ports, endpoints))
+    }
+
+    /// Ready endpoints of a headless service's live slices, as its DNS records hold them (at
+    /// most `backends_per_frontend`): what it counts against the table's caps.
+    fn headless_endpoints(&self, svc: &ServiceRef) -> usize {
+        let mut distinct: HashSet<(&str, IpAddr)> = HashSet::new();
+        for s in self.live_slices(svc) {
+            distinct.extend(
                 s.endpoints
                     .iter()
                     .filter(|e| e.ready)
-                    .map(move |e| DnsEndpoint {
-                        cluster: s.cluster.to_string(),
-                        hostname: e
-                            .hostname
-                            .as_deref()
-                            .map_or_else(|| crate::dns::dashed(e.address), str::to_string),
-                        address: e.address,
-                        ports: s.ports.iter().map(port).collect(),
-                    })
-            })
-            .collect();
-        endpoints.sort();
-        endpoints.dedup_by(|a, b| a.cluster == b.cluster && a.address == b.address);
-        Some(ServiceRecords {
-            headless: true,
-            ips: Vec::new(),
-            ports,
-            endpoints,
-        })
+                    .map(|e| (&*s.cluster, e.address)),
+            );
+        }
+        distinct.len()
     }
 
     /// Number of ServiceImports and EndpointSlices held.

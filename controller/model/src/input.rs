@@ -26,7 +26,13 @@ impl ServiceRef {
 
 impl std::fmt::Display for ServiceRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
+        // Escaped: a name from a file source may hold a newline or an escape sequence.
+        write!(
+            f,
+            "{}/{}",
+            crate::render::escaped(&self.namespace),
+            crate::render::escaped(&self.name)
+        )
     }
 }
 

@@ -1,6 +1,6 @@
 //! The `mcs-agent table` output: JSON (the shape of DESIGN §6, a stable interface) and text.
 
-use std::fmt::Write as _;
+use std::{borrow::Cow, fmt::Write as _};
 
 use serde::Serialize;
 
@@ -91,7 +91,25 @@ pub fn json(table: &ForwardingTable, rejected: &[Rejection]) -> String {
     serde_json::to_string_pretty(&doc).expect("table serializes")
 }
 
-/// The table for a person.
+/// `s` with control characters (newlines, escape sequences) written as escapes (`\n`,
+/// `\u{1b}`): a name from an object can neither forge a line of a log or of `table`'s
+/// output nor send a terminal escape sequence. Borrowed when there is nothing to escape.
+pub fn escaped(s: &str) -> Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// The table for a person (names from objects [`escaped`]).
 pub fn text(table: &ForwardingTable, rejected: &[Rejection]) -> String {
     let mut s = String::new();
     if table.frontends.is_empty() {
@@ -106,7 +124,7 @@ pub fn text(table: &ForwardingTable, rejected: &[Rejection]) -> String {
         let _ = writeln!(
             s,
             "{f}  {}{affinity}  ({selected}/{} backends selected)",
-            svc.service,
+            escaped(&svc.service),
             svc.backends.len()
         );
         for b in &svc.backends {
@@ -124,16 +142,34 @@ pub fn text(table: &ForwardingTable, rejected: &[Rejection]) -> String {
             let _ = writeln!(
                 s,
                 "  {mark} {addr:<24} cluster={:<10} zone={:<8} {state}",
-                b.cluster,
-                b.zone.as_deref().unwrap_or("-")
+                escaped(&b.cluster),
+                escaped(b.zone.as_deref().unwrap_or("-"))
             );
         }
     }
     if !rejected.is_empty() {
         let _ = writeln!(s, "\nrejected:");
         for r in rejected {
-            let _ = writeln!(s, "  {}: {}: {}", r.object, r.reason.label(), r.message);
+            let _ = writeln!(
+                s,
+                "  {}: {}: {}",
+                escaped(&r.object),
+                r.reason.label(),
+                escaped(&r.message)
+            );
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert!(matches!(escaped("shop/web"), Cow::Borrowed("shop/web")));
+        assert_eq!(escaped("a\nb\u{1b}[31mc\r"), "a\\nb\\u{1b}[31mc\\r");
+        assert_eq!(escaped("ünï"), "ünï");
+    }
 }

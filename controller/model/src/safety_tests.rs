@@ -348,3 +348,83 @@ fn nameless_objects_are_rejected_not_dropped() {
         2
     );
 }
+
+#[test]
+fn headless_endpoints_count_against_the_caps() {
+    // Issue 32: a headless import has no frontend, so its endpoints escaped every cap (ten
+    // slices of 1,000 endpoints were all held, and DNS built every record).
+    let mut n = node("c1");
+    n.guard.limits.backends_per_frontend = 3;
+    n.guard.limits.backends = 5;
+    let headless = |name: &str, day: u8| {
+        let mut i = mk_import(name, &[], &[("http", "TCP", 80)]);
+        i.type_ = "Headless".into();
+        i.created = Some(format!("2026-01-{day:02}T00:00:00Z"));
+        i
+    };
+    let slice = |name: &str, svc: &str, cluster: &str, base: u8, count: u8| {
+        mk_slice(
+            name,
+            svc,
+            cluster,
+            &[("http", 8080)],
+            (0..count)
+                .map(|i| ep(&format!("198.18.{base}.{}", i + 2), true))
+                .collect(),
+        )
+    };
+    let mut idx = Index::new(n);
+    idx.track_dns();
+    idx.upsert_import(headless("big", 1));
+    idx.upsert_import(headless("young", 3));
+    idx.upsert_import(mk_import("web", &["198.18.0.10"], &[("http", "TCP", 80)]));
+    // big: 2 remote + 2 local endpoints, one of them twice (another slice): 4 distinct.
+    idx.upsert_slice(slice("big-c2", "big", "c2", 2, 2));
+    idx.upsert_slice(slice("big-c1", "big", "c1", 1, 2));
+    idx.upsert_slice(slice("big-c1b", "big", "c1", 1, 1));
+    idx.upsert_slice(slice("young-c2", "young", "c2", 3, 3));
+    idx.upsert_slice(slice("web-c2", "web", "c2", 4, 1));
+    idx.flush();
+    let rej = idx.rejections();
+    // big: trimmed to 3, this cluster's endpoints first.
+    assert_eq!(
+        reasons_of(&rej, "ServiceImport ns/big")[0].0,
+        Reason::TooManyBackends
+    );
+    let big = idx
+        .dns_records(&crate::input::ServiceRef::new("ns", "big"))
+        .unwrap();
+    let kept: Vec<String> = big
+        .endpoints()
+        .iter()
+        .map(|e| format!("{}@{}", e.address, e.cluster))
+        .collect();
+    assert_eq!(kept, ["198.18.1.2@c1", "198.18.1.3@c1", "198.18.2.2@c2"]);
+    // big (3) + web's backend (1, created the same day as big, so admitted by name) fit
+    // the table's 5; young's 3 more do not: rejected, and it has no DNS name.
+    assert_eq!(
+        reasons_of(&rej, "ServiceImport ns/young")[0].0,
+        Reason::OverCapacity
+    );
+    assert!(
+        idx.dns_records(&crate::input::ServiceRef::new("ns", "young"))
+            .is_none()
+    );
+    assert_eq!(
+        selected(idx.table(), &fe("198.18.0.10", 80)),
+        ["198.18.4.2:8080@c2"]
+    );
+    idx.take_dns_changes();
+    // Room frees: young gets its name.
+    idx.delete_slice("ns", "big-c2");
+    idx.delete_slice("ns", "big-c1");
+    idx.flush();
+    let changed: Vec<String> = idx
+        .take_dns_changes()
+        .into_iter()
+        .filter(|(_, r)| r.is_some())
+        .map(|(s, _)| s.to_string())
+        .collect();
+    assert!(changed.contains(&"ns/young".to_string()), "{changed:?}");
+    assert!(idx.rejections().is_empty(), "{:?}", idx.rejections());
+}

@@ -64,6 +64,9 @@ pub enum Reason {
     MissingServiceLabel,
     /// An EndpointSlice without the source-cluster label.
     MissingClusterLabel,
+    /// A source-cluster label that is not a DNS name (lowercase RFC 1123 labels): the
+    /// slice's endpoints are used but get no DNS names of their own.
+    InvalidClusterName,
     /// An EndpointSlice managed by the default Kubernetes controller (not MCS).
     DefaultController,
     /// `addressType` other than IPv4 / IPv6.
@@ -124,6 +127,7 @@ impl Reason {
             Reason::VipConflict => "vip_conflict",
             Reason::MissingServiceLabel => "missing_service_label",
             Reason::MissingClusterLabel => "missing_cluster_label",
+            Reason::InvalidClusterName => "invalid_cluster_name",
             Reason::DefaultController => "default_controller",
             Reason::UnsupportedAddressType => "unsupported_address_type",
             Reason::InvalidEndpoint => "invalid_endpoint",
@@ -194,7 +198,13 @@ struct ObjectName<'a>(&'static str, &'a str, &'a str);
 
 impl fmt::Display for ObjectName<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} {}/{}", self.0, self.1, self.2)
+        write!(
+            f,
+            "{} {}/{}",
+            self.0,
+            crate::render::escaped(self.1),
+            crate::render::escaped(self.2)
+        )
     }
 }
 
@@ -636,6 +646,15 @@ pub fn slice(
         ));
         return None;
     };
+    if !cluster.split('.').all(dns_label) {
+        out.push(Rejection::new(
+            object,
+            Reason::InvalidClusterName,
+            format!(
+                "{LABEL_SOURCE_CLUSTER} {cluster:?} is not a DNS name (lowercase letters, digits, '-' and '.'): its endpoints are used but get no DNS names"
+            ),
+        ));
+    }
     let v4 = match input.address_type.as_str() {
         "IPv4" => true,
         "IPv6" => false,

@@ -13,7 +13,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use mcs_model::{Dataplane, DataplaneError, Index, NodeConfig, TableDiff, validate::Rejection};
+use mcs_model::{
+    Dataplane, DataplaneError, Index, NodeConfig, TableDiff, render::escaped, validate::Rejection,
+};
 use tokio::sync::{mpsc, watch};
 
 use crate::{
@@ -269,7 +271,7 @@ impl<D: Dataplane> SyncLoop<D> {
         let new: Vec<Rejection> = now.difference(&self.rejected).cloned().collect();
         for (i, r) in new.iter().enumerate() {
             if i < LOGGED_PER_FLUSH {
-                tracing::warn!(object = %r.object, reason = r.reason.label(), "rejected: {}", r.message);
+                tracing::warn!(object = %escaped(&r.object), reason = r.reason.label(), "rejected: {}", escaped(&r.message));
             }
             self.metrics
                 .rejections_total
@@ -286,7 +288,7 @@ impl<D: Dataplane> SyncLoop<D> {
         }
         let gone: Vec<&Rejection> = self.rejected.difference(&now).collect();
         for r in gone.iter().take(LOGGED_PER_FLUSH) {
-            tracing::info!(object = %r.object, reason = r.reason.label(), "no longer rejected");
+            tracing::info!(object = %escaped(&r.object), reason = r.reason.label(), "no longer rejected");
         }
         if gone.len() > LOGGED_PER_FLUSH {
             tracing::info!(
@@ -366,7 +368,7 @@ impl Dataplane for LogDataplane {
                     .selected()
                     .map(|b| format!("{}:{}@{}", b.address, b.port, b.cluster))
                     .collect();
-                tracing::info!(frontend = %f, service = %s.service, backends = ?selected, "program frontend");
+                tracing::info!(frontend = %f, service = %escaped(&s.service), backends = ?selected, "program frontend");
             }
         }
         self.table.apply(diff);
