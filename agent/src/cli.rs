@@ -88,6 +88,13 @@ pub struct GuardArgs {
     /// EndpointSlice and mirroring controllers. See docs/install.md for each MCS controller.
     #[arg(long = "trusted-managed-by", value_name = "VALUE", env = "MCS_TRUSTED_MANAGED_BY", value_delimiter = ',', value_parser = non_empty)]
     pub trusted_managed_by: Vec<String>,
+    /// Also use MCS slices whose source slice no Service selector computed (label
+    /// `multicluster.x-k8s.io/source-managed-by` other than `endpointslice-controller.k8s.io`:
+    /// mirrored from `Endpoints`, or written by hand). Off by default: whoever may write
+    /// `Endpoints` or EndpointSlices in any member's namespace could then send this
+    /// cluster's clients to any address the guard allows.
+    #[arg(long, env = "MCS_ALLOW_SELECTORLESS_SLICES")]
+    pub allow_selectorless_slices: bool,
     /// An address never to program as a VIP or endpoint, besides the ones found (the node's
     /// interface addresses and the API server's), e.g. the node's `status.hostIP`
     /// (repeatable; env: comma-separated).

@@ -35,6 +35,7 @@ pub fn build(args: &GuardArgs, apiserver: &[IpAddr]) -> anyhow::Result<Guard> {
         clusterset_cidrs: cidrs,
         protected,
         trusted_managed_by: args.trusted_managed_by.iter().cloned().collect(),
+        allow_selectorless: args.allow_selectorless_slices,
         limits: Limits {
             ports_per_import: args.max_ports_per_import,
             backends_per_frontend: args.max_backends_per_frontend,
@@ -95,6 +96,7 @@ mod tests {
         GuardArgs {
             clusterset_ip_cidrs: cidrs.iter().map(ToString::to_string).collect(),
             trusted_managed_by: vec![],
+            allow_selectorless_slices: false,
             protect_addresses: vec!["198.18.10.1".parse().unwrap()],
             max_ports_per_import: 100,
             max_backends_per_frontend: 1024,

@@ -184,6 +184,9 @@ pub struct Guard {
     /// `endpointslice.kubernetes.io/managed-by` values accepted on MCS slices. Empty: any
     /// manager but Kubernetes' own controllers.
     pub trusted_managed_by: BTreeSet<String>,
+    /// Whether MCS slices copied from selectorless source slices (mirrored from `Endpoints`
+    /// or written by hand, see `validate::LABEL_SOURCE_MANAGED_BY`) are used.
+    pub allow_selectorless: bool,
     /// Caps.
     pub limits: Limits,
 }

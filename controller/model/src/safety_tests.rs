@@ -428,3 +428,47 @@ fn headless_endpoints_count_against_the_caps() {
     assert!(changed.contains(&"ns/young".to_string()), "{changed:?}");
     assert!(idx.rejections().is_empty(), "{:?}", idx.rejections());
 }
+
+#[test]
+fn slices_copied_from_selectorless_sources_are_refused_unless_allowed() {
+    // Issue 32: an Endpoints-backed Service exported from another member became an MCS slice
+    // and was trusted (the mirrored source slice is refused as `default_controller`, its copy
+    // was not). Our controller now says where a slice came from.
+    let imp = mk_import("web", &["198.18.0.10"], &[("http", "TCP", 80)]);
+    let copied = |name: &str, source: Option<&str>, addr: &str| {
+        let mut s = mk_slice(name, "web", "c2", &[("http", 8080)], vec![ep(addr, true)]);
+        if let Some(m) = source {
+            s.labels
+                .insert(crate::validate::LABEL_SOURCE_MANAGED_BY.into(), m.into());
+        }
+        s
+    };
+    let slices = [
+        copied(
+            "selected",
+            Some("endpointslice-controller.k8s.io"),
+            "198.18.2.2",
+        ),
+        copied(
+            "mirrored",
+            Some("endpointslicemirroring-controller.k8s.io"),
+            "198.18.2.3",
+        ),
+        copied("by-hand", Some("none"), "198.18.2.4"),
+        // Without the label (another MCS controller): taken as it is.
+        copied("unlabelled", None, "198.18.2.5"),
+    ];
+    let (t, rej) = compute(node("c1"), [imp.clone()], slices.clone());
+    assert_eq!(
+        selected(&t, &fe("198.18.0.10", 80)),
+        ["198.18.2.2:8080@c2", "198.18.2.5:8080@c2"]
+    );
+    for o in ["EndpointSlice ns/mirrored", "EndpointSlice ns/by-hand"] {
+        assert_eq!(reasons_of(&rej, o)[0].0, Reason::SelectorlessSource, "{o}");
+    }
+    let mut n = node("c1");
+    n.guard.allow_selectorless = true;
+    let (t, rej) = compute(n, [imp], slices);
+    assert_eq!(selected(&t, &fe("198.18.0.10", 80)).len(), 4);
+    assert!(rej.is_empty(), "{rej:?}");
+}

@@ -24,6 +24,14 @@ pub const LABEL_SERVICE_NAME: &str = "multicluster.kubernetes.io/service-name";
 pub const LABEL_SOURCE_CLUSTER: &str = "multicluster.kubernetes.io/source-cluster";
 /// Label naming the manager of an EndpointSlice.
 pub const LABEL_MANAGED_BY: &str = "endpointslice.kubernetes.io/managed-by";
+/// Label of an MCS EndpointSlice naming the manager of the slice it was copied from in the
+/// source cluster (`endpointslice.kubernetes.io/managed-by` there; `none` when it had none),
+/// written by our MCS controller. Only [`DEFAULT_SLICE_CONTROLLER`] computes endpoints from
+/// a Service's selector; slices mirrored from `Endpoints` or written by hand hold whatever
+/// their writer chose, so an agent refuses them unless told otherwise
+/// ([`Guard::allow_selectorless`]). Absent (another MCS controller, or ours before it wrote
+/// it): the slice is taken as it is.
+pub const LABEL_SOURCE_MANAGED_BY: &str = "multicluster.x-k8s.io/source-managed-by";
 /// `managed-by` value of the default Kubernetes EndpointSlice controller.
 pub const DEFAULT_SLICE_CONTROLLER: &str = "endpointslice-controller.k8s.io";
 /// `managed-by` value of Kubernetes' EndpointSlice mirroring controller (slices copied from
@@ -89,6 +97,9 @@ pub enum Reason {
     EndpointIsClusterSetIp,
     /// A slice whose manager is not in `--trusted-managed-by`.
     UntrustedManager,
+    /// An MCS slice copied from a source slice that no selector computed (mirrored from
+    /// `Endpoints` or written by hand), without `--allow-selectorless-slices`.
+    SelectorlessSource,
     /// More ports than allowed on one object.
     TooManyPorts,
     /// More endpoints than allowed on one slice.
@@ -139,6 +150,7 @@ impl Reason {
             Reason::NoncanonicalAddress => "noncanonical_address",
             Reason::EndpointIsClusterSetIp => "endpoint_is_clusterset_ip",
             Reason::UntrustedManager => "untrusted_manager",
+            Reason::SelectorlessSource => "selectorless_source",
             Reason::TooManyPorts => "too_many_ports",
             Reason::TooManyEndpoints => "too_many_endpoints",
             Reason::TooManyBackends => "too_many_backends",
@@ -612,6 +624,19 @@ pub fn slice(
             object,
             Reason::DefaultController,
             format!("managed by {m}: a slice of an ordinary Service or of Endpoints, not MCS"),
+        ));
+        return None;
+    }
+    if let Some(source) = input.labels.get(LABEL_SOURCE_MANAGED_BY)
+        && source != DEFAULT_SLICE_CONTROLLER
+        && !guard.allow_selectorless
+    {
+        out.push(Rejection::new(
+            object,
+            Reason::SelectorlessSource,
+            format!(
+                "copied from a slice managed by {source:?} in its cluster (mirrored from Endpoints or written by hand, not computed from a Service's selector); allowed with --allow-selectorless-slices"
+            ),
         ));
         return None;
     }

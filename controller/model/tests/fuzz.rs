@@ -23,6 +23,7 @@ fn guard() -> Guard {
         ],
         protected: ["198.18.1.1".parse().unwrap()].into(),
         trusted_managed_by: Default::default(),
+        allow_selectorless: false,
         limits: Limits {
             ports_per_import: 3,
             ports_per_slice: 2,
