@@ -23,7 +23,7 @@ use mcs_api::{
 };
 use mcs_merge::{
     ClusterSetExports, Export, ExportConditions, ImportShape, Port, ServiceKey, ServiceKind,
-    ServiceShape, alloc::Allocator,
+    ServiceShape, alloc::Allocator, meta::Refusal,
 };
 
 use crate::{MANAGED_LABEL, MANAGER, members::ObjKey};
@@ -66,6 +66,33 @@ pub struct Snapshot {
 
 /// The `Valid=False` reason of an export from a refused namespace.
 pub const NAMESPACE_NOT_ALLOWED: &str = "NamespaceNotAllowed";
+/// The `Valid=False` reason of an export of a Service that is never exported
+/// (`default/kubernetes`, the API server's own).
+pub const SERVICE_NOT_ALLOWED: &str = "ServiceNotAllowed";
+
+/// Why an export of `ns/name` is refused whatever it holds, if it is: its namespace is
+/// refused, or it is `default/kubernetes` (whose endpoints are a member's API servers).
+pub fn refusal(
+    ns: &str,
+    name: &str,
+    refused_namespaces: &std::collections::BTreeSet<String>,
+) -> Option<Refusal> {
+    if refused_namespaces.contains(ns) {
+        Some(Refusal::new(
+            NAMESPACE_NOT_ALLOWED,
+            format!(
+                "exports from namespace {ns} are refused (mcs-controller --refuse-export-namespaces)"
+            ),
+        ))
+    } else if (ns, name) == ("default", "kubernetes") {
+        Some(Refusal::new(
+            SERVICE_NOT_ALLOWED,
+            "default/kubernetes is the API server's own Service; it is never exported",
+        ))
+    } else {
+        None
+    }
+}
 
 /// What the local cluster should hold.
 #[derive(Debug, Default)]
@@ -86,7 +113,7 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
     let mut all: ClusterSetExports = BTreeMap::new();
     for m in &s.members {
         for ((ns, name), se) in &m.exports {
-            if se.metadata.deletion_timestamp.is_some() || s.refused_namespaces.contains(ns) {
+            if se.metadata.deletion_timestamp.is_some() {
                 continue;
             }
             let service = m
@@ -110,6 +137,7 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
                     service,
                     labels: spec.exported_labels.clone().unwrap_or_default(),
                     annotations: spec.exported_annotations.clone().unwrap_or_default(),
+                    refused: refusal(ns, name, &s.refused_namespaces),
                 },
             );
         }
@@ -120,27 +148,6 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
     if let Some(me) = s.members.iter().find(|m| m.id == s.local) {
         for (k, se) in &me.exports {
             if se.metadata.deletion_timestamp.is_some() {
-                continue;
-            }
-            if s.refused_namespaces.contains(&k.0) {
-                let no = |reason: &str, message: String| mcs_merge::Condition {
-                    status: false,
-                    reason: reason.into(),
-                    message,
-                };
-                let refused = ExportConditions {
-                    valid: no(
-                        NAMESPACE_NOT_ALLOWED,
-                        format!(
-                            "exports from namespace {} are refused (mcs-controller --refuse-export-namespaces)",
-                            k.0
-                        ),
-                    ),
-                    conflict: None,
-                    ready: no(NAMESPACE_NOT_ALLOWED, "the export is not valid".into()),
-                };
-                out.export_conditions
-                    .insert(k.clone(), conditions(&refused, se, &s.now));
                 continue;
             }
             let key = ServiceKey {
@@ -501,13 +508,15 @@ fn mcs_slice(
     })
 }
 
-/// At most `n` bytes of a DNS label, without a trailing dash.
-fn trim(s: &str, n: usize) -> &str {
+/// At most `n` bytes of a DNS label or subdomain as part of one DNS label: dots become
+/// dashes (a cluster id may hold dots; cut at one, it would end the name's label with a dot),
+/// no trailing dash.
+fn trim(s: &str, n: usize) -> String {
     let mut end = s.len().min(n);
     while !s.is_char_boundary(end) {
         end -= 1;
     }
-    s[..end].trim_end_matches('-')
+    s[..end].replace('.', "-").trim_end_matches('-').to_string()
 }
 
 /// The conditions of a local export, keeping each one's transition time while its status

@@ -117,6 +117,8 @@ pub struct Metrics {
     leader: Gauge,
     last_pass: Gauge<i64, AtomicI64>,
     problems: Gauge<u64, AtomicU64>,
+    retries_waiting: Gauge,
+    invalid_exports: Gauge,
 }
 
 impl Metrics {
@@ -133,6 +135,8 @@ impl Metrics {
             leader: Gauge::default(),
             last_pass: Gauge::default(),
             problems: Gauge::default(),
+            retries_waiting: Gauge::default(),
+            invalid_exports: Gauge::default(),
         };
         let r = r.sub_registry_with_prefix("mcs_controller");
         r.register("passes", "Reconcile passes", m.passes.clone());
@@ -177,6 +181,16 @@ impl Metrics {
             "Things not done as asked in the last pass (see the log)",
             m.problems.clone(),
         );
+        r.register(
+            "retries_waiting",
+            "Failed writes waiting for their backoff (1 s doubling to 60 s, per object)",
+            m.retries_waiting.clone(),
+        );
+        r.register(
+            "invalid_exports",
+            "This cluster's ServiceExports with Valid=False in the last pass (reasons in their conditions and Events)",
+            m.invalid_exports.clone(),
+        );
         m
     }
 }
@@ -219,6 +233,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
     // Whether this replica has written a whole pass since it began to lead (a follower is
     // ready with a complete view, but has written nothing).
     let mut written_once = false;
+    let mut backoff = writer::Backoff::default();
     loop {
         tokio::select! {
             () = wake.notified() => {}
@@ -294,7 +309,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
         for p in &want.problems {
             tracing::warn!("{p}");
         }
-        let w = writer::sync(&local_client, &want, &local, &me).await;
+        let w = writer::sync(&local_client, &want, &local, &me, &mut backoff).await;
         last_pass = started.elapsed();
         metrics.passes.inc();
         metrics
@@ -303,6 +318,13 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
         metrics.imports.set(want.imports.len() as i64);
         metrics.slices.set(want.slices.len() as i64);
         metrics.problems.set(want.problems.len() as u64);
+        metrics.retries_waiting.set(backoff.len() as i64);
+        metrics.invalid_exports.set(
+            want.export_conditions
+                .values()
+                .filter(|c| c.iter().any(|c| c.type_ == "Valid" && c.status == "False"))
+                .count() as i64,
+        );
         for (kind, n) in [
             ("ServiceImport", w.imports + w.imports_deleted),
             ("EndpointSlice", w.slices + w.slices_deleted),
@@ -323,19 +345,17 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
                 slices_deleted = w.slices_deleted,
                 exports = w.exports,
                 errors = w.errors,
+                deferred = w.deferred,
                 compute_ms = computed.as_secs_f64() * 1e3,
                 ms = started.elapsed().as_secs_f64() * 1e3,
                 "pass"
             );
         }
-        if w.errors > 0 {
-            // Retry soon rather than at the next resync.
-            let wake = wake.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                wake.notify_one();
-            });
-        } else if !written_once {
+        if let Some(due) = backoff.next_due() {
+            // A pass when the first failed write may be tried again (each object keeps its
+            // own backoff; the others are not rewritten).
+            next_wait = next_wait.min(due.saturating_duration_since(Instant::now()));
+        } else if w.errors == 0 && w.deferred == 0 && !written_once {
             written_once = true;
             tracing::info!(
                 imports = want.imports.len(),

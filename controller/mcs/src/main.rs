@@ -113,18 +113,11 @@ fn main() -> ExitCode {
     }
 }
 
-/// A cluster id: DNS labels joined by dots (KEP-2149).
+/// A cluster id: DNS labels joined by dots (KEP-2149), at most 63 bytes in all: it is the
+/// value of every MCS slice's `multicluster.kubernetes.io/source-cluster` label, and a label
+/// value is at most 63 bytes (a longer id would make every slice write from it fail).
 fn valid_cluster_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 253
-        && id.split('.').all(|l| {
-            !l.is_empty()
-                && l.len() <= 63
-                && l.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        })
+    id.len() <= 63 && mcs_merge::meta::dns_subdomain(id)
 }
 
 /// The cluster id from this cluster's ClusterProperty (in-cluster config or KUBECONFIG).
@@ -154,7 +147,8 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     };
     if !valid_cluster_id(&cluster_id) {
         bail!(
-            "cluster id {cluster_id:?} is not a cluster id (lowercase DNS labels joined by dots)"
+            "cluster id {cluster_id:?} is not a cluster id (lowercase DNS labels joined by dots, \
+             at most 63 bytes)"
         );
     }
     let ranges = mcs_model::guard::parse_clusterset_ranges(&args.clusterset_ip_cidrs)
@@ -176,7 +170,8 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         let id = ctx.name.clone();
         if !valid_cluster_id(&id) {
             bail!(
-                "context {id:?} of {} is not a cluster id: name each context by its cluster's id",
+                "context {id:?} of {} is not a cluster id (lowercase DNS labels joined by dots, at \
+                 most 63 bytes): name each context by its cluster's id",
                 args.clusterset_kubeconfig.display()
             );
         }
@@ -252,5 +247,18 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             tracing::info!("terminated; stopping");
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cluster_ids_fit_a_label_value() {
+        use super::valid_cluster_id as ok;
+        assert!(ok("c1") && ok("east.prod") && ok(&"c".repeat(63)));
+        let dot_at_40 = format!("{}.{}", "a".repeat(39), "b".repeat(10));
+        assert!(ok(&dot_at_40));
+        assert!(!ok(&"c".repeat(64)), "over 63 bytes: not a label value");
+        assert!(!ok("") && !ok("a..b") && !ok("-a") && !ok("A") && !ok("a_b"));
     }
 }

@@ -3,6 +3,15 @@
 //! EndpointSlices, ServiceExport conditions; and deleting the imports and slices of ours that
 //! are no longer wanted. Creations go before the slices that refer to them; deletions of
 //! slices before their import.
+//!
+//! A failed write is retried on its own ([`Backoff`]): not before 1 s, then 2, 4, … up to
+//! [`RETRY_MAX`], while the other objects are written as usual; it is forgotten once it
+//! succeeds or the object no longer differs.
+
+use std::{
+    collections::{HashMap, HashSet},
+    time::{Duration, Instant},
+};
 
 use futures::StreamExt as _;
 use k8s_openapi::{
@@ -36,8 +45,60 @@ pub struct Written {
     pub slices_deleted: usize,
     /// ServiceExport statuses written.
     pub exports: usize,
-    /// Writes that failed (retried on the next pass).
+    /// Writes that failed (each retried after its backoff).
     pub errors: usize,
+    /// Writes not tried in this pass: they failed before and their backoff has not passed.
+    pub deferred: usize,
+}
+
+/// The first wait before a failed write is tried again.
+pub const RETRY_FIRST: Duration = Duration::from_secs(1);
+/// The longest wait before a failed write is tried again.
+pub const RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// What a write is about: its kind (`ServiceImport`, `EndpointSlice`, `ServiceExport`
+/// status) and object.
+pub type Target = (&'static str, ObjKey);
+
+/// Writes that failed, each with its own exponential backoff: when it may be tried again and
+/// how long the next wait is.
+#[derive(Debug, Default)]
+pub struct Backoff {
+    failed: HashMap<Target, (Instant, Duration)>,
+}
+
+impl Backoff {
+    /// Whether `t` failed and its wait has not passed at `now`.
+    fn waiting(&self, t: &Target, now: Instant) -> bool {
+        self.failed.get(t).is_some_and(|(due, _)| *due > now)
+    }
+
+    /// Records a failure of `t` at `now`: the wait doubles, from [`RETRY_FIRST`] to
+    /// [`RETRY_MAX`].
+    fn fail(&mut self, t: Target, now: Instant) {
+        let e = self.failed.entry(t).or_insert((now, Duration::ZERO));
+        let wait = if e.1.is_zero() {
+            RETRY_FIRST
+        } else {
+            (e.1 * 2).min(RETRY_MAX)
+        };
+        *e = (now + wait, wait);
+    }
+
+    /// When the earliest failed write may be tried again.
+    pub fn next_due(&self) -> Option<Instant> {
+        self.failed.values().map(|(due, _)| *due).min()
+    }
+
+    /// Failed writes waiting for a retry.
+    pub fn len(&self) -> usize {
+        self.failed.len()
+    }
+
+    /// Whether no failed write waits.
+    pub fn is_empty(&self) -> bool {
+        self.failed.is_empty()
+    }
 }
 
 impl Written {
@@ -109,29 +170,78 @@ enum Outcome {
     Error,
 }
 
-/// Runs `writes` with at most [`IN_FLIGHT`] in flight and counts their outcomes into `w`.
-async fn run_all<F>(writes: Vec<F>, w: &mut Written)
-where
-    F: std::future::Future<Output = Outcome>,
-{
-    let mut s = futures::stream::iter(writes).buffer_unordered(IN_FLIGHT);
-    while let Some(o) = s.next().await {
-        match o {
-            Outcome::Import => w.imports += 1,
-            Outcome::ImportDeleted => w.imports_deleted += 1,
-            Outcome::Slice => w.slices += 1,
-            Outcome::SliceDeleted => w.slices_deleted += 1,
-            Outcome::Export => w.exports += 1,
-            Outcome::Nothing => {}
-            Outcome::Error => w.errors += 1,
+/// One pass's writes: what is tried, what failed before, what was looked at.
+struct Pass<'a> {
+    w: Written,
+    backoff: &'a mut Backoff,
+    /// Every target that differed in this pass (a failure of any other is forgotten).
+    differing: HashSet<Target>,
+    now: Instant,
+}
+
+impl Pass<'_> {
+    /// Whether `t`, which differs, is to be written now (else it waits for its backoff).
+    fn due(&mut self, t: Target) -> bool {
+        let waiting = self.backoff.waiting(&t, self.now);
+        self.differing.insert(t);
+        if waiting {
+            self.w.deferred += 1;
         }
+        !waiting
+    }
+
+    /// Runs `writes` with at most [`IN_FLIGHT`] in flight and counts their outcomes.
+    async fn run_all<F>(&mut self, writes: Vec<F>)
+    where
+        F: std::future::Future<Output = (Target, Outcome)>,
+    {
+        let mut s = futures::stream::iter(writes).buffer_unordered(IN_FLIGHT);
+        while let Some((t, o)) = s.next().await {
+            let w = &mut self.w;
+            match o {
+                Outcome::Error => {
+                    w.errors += 1;
+                    self.backoff.fail(t, Instant::now());
+                    continue;
+                }
+                Outcome::Import => w.imports += 1,
+                Outcome::ImportDeleted => w.imports_deleted += 1,
+                Outcome::Slice => w.slices += 1,
+                Outcome::SliceDeleted => w.slices_deleted += 1,
+                Outcome::Export => w.exports += 1,
+                Outcome::Nothing => {}
+            }
+            self.backoff.failed.remove(&t);
+        }
+    }
+
+    /// The pass's count; failures of targets that no longer differ are forgotten.
+    fn finish(self) -> Written {
+        let differing = self.differing;
+        self.backoff.failed.retain(|t, _| differing.contains(t));
+        self.w
     }
 }
 
+const IMPORT: &str = "ServiceImport";
+const SLICE: &str = "EndpointSlice";
+const EXPORT: &str = "ServiceExport";
+
 /// Writes the difference between `want` and what the local stores hold: imports first, then
 /// slices (created, then deleted), then imports no longer wanted, then export conditions.
-pub async fn sync(client: &Client, want: &Desired, local: &Local, me: &Member) -> Written {
-    let mut w = Written::default();
+pub async fn sync(
+    client: &Client,
+    want: &Desired,
+    local: &Local,
+    me: &Member,
+    backoff: &mut Backoff,
+) -> Written {
+    let mut pass = Pass {
+        w: Written::default(),
+        backoff,
+        differing: HashSet::new(),
+        now: Instant::now(),
+    };
     let have_imports = local.imports.snapshot();
     let have_slices = local.slices.snapshot();
 
@@ -142,6 +252,10 @@ pub async fn sync(client: &Client, want: &Desired, local: &Local, me: &Member) -
         if have.is_some_and(|h| import_same(h, si, true)) {
             continue;
         }
+        let target = (IMPORT, (ns.clone(), name.clone()));
+        if !pass.due(target.clone()) {
+            continue;
+        }
         let spec_same = have.is_some_and(|h| import_same(h, si, false));
         let mut body = si.clone();
         body.status = None;
@@ -149,14 +263,14 @@ pub async fn sync(client: &Client, want: &Desired, local: &Local, me: &Member) -
         writes.push(async move {
             if !spec_same && let Err(e) = api.patch(name, &apply(), &Patch::Apply(&body)).await {
                 tracing::warn!(import = %format!("{ns}/{name}"), error = %e, "writing ServiceImport");
-                return Outcome::Error;
+                return (target, Outcome::Error);
             }
             let status = json!({
                 "apiVersion": "multicluster.x-k8s.io/v1beta1",
                 "kind": "ServiceImport",
                 "status": si.status,
             });
-            match api
+            let outcome = match api
                 .patch_status(name, &apply(), &Patch::Apply(&status))
                 .await
             {
@@ -173,10 +287,11 @@ pub async fn sync(client: &Client, want: &Desired, local: &Local, me: &Member) -
                     tracing::warn!(import = %format!("{ns}/{name}"), error = %e, "writing ServiceImport status");
                     Outcome::Error
                 }
-            }
+            };
+            (target, outcome)
         });
     }
-    run_all(writes, &mut w).await;
+    pass.run_all(writes).await;
 
     // Slices: create or update.
     let mut writes = Vec::new();
@@ -187,18 +302,23 @@ pub async fn sync(client: &Client, want: &Desired, local: &Local, me: &Member) -
         {
             continue;
         }
+        let target = (SLICE, (ns.clone(), name.clone()));
+        if !pass.due(target.clone()) {
+            continue;
+        }
         let api: Api<EndpointSlice> = Api::namespaced(client.clone(), ns);
         writes.push(async move {
-            match api.patch(name, &apply(), &Patch::Apply(es)).await {
+            let outcome = match api.patch(name, &apply(), &Patch::Apply(es)).await {
                 Ok(_) => Outcome::Slice,
                 Err(e) => {
                     tracing::warn!(slice = %format!("{ns}/{name}"), error = %e, "writing EndpointSlice");
                     Outcome::Error
                 }
-            }
+            };
+            (target, outcome)
         });
     }
-    run_all(writes, &mut w).await;
+    pass.run_all(writes).await;
 
     // Slices of ours that are not wanted.
     let mut writes = Vec::new();
@@ -206,19 +326,24 @@ pub async fn sync(client: &Client, want: &Desired, local: &Local, me: &Member) -
         if want.slices.contains_key(&(ns.clone(), name.clone())) {
             continue;
         }
+        let target = (SLICE, (ns.clone(), name.clone()));
+        if !pass.due(target.clone()) {
+            continue;
+        }
         let api: Api<EndpointSlice> = Api::namespaced(client.clone(), ns);
         writes.push(async move {
-            match api.delete(name, &DeleteParams::default()).await {
+            let outcome = match api.delete(name, &DeleteParams::default()).await {
                 Ok(_) => Outcome::SliceDeleted,
                 Err(kube::Error::Api(e)) if e.code == 404 => Outcome::Nothing,
                 Err(e) => {
                     tracing::warn!(slice = %format!("{ns}/{name}"), error = %e, "deleting EndpointSlice");
                     Outcome::Error
                 }
-            }
+            };
+            (target, outcome)
         });
     }
-    run_all(writes, &mut w).await;
+    pass.run_all(writes).await;
 
     // Imports of ours no longer wanted.
     let mut writes = Vec::new();
@@ -226,9 +351,13 @@ pub async fn sync(client: &Client, want: &Desired, local: &Local, me: &Member) -
         if !ours(si) || want.imports.contains_key(&(ns.clone(), name.clone())) {
             continue;
         }
+        let target = (IMPORT, (ns.clone(), name.clone()));
+        if !pass.due(target.clone()) {
+            continue;
+        }
         let api: Api<ServiceImport> = Api::namespaced(client.clone(), ns);
         writes.push(async move {
-            match api.delete(name, &DeleteParams::default()).await {
+            let outcome = match api.delete(name, &DeleteParams::default()).await {
                 Ok(_) => {
                     tracing::info!(import = %format!("{ns}/{name}"), "ServiceImport deleted: no cluster exports it any more");
                     Outcome::ImportDeleted
@@ -238,10 +367,11 @@ pub async fn sync(client: &Client, want: &Desired, local: &Local, me: &Member) -
                     tracing::warn!(import = %format!("{ns}/{name}"), error = %e, "deleting ServiceImport");
                     Outcome::Error
                 }
-            }
+            };
+            (target, outcome)
         });
     }
-    run_all(writes, &mut w).await;
+    pass.run_all(writes).await;
 
     // Conditions of the local exports.
     let exports = me.exports.snapshot();
@@ -256,6 +386,10 @@ pub async fn sync(client: &Client, want: &Desired, local: &Local, me: &Member) -
         if have == conditions_view(conds) {
             continue;
         }
+        let target = (EXPORT, key.clone());
+        if !pass.due(target.clone()) {
+            continue;
+        }
         // A problem that is new (the conditions changed): a log line and an Event on the
         // ServiceExport, once per change (not per pass).
         for c in conds.iter().filter(|c| {
@@ -266,15 +400,16 @@ pub async fn sync(client: &Client, want: &Desired, local: &Local, me: &Member) -
             event(client, se, c);
         }
         writes.push(async move {
-            match write_export_status(client, key, conds).await {
+            let outcome = match write_export_status(client, key, conds).await {
                 Ok(true) => Outcome::Export,
                 Ok(false) => Outcome::Nothing,
                 Err(()) => Outcome::Error,
-            }
+            };
+            (target, outcome)
         });
     }
-    run_all(writes, &mut w).await;
-    w
+    pass.run_all(writes).await;
+    pass.finish()
 }
 
 /// Ok(true): written; Ok(false): the export is gone; Err: failed (logged).
@@ -348,4 +483,29 @@ fn event(client: &Client, se: &ServiceExport, c: &Condition) {
             Err(e) => tracing::debug!(error = %e, "could not publish an Event"),
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_write_waits_1s_doubling_to_60s_on_its_own() {
+        let mut b = Backoff::default();
+        let t0 = Instant::now();
+        let web: Target = (IMPORT, ("shop".into(), "web".into()));
+        let other: Target = (IMPORT, ("shop".into(), "other".into()));
+        assert!(!b.waiting(&web, t0) && b.next_due().is_none());
+        let mut waits = Vec::new();
+        for _ in 0..9 {
+            b.fail(web.clone(), t0);
+            waits.push(b.failed[&web].1.as_secs());
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 32, 60, 60, 60]);
+        assert!(b.waiting(&web, t0 + Duration::from_secs(59)));
+        assert!(!b.waiting(&web, t0 + Duration::from_secs(60)));
+        assert!(!b.waiting(&other, t0), "another object is not held back");
+        assert_eq!(b.next_due(), Some(t0 + RETRY_MAX));
+        assert_eq!(b.len(), 1);
+    }
 }

@@ -5,15 +5,20 @@
 //!
 //! # Rules (KEP-1645, mcs-api v1beta1)
 //!
-//! - An export is **valid** when its Service exists and is not `ExternalName`
-//!   (`Valid=False`, reasons `NoService`, `InvalidServiceType`); invalid exports take no part.
+//! - An export is **valid** when it is not refused by the caller ([`Export::refused`]), its
+//!   exported labels and annotations can be put on a ServiceImport ([`meta`]) and its Service
+//!   exists and is not `ExternalName` (`Valid=False`, reasons the caller's,
+//!   `InvalidExportedLabels`, `InvalidExportedAnnotations`, `NoService`,
+//!   `InvalidServiceType`); invalid exports take no part.
 //! - Among valid exports, **precedence** is the ServiceExport's creationTimestamp (oldest
 //!   first), ties broken by cluster id. The first is the *winner*: its type (headless or not),
 //!   session affinity (and config), internal traffic policy, traffic distribution, IP families
 //!   and exported labels/annotations are the import's.
 //! - **Ports** are the union by name, then by protocol+port, in precedence order: a port whose
 //!   name is taken with another protocol or number, or whose protocol+port is taken under
-//!   another name, loses to the older one.
+//!   another name, loses to the older one. The import carries at most [`MAX_PORTS`] (what
+//!   the agents accept): the ports past it, from the youngest exports, are left out and are
+//!   a `PortConflict` of the exports they come from.
 //! - Any difference from the winner (including a different port set) is a **conflict**:
 //!   `Conflict=True` on every valid export of the service, with the reasons comma-joined
 //!   (`PortConflict`, `TypeConflict`, …) and a message naming the clusters; otherwise
@@ -22,6 +27,7 @@
 #![forbid(unsafe_code)]
 
 pub mod alloc;
+pub mod meta;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -102,7 +108,14 @@ pub struct Export {
     pub labels: BTreeMap<String, String>,
     /// `spec.exportedAnnotations`.
     pub annotations: BTreeMap<String, String>,
+    /// Set when the caller refuses the export (a namespace or service that may not be
+    /// exported, metadata too large to keep): it is invalid with this reason.
+    pub refused: Option<meta::Refusal>,
 }
+
+/// The most ports an import carries: the agents refuse an import with more
+/// (`mcs_model::guard::Limits::ports_per_import`).
+pub const MAX_PORTS: usize = 100;
 
 /// The ServiceImport a service gets (without its ClusterSetIPs, which each cluster allocates).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -209,6 +222,16 @@ pub fn merge(key: &ServiceKey, exports: &BTreeMap<ClusterId, Export>) -> Merged 
     let mut conditions = BTreeMap::new();
     let mut valid: Vec<(&ClusterId, &Export, &ServiceShape)> = Vec::new();
     for (cluster, e) in exports {
+        let refused = match &e.refused {
+            Some(r) => Some(r.clone()),
+            None => meta::check_labels(&e.labels)
+                .and_then(|()| meta::check_annotations(&e.annotations))
+                .err(),
+        };
+        if let Some(r) = refused {
+            conditions.insert(cluster.clone(), invalid(&r.reason, r.message));
+            continue;
+        }
         match &e.service {
             None => {
                 conditions.insert(
@@ -243,6 +266,8 @@ pub fn merge(key: &ServiceKey, exports: &BTreeMap<ClusterId, Export>) -> Merged 
     let mut ports: Vec<Port> = Vec::new();
     let mut reasons: BTreeSet<&'static str> = BTreeSet::new();
     let mut conflicting: BTreeSet<&ClusterId> = BTreeSet::new();
+    // Clusters with ports left out for want of room, and how many.
+    let mut over: BTreeMap<&ClusterId, usize> = BTreeMap::new();
     for &(cluster, _, s) in &valid {
         for p in &s.ports {
             let same_name = ports.iter().find(|q| q.name == p.name);
@@ -251,7 +276,12 @@ pub fn merge(key: &ServiceKey, exports: &BTreeMap<ClusterId, Export>) -> Merged 
                 .find(|q| q.protocol == p.protocol && q.port == p.port);
             match (same_name, same_number) {
                 (Some(q), _) if q.protocol == p.protocol && q.port == p.port => {}
-                (None, None) => ports.push(p.clone()),
+                (None, None) if ports.len() < MAX_PORTS => ports.push(p.clone()),
+                (None, None) => {
+                    *over.entry(cluster).or_default() += 1;
+                    reasons.insert(reason::PORT);
+                    conflicting.insert(cluster);
+                }
                 _ => {
                     reasons.insert(reason::PORT);
                     conflicting.insert(cluster);
@@ -299,15 +329,19 @@ pub fn merge(key: &ServiceKey, exports: &BTreeMap<ClusterId, Export>) -> Merged 
     } else {
         let r: Vec<&str> = reasons.iter().copied().collect();
         let others: Vec<&str> = conflicting.iter().map(|c| c.as_str()).collect();
-        Condition::new(
-            true,
-            r.join(","),
-            format!(
-                "the exports of {key} in clusters {} differ from the oldest, in cluster {winner_cluster} ({}), which takes precedence",
-                others.join(", "),
-                r.join(", ")
-            ),
-        )
+        let mut message = format!(
+            "the exports of {key} in clusters {} differ from the oldest, in cluster {winner_cluster} ({}), which takes precedence",
+            others.join(", "),
+            r.join(", ")
+        );
+        if !over.is_empty() {
+            let left: Vec<String> = over.iter().map(|(c, n)| format!("{n} of {c}")).collect();
+            message.push_str(&format!(
+                "; the import carries at most {MAX_PORTS} ports, so these are left out: {}",
+                left.join(", ")
+            ));
+        }
+        Condition::new(true, r.join(","), message)
     };
     for &(cluster, _, _) in &valid {
         conditions.insert(

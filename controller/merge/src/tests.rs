@@ -205,6 +205,89 @@ fn ties_on_the_timestamp_go_to_the_smaller_cluster_id() {
     assert!(!m.import.unwrap().headless);
 }
 
+#[test]
+fn the_import_carries_at_most_100_ports_the_oldest_first() {
+    assert_eq!(
+        MAX_PORTS,
+        mcs_model::guard::Limits::default().ports_per_import
+    );
+    let many: Vec<Port> = (0..100)
+        .map(|i| port(&format!("p{i}"), "TCP", 1000 + i))
+        .collect();
+    let m = merge(
+        &key(),
+        &[
+            (
+                "c1".to_string(),
+                export(1, Some(svc(vec![port("web", "TCP", 80)]))),
+            ),
+            ("c2".to_string(), export(2, Some(svc(many)))),
+        ]
+        .into(),
+    );
+    let i = m.import.unwrap();
+    assert_eq!(i.ports.len(), MAX_PORTS);
+    assert!(
+        i.ports.contains(&port("web", "TCP", 80)),
+        "the older export's port is kept"
+    );
+    assert!(
+        !i.ports.contains(&port("p99", "TCP", 1099)),
+        "the youngest port is left out"
+    );
+    assert_eq!(i.clusters, ["c1", "c2"]);
+    for c in ["c1", "c2"] {
+        let k = m.exports[c].conflict.as_ref().unwrap();
+        assert!(k.status && k.reason == reason::PORT, "{c}: {k:?}");
+        assert!(
+            k.message.contains("at most 100 ports") && k.message.contains("1 of c2"),
+            "{}",
+            k.message
+        );
+        assert!(m.exports[c].valid.status);
+    }
+}
+
+#[test]
+fn exports_with_metadata_an_import_cannot_carry_or_refused_are_invalid_alone() {
+    let bad_labels = Export {
+        labels: [("bad key!".to_string(), "x".to_string())].into(),
+        ..export(1, Some(svc(hello())))
+    };
+    let bad_annotations = Export {
+        annotations: [("a".to_string(), "v".repeat(meta::MAX_ANNOTATION_BYTES))].into(),
+        ..export(1, Some(svc(hello())))
+    };
+    let refused = Export {
+        refused: Some(meta::Refusal::new("ServiceNotAllowed", "no")),
+        ..export(1, Some(svc(hello())))
+    };
+    let m = merge(
+        &key(),
+        &[
+            ("c1".to_string(), bad_labels),
+            ("c2".to_string(), bad_annotations),
+            ("c3".to_string(), refused),
+            ("c4".to_string(), export(5, Some(svc(hello())))),
+        ]
+        .into(),
+    );
+    let i = m.import.unwrap();
+    assert_eq!(i.clusters, ["c4"], "only the valid export is imported");
+    assert!(i.labels.is_empty() && i.annotations.is_empty());
+    for (c, r) in [
+        ("c1", meta::INVALID_LABELS),
+        ("c2", meta::INVALID_ANNOTATIONS),
+        ("c3", "ServiceNotAllowed"),
+    ] {
+        let e = &m.exports[c];
+        assert_eq!((e.valid.status, e.valid.reason.as_str()), (false, r), "{c}");
+        assert!(!e.ready.status && e.conflict.is_none(), "{c}");
+    }
+    let c4 = &m.exports["c4"];
+    assert!(c4.valid.status && !c4.conflict.as_ref().unwrap().status);
+}
+
 fn arb_export() -> impl Strategy<Value = Export> {
     let port = (
         prop::sample::select(vec!["tcp", "udp", "http", ""]),

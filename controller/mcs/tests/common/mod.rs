@@ -45,12 +45,18 @@ pub fn start_controller(id: &str, kubeconfig: &PathBuf) -> Controller {
     start_controller_with(id, kubeconfig, &["--no-leader-election"])
 }
 
-/// The controller of cluster `id` with `extra` arguments. Its log goes to the test's stderr
-/// with `MCS_TEST_CONTROLLER_LOG` set.
+/// The controller of cluster `id` with `extra` arguments (metrics on a random loopback port
+/// unless they say `--metrics-addr`). Its log goes to the test's stderr with
+/// `MCS_TEST_CONTROLLER_LOG` set.
 pub fn start_controller_with(id: &str, kubeconfig: &PathBuf, extra: &[&str]) -> Controller {
+    let metrics: &[&str] = if extra.contains(&"--metrics-addr") {
+        &[]
+    } else {
+        &["--metrics-addr", "127.0.0.1:0"]
+    };
     let child = Command::new(env!("CARGO_BIN_EXE_mcs-controller"))
         .args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
-        .args(["--metrics-addr", "127.0.0.1:0"])
+        .args(metrics)
         .args(["--watch-retry-max-ms", "500"])
         .args(extra)
         .arg("--clusterset-kubeconfig")
@@ -234,4 +240,31 @@ impl ClusterSet {
             clients,
         }
     }
+}
+
+/// A loopback TCP port free a moment ago (for a controller's `--metrics-addr`).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The text of `GET /metrics` on loopback `port`, or `None` while nothing answers there.
+pub fn scrape(port: u16) -> Option<String> {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    text.split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+}
+
+/// The value of the metric line `name` (without labels) in `text`.
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }

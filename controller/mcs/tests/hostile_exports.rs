@@ -1,0 +1,150 @@
+//! Exports that one tenant controls must not hurt the others (issue 32): each is refused on
+//! its own (`Valid=False` with a reason, or a conflict) while every other service is imported,
+//! and the controller writes nothing that the API server refuses. Two real kube-apiservers
+//! (with their etcd) and the controller as a real process in each; c2's cluster id has a dot
+//! at byte 40, where the MCS slice names cut it.
+
+mod common;
+
+use common::*;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::{Api, Client};
+use mcs_api::ServiceExport;
+use mcs_test_support::apiserver;
+
+/// A ServiceExport of `name` with `spec` as given.
+fn export_with(name: &str, spec: serde_json::Value) -> ServiceExport {
+    obj(serde_json::json!({
+        "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceExport",
+        "metadata": { "name": name }, "spec": spec
+    }))
+}
+
+/// Waits until the export `ns/name` has a `Valid` condition and returns it with `Ready`'s
+/// and `Conflict`'s.
+async fn conditions_of(
+    k: &Client,
+    ns: &str,
+    name: &str,
+) -> (
+    (String, String),
+    Option<(String, String)>,
+    Option<(String, String)>,
+) {
+    let api: Api<ServiceExport> = Api::namespaced(k.clone(), ns);
+    let se = until(&format!("conditions of {ns}/{name}"), || async {
+        api.get(name)
+            .await
+            .ok()
+            .filter(|se| condition(se, "Valid").is_some())
+    })
+    .await;
+    (
+        condition(&se, "Valid").unwrap(),
+        condition(&se, "Ready"),
+        condition(&se, "Conflict"),
+    )
+}
+
+#[test]
+fn hostile_exports_are_refused_alone_and_nothing_is_retried_forever() {
+    if !mcs_test_support::require(apiserver::prerequisites()) {
+        return;
+    }
+    let c2_id = format!("{}.east", "a".repeat(39));
+    let set = ClusterSet::start(&["c1", &c2_id], false);
+    let (kc, rt, ns) = (&set.kubeconfig, &set.rt, NS);
+    let (k1, k2) = (&set.clients[0], &set.clients[1]);
+    let port = free_port();
+    let metrics = format!("127.0.0.1:{port}");
+    let _ctl1 = start_controller_with(
+        "c1",
+        kc,
+        &["--no-leader-election", "--metrics-addr", &metrics],
+    );
+    let _ctl2 = start_controller(&c2_id, kc);
+    rt.block_on(async {
+        // c1: an export whose label key no ServiceImport can carry, one with 300 KiB of
+        // annotations, one of the API server's own Service, and `many` with one port.
+        for name in ["bad", "fat", "many"] {
+            create(k1, ns, service(name, serde_json::json!([{ "name": "web", "port": 80 }]))).await;
+        }
+        create(k1, ns, export_with("bad", serde_json::json!({ "exportedLabels": { "bad key!": "x" } }))).await;
+        create(k1, ns, export_with("fat", serde_json::json!({ "exportedAnnotations": { "a": "v".repeat(300 * 1024) } }))).await;
+        create(k1, ns, export("many")).await;
+        create(k1, "default", export("kubernetes")).await;
+
+        // c2, a second later: `many` with 100 other ports, and `web` with an EndpointSlice.
+        tokio::time::sleep(std::time::Duration::from_millis(1100)).await; // a later creationTimestamp (1 s)
+        let hundred: Vec<serde_json::Value> = (0..100)
+            .map(|i| serde_json::json!({ "name": format!("p{i}"), "port": 1000 + i }))
+            .collect();
+        create(k2, ns, service("many", serde_json::Value::Array(hundred))).await;
+        create(k2, ns, export("many")).await;
+        create(k2, ns, service("web", serde_json::json!([{ "name": "http", "port": 80 }]))).await;
+        create(
+            k2,
+            ns,
+            obj::<EndpointSlice>(serde_json::json!({
+                "metadata": { "name": "web-abcde", "labels": { "kubernetes.io/service-name": "web" } },
+                "addressType": "IPv4",
+                "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
+                "endpoints": [{ "addresses": ["198.18.2.2"], "conditions": { "ready": true } }]
+            })),
+        )
+        .await;
+        create(k2, ns, export("web")).await;
+
+        // Every other service works: web is imported in both clusters with c2's slice.
+        for k in [k1, k2] {
+            until("web imported", || async { get_import(k, ns, "web").await }).await;
+            let s = until("c2's MCS slice of web", || async {
+                mcs_slices(k, ns, "web").await.into_iter().next()
+            })
+            .await;
+            assert_eq!(
+                s.metadata.labels.unwrap()["multicluster.kubernetes.io/source-cluster"],
+                c2_id
+            );
+        }
+
+        // The hostile exports are refused, each with its reason, and imported nowhere.
+        for (namespace, name, reason) in [
+            (ns, "bad", "InvalidExportedLabels"),
+            (ns, "fat", "InvalidExportedAnnotations"),
+            ("default", "kubernetes", "ServiceNotAllowed"),
+        ] {
+            let (valid, ready, conflict) = conditions_of(k1, namespace, name).await;
+            assert_eq!(valid, ("False".into(), reason.into()), "{namespace}/{name}");
+            assert_eq!(ready.unwrap().0, "False", "{namespace}/{name}");
+            assert_eq!(conflict, None);
+            for k in [k1, k2] {
+                assert!(get_import(k, namespace, name).await.is_none(), "{namespace}/{name}");
+            }
+        }
+
+        // The younger export cannot push the import past the agents' 100 ports: the older
+        // export's port is kept, and both exports say so.
+        for k in [k1, k2] {
+            let si = until("many imported from both clusters", || async {
+                get_import(k, ns, "many")
+                    .await
+                    .filter(|si| si.status.as_ref().is_some_and(|s| s.clusters.len() == 2))
+            })
+            .await;
+            assert_eq!(si.spec.ports.len(), 100);
+            assert!(si.spec.ports.iter().any(|p| p.port == 80), "the older export's port");
+        }
+        for k in [k1, k2] {
+            let (valid, _, conflict) = conditions_of(k, ns, "many").await;
+            assert_eq!(valid.0, "True");
+            assert_eq!(conflict, Some(("True".into(), "PortConflict".into())));
+        }
+
+        // And c1's controller wrote nothing the API server refused.
+        let text = until("c1's metrics", || async { scrape(port) }).await;
+        assert_eq!(metric(&text, "mcs_controller_write_errors_total"), Some(0.0), "{text}");
+        assert_eq!(metric(&text, "mcs_controller_retries_waiting"), Some(0.0));
+        assert_eq!(metric(&text, "mcs_controller_invalid_exports"), Some(3.0));
+    });
+}
