@@ -35,6 +35,38 @@ pub const ABOUT_API_APPROVAL: &str = "https://github.com/kubernetes/enhancements
 /// Labels of the generated CRDs.
 const CRD_LABELS: [(&str, &str); 1] = [("app.kubernetes.io/part-of", "mcs-dataplane")];
 
+/// The most ports a ServiceImport holds (the agents' `ports_per_import`; the CRD's
+/// `maxItems`).
+pub const MAX_IMPORT_PORTS: usize = 100;
+/// A label value (Kubernetes' `IsValidLabelValue`): empty, or at most 63 letters, digits,
+/// `-`, `_` and `.`, starting and ending alphanumeric.
+pub const LABEL_VALUE_PATTERN: &str = "^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$";
+/// The most bytes of an object's annotations (Kubernetes' `TotalAnnotationSizeLimitB`),
+/// also the bound of each exported annotation's value in the schema.
+pub const MAX_ANNOTATION_BYTES: usize = 256 * 1024;
+
+/// The schema of `exportedLabels`: values are label values.
+fn exported_labels_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "nullable": true,
+        "additionalProperties": {
+            "type": "string",
+            "maxLength": 63,
+            "pattern": LABEL_VALUE_PATTERN,
+        },
+    })
+}
+
+/// The schema of `exportedAnnotations`: no value longer than all annotations may be.
+fn exported_annotations_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "nullable": true,
+        "additionalProperties": { "type": "string", "maxLength": MAX_ANNOTATION_BYTES },
+    })
+}
+
 /// ServiceImport type.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub enum ServiceImportType {
@@ -133,8 +165,9 @@ macro_rules! mcs_version {
             )]
             #[serde(rename_all = "camelCase")]
             pub struct ServiceImportSpec {
-                /// The ports of the service. Each names its own protocol.
-                #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
+                /// The ports of the service. Each names its own protocol. At most 100
+                /// (`MAX_IMPORT_PORTS`): the agents refuse an import with more.
+                #[schemars(extend("x-kubernetes-list-type" = "atomic"), length(max = 100))]
                 pub ports: Vec<ServicePort>,
                 /// ClusterSetIPs (VIPs), in `ipFamilies` order; empty for Headless.
                 #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -197,11 +230,17 @@ macro_rules! mcs_version {
             )]
             #[serde(rename_all = "camelCase")]
             pub struct ServiceExportSpec {
-                /// Labels to put on the derived ServiceImport.
+                /// Labels to put on the derived ServiceImport. Each must be a valid label
+                /// (the schema checks the values; the controller refuses the export,
+                /// `Valid=False`, for a key that is not a qualified name).
                 #[serde(default, skip_serializing_if = "Option::is_none")]
+                #[schemars(schema_with = "exported_labels_schema")]
                 pub exported_labels: Option<BTreeMap<String, String>>,
-                /// Annotations to put on the derived ServiceImport.
+                /// Annotations to put on the derived ServiceImport. At most 256 KiB in all
+                /// (the schema bounds each value; the controller refuses the export,
+                /// `Valid=False`, past the total).
                 #[serde(default, skip_serializing_if = "Option::is_none")]
+                #[schemars(schema_with = "exported_annotations_schema")]
                 pub exported_annotations: Option<BTreeMap<String, String>>,
             }
         }
@@ -250,7 +289,7 @@ pub fn crds() -> Vec<(&'static str, CustomResourceDefinition)> {
         "v1beta1",
     )
     .expect("ServiceImport versions merge");
-    let service_exports = kube::core::crd::merge_crds(
+    let mut service_exports = kube::core::crd::merge_crds(
         vec![
             v1alpha1::ServiceExport::crd(),
             v1beta1::ServiceExport::crd(),
@@ -258,6 +297,28 @@ pub fn crds() -> Vec<(&'static str, CustomResourceDefinition)> {
         "v1beta1",
     )
     .expect("ServiceExport versions merge");
+    // A ServiceExport may be metadata only, as the KEP and upstream write it: `spec` is not
+    // required, and the API server fills in `{}` (so every reader finds one).
+    for v in &mut service_exports.spec.versions {
+        let Some(root) = v
+            .schema
+            .as_mut()
+            .and_then(|s| s.open_api_v3_schema.as_mut())
+        else {
+            continue;
+        };
+        if let Some(r) = root.required.as_mut() {
+            r.retain(|f| f != "spec");
+        }
+        root.required.take_if(|r| r.is_empty());
+        if let Some(spec) = root.properties.as_mut().and_then(|p| p.get_mut("spec")) {
+            spec.default = Some(
+                k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSON(
+                    serde_json::json!({}),
+                ),
+            );
+        }
+    }
     let mut cluster_properties = ClusterProperty::crd();
     let mut alpha = cluster_properties.spec.versions[0].clone();
     alpha.name = "v1alpha1".into();

@@ -59,3 +59,44 @@ fn cluster_property_is_cluster_scoped() {
     assert_eq!(cp.spec.scope, "Cluster");
     assert_eq!(cp.spec.group, "about.k8s.io");
 }
+
+#[test]
+fn service_export_spec_is_optional_and_defaulted_and_bounds_are_in_the_schema() {
+    let crds = crds();
+    let schema = |file: &str| {
+        let (_, crd) = crds.iter().find(|(f, _)| *f == file).unwrap();
+        crd.spec
+            .versions
+            .iter()
+            .map(|v| serde_json::to_value(v.schema.as_ref().unwrap()).unwrap())
+            .collect::<Vec<_>>()
+    };
+    for v in schema("multicluster.x-k8s.io_serviceexports.yaml") {
+        let root = &v["openAPIV3Schema"];
+        let required = root["required"].as_array().cloned().unwrap_or_default();
+        assert!(!required.contains(&"spec".into()), "{root}");
+        let spec = &root["properties"]["spec"];
+        assert_eq!(spec["default"], serde_json::json!({}));
+        let labels = &spec["properties"]["exportedLabels"];
+        assert_eq!(labels["additionalProperties"]["maxLength"], 63);
+        assert_eq!(
+            labels["additionalProperties"]["pattern"],
+            LABEL_VALUE_PATTERN
+        );
+        assert_eq!(labels["nullable"], true);
+        assert!(labels["description"].is_string());
+        let annotations = &spec["properties"]["exportedAnnotations"];
+        assert_eq!(
+            annotations["additionalProperties"]["maxLength"],
+            MAX_ANNOTATION_BYTES
+        );
+    }
+    for v in schema("multicluster.x-k8s.io_serviceimports.yaml") {
+        let ports = &v["openAPIV3Schema"]["properties"]["spec"]["properties"]["ports"];
+        assert_eq!(ports["maxItems"], MAX_IMPORT_PORTS, "{ports}");
+    }
+    assert_eq!(
+        MAX_IMPORT_PORTS,
+        mcs_model::guard::Limits::default().ports_per_import
+    );
+}

@@ -10,7 +10,8 @@ use kube::{
     api::{ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams},
 };
 use mcs_api::{
-    ClusterProperty, LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER, ServiceImport, ServiceImportType,
+    ClusterProperty, LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER, ServiceExport, ServiceImport,
+    ServiceImportType,
 };
 use mcs_test_support::apiserver;
 
@@ -131,20 +132,7 @@ async fn invalid_service_import_is_rejected_by_the_schema() {
         return;
     };
     let ns = api.fresh_namespace("schema").await;
-    let imports: Api<DynamicObject> = Api::namespaced_with(
-        api.client().await,
-        &ns,
-        &ApiResource::from_gvk(&GroupVersionKind::gvk(
-            "multicluster.x-k8s.io",
-            "v1beta1",
-            "ServiceImport",
-        )),
-    );
-    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
-        "multicluster.x-k8s.io",
-        "v1beta1",
-        "ServiceImport",
-    ));
+    let (imports, ar) = dynamic(api.client().await, &ns, "ServiceImport");
     let mut obj = DynamicObject::new("bad", &ar).within(&ns);
     // Three ips (max 2) and a type outside the enum.
     obj.data = serde_json::json!({
@@ -163,6 +151,126 @@ async fn invalid_service_import_is_rejected_by_the_schema() {
         msg.contains("spec.ips") && msg.contains("spec.type"),
         "{msg}"
     );
+}
+
+/// A v1beta1 `kind` of ours in `ns`, untyped.
+fn dynamic(client: kube::Client, ns: &str, kind: &str) -> (Api<DynamicObject>, ApiResource) {
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "multicluster.x-k8s.io",
+        "v1beta1",
+        kind,
+    ));
+    (Api::namespaced_with(client, ns, &ar), ar)
+}
+
+#[tokio::test]
+async fn metadata_only_service_export_and_minimal_service_import_are_accepted() {
+    let Some(api) = apiserver::shared() else {
+        return;
+    };
+    let ns = api.fresh_namespace("minimal").await;
+    let client = api.client().await;
+
+    // The canonical ServiceExport of the KEP and upstream: metadata only.
+    let (exports, ar) = dynamic(client.clone(), &ns, "ServiceExport");
+    exports
+        .create(
+            &PostParams::default(),
+            &DynamicObject::new("web", &ar).within(&ns),
+        )
+        .await
+        .expect("a metadata-only ServiceExport is accepted");
+    // The API server fills in `spec: {}`, so the typed readers find one.
+    let typed: Api<ServiceExport> = Api::namespaced(client.clone(), &ns);
+    let got = typed
+        .get("web")
+        .await
+        .expect("read as a typed ServiceExport");
+    assert_eq!(got.spec, mcs_api::ServiceExportSpec::default());
+    let listed = typed
+        .list(&ListParams::default())
+        .await
+        .expect("list typed");
+    assert_eq!(listed.items.len(), 1);
+
+    // A minimal ServiceImport: a type and one port, nothing else.
+    let (imports, ar) = dynamic(client.clone(), &ns, "ServiceImport");
+    let mut si = DynamicObject::new("web", &ar).within(&ns);
+    si.data = serde_json::json!({ "spec": { "type": "ClusterSetIP", "ports": [{ "port": 80 }] } });
+    imports
+        .create(&PostParams::default(), &si)
+        .await
+        .expect("a minimal ServiceImport is accepted");
+    let got = Api::<ServiceImport>::namespaced(client, &ns)
+        .get("web")
+        .await
+        .expect("read back");
+    assert_eq!(got.spec.ports[0].port, 80);
+    assert!(got.spec.ips.is_empty());
+}
+
+#[tokio::test]
+async fn the_schema_bounds_what_the_dataplane_cannot_carry() {
+    let Some(api) = apiserver::shared() else {
+        return;
+    };
+    let ns = api.fresh_namespace("bounds").await;
+    let client = api.client().await;
+    let refused = |err: kube::Error, field: &str| {
+        let msg = err.to_string();
+        assert!(msg.contains(field), "{msg}");
+    };
+
+    // 101 ports: more than any agent takes.
+    let (imports, ar) = dynamic(client.clone(), &ns, "ServiceImport");
+    let ports: Vec<serde_json::Value> = (0..101)
+        .map(|i| serde_json::json!({ "name": format!("p{i}"), "port": 1000 + i }))
+        .collect();
+    let mut si = DynamicObject::new("wide", &ar).within(&ns);
+    si.data = serde_json::json!({ "spec": { "type": "ClusterSetIP", "ports": ports[..100] } });
+    imports
+        .create(&PostParams::default(), &si)
+        .await
+        .expect("100 ports fit");
+    si.metadata.name = Some("wider".into());
+    si.data = serde_json::json!({ "spec": { "type": "ClusterSetIP", "ports": ports } });
+    refused(
+        imports
+            .create(&PostParams::default(), &si)
+            .await
+            .expect_err("101 ports"),
+        "spec.ports",
+    );
+
+    // An exported label value no label may have, an annotation value over 256 KiB.
+    let (exports, ar) = dynamic(client, &ns, "ServiceExport");
+    for (name, spec, field) in [
+        (
+            "long-label",
+            serde_json::json!({ "exportedLabels": { "team": "x".repeat(64) } }),
+            "spec.exportedLabels",
+        ),
+        (
+            "bad-label",
+            serde_json::json!({ "exportedLabels": { "team": "not a value!" } }),
+            "spec.exportedLabels",
+        ),
+        (
+            "big-annotation",
+            serde_json::json!({ "exportedAnnotations": { "a": "v".repeat(256 * 1024 + 1) } }),
+            "spec.exportedAnnotations",
+        ),
+    ] {
+        let mut se = DynamicObject::new(name, &ar).within(&ns);
+        se.data = serde_json::json!({ "spec": spec });
+        refused(
+            exports
+                .create(&PostParams::default(), &se)
+                .await
+                .expect_err(name),
+            field,
+        );
+    }
 }
 
 #[tokio::test]

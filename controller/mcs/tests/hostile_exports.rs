@@ -1,6 +1,7 @@
 //! Exports that one tenant controls must not hurt the others (issue 32): each is refused on
 //! its own (`Valid=False` with a reason, or a conflict) while every other service is imported,
-//! and the controller writes nothing that the API server refuses. Two real kube-apiservers
+//! and the controller writes nothing that the API server refuses; a metadata-only
+//! ServiceExport is exported like any other. Two real kube-apiservers
 //! (with their etcd) and the controller as a real process in each; c2's cluster id has a dot
 //! at byte 40, where the MCS slice names cut it.
 
@@ -65,12 +66,13 @@ fn hostile_exports_are_refused_alone_and_nothing_is_retried_forever() {
     let _ctl2 = start_controller(&c2_id, kc);
     rt.block_on(async {
         // c1: an export whose label key no ServiceImport can carry, one with 300 KiB of
-        // annotations, one of the API server's own Service, and `many` with one port.
+        // annotations (two values, each within the schema's bound), one of the API server's
+        // own Service, and `many` with one port.
         for name in ["bad", "fat", "many"] {
             create(k1, ns, service(name, serde_json::json!([{ "name": "web", "port": 80 }]))).await;
         }
         create(k1, ns, export_with("bad", serde_json::json!({ "exportedLabels": { "bad key!": "x" } }))).await;
-        create(k1, ns, export_with("fat", serde_json::json!({ "exportedAnnotations": { "a": "v".repeat(300 * 1024) } }))).await;
+        create(k1, ns, export_with("fat", serde_json::json!({ "exportedAnnotations": { "a": "v".repeat(150 * 1024), "b": "v".repeat(150 * 1024) } }))).await;
         create(k1, ns, export("many")).await;
         create(k1, "default", export("kubernetes")).await;
 
@@ -140,6 +142,24 @@ fn hostile_exports_are_refused_alone_and_nothing_is_retried_forever() {
             assert_eq!(valid.0, "True");
             assert_eq!(conflict, Some(("True".into(), "PortConflict".into())));
         }
+
+        // The canonical ServiceExport, metadata only, is exported like any other.
+        create(k1, ns, service("plain", serde_json::json!([{ "port": 80 }]))).await;
+        let ar = kube::api::ApiResource::erase::<ServiceExport>(&());
+        Api::<kube::api::DynamicObject>::namespaced_with(k1.clone(), ns, &ar)
+            .create(
+                &Default::default(),
+                &kube::api::DynamicObject::new("plain", &ar).within(ns),
+            )
+            .await
+            .unwrap();
+        for k in [k1, k2] {
+            until("the metadata-only export imported", || async {
+                get_import(k, ns, "plain").await
+            })
+            .await;
+        }
+        assert_eq!(conditions_of(k1, ns, "plain").await.0.0, "True");
 
         // And c1's controller wrote nothing the API server refused.
         let text = until("c1's metrics", || async { scrape(port) }).await;
