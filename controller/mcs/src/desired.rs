@@ -18,15 +18,18 @@ use k8s_openapi::{
 };
 use mcs_api::{
     ClientIpConfig, ClusterStatus, LABEL_MANAGED_BY, LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER,
-    ServiceExport, ServiceImport, ServiceImportSpec, ServiceImportStatus, ServiceImportType,
-    ServicePort, SessionAffinityConfig,
+    ServiceImport, ServiceImportSpec, ServiceImportStatus, ServiceImportType, ServicePort,
+    SessionAffinityConfig,
 };
 use mcs_merge::{
     ClusterSetExports, Export, ExportConditions, ImportShape, Port, ServiceKey, ServiceKind,
     ServiceShape, alloc::Allocator, meta::Refusal,
 };
 
-use crate::{MANAGED_LABEL, MANAGER, members::ObjKey};
+use crate::{
+    MANAGED_LABEL, MANAGER,
+    members::{ObjKey, WireExport},
+};
 
 /// The label Kubernetes puts on a Service's own EndpointSlices.
 pub const LABEL_K8S_SERVICE_NAME: &str = "kubernetes.io/service-name";
@@ -40,9 +43,9 @@ pub struct MemberView {
     /// withdrawn (its exports still count, from their last known state).
     pub endpoints_count: bool,
     /// ServiceExports.
-    pub exports: HashMap<ObjKey, Arc<ServiceExport>>,
+    pub exports: HashMap<ObjKey, Arc<LeanExport>>,
     /// Services.
-    pub services: HashMap<ObjKey, Arc<Service>>,
+    pub services: HashMap<ObjKey, Arc<ServiceShape>>,
     /// Service EndpointSlices.
     pub slices: HashMap<ObjKey, Arc<EndpointSlice>>,
 }
@@ -62,6 +65,59 @@ pub struct Snapshot {
     pub now: Time,
     /// Namespaces whose exports are refused (not merged, never imported).
     pub refused_namespaces: std::collections::BTreeSet<String>,
+}
+
+/// What the controller keeps of a ServiceExport: what the merge and the export's conditions
+/// read. Labels and annotations that cannot be carried are not kept, only why.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LeanExport {
+    /// creationTimestamp in seconds since the epoch (`i64::MAX` when absent).
+    pub created: i64,
+    /// It has a deletionTimestamp.
+    pub deleting: bool,
+    /// `metadata.generation`.
+    pub generation: Option<i64>,
+    /// `metadata.uid`.
+    pub uid: Option<String>,
+    /// `status.conditions`.
+    pub conditions: Vec<Condition>,
+    /// `spec.exportedLabels` (empty when refused).
+    pub labels: BTreeMap<String, String>,
+    /// `spec.exportedAnnotations` (empty when refused).
+    pub annotations: BTreeMap<String, String>,
+    /// Why its labels or annotations cannot be carried, if they cannot.
+    pub refused: Option<Refusal>,
+}
+
+impl LeanExport {
+    /// What is kept of `se`: its labels and annotations are checked here, before they are
+    /// stored ([`mcs_merge::meta`]).
+    pub fn new(se: WireExport) -> Self {
+        let labels = se.spec.exported_labels.unwrap_or_default();
+        let annotations = se.spec.exported_annotations.unwrap_or_default();
+        let refused = mcs_merge::meta::check_labels(&labels)
+            .and_then(|()| mcs_merge::meta::check_annotations(&annotations))
+            .err();
+        let (labels, annotations) = if refused.is_some() {
+            Default::default()
+        } else {
+            (labels, annotations)
+        };
+        Self {
+            created: se
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map_or(i64::MAX, |t| t.0.as_second()),
+            deleting: se.metadata.deletion_timestamp.is_some(),
+            generation: se.metadata.generation,
+            uid: se.metadata.uid,
+            conditions: se.status.map(|s| s.conditions).unwrap_or_default(),
+            labels,
+            annotations,
+            refused,
+        }
+    }
 }
 
 /// The `Valid=False` reason of an export from a refused namespace.
@@ -113,14 +169,13 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
     let mut all: ClusterSetExports = BTreeMap::new();
     for m in &s.members {
         for ((ns, name), se) in &m.exports {
-            if se.metadata.deletion_timestamp.is_some() {
+            if se.deleting {
                 continue;
             }
             let service = m
                 .services
                 .get(&(ns.clone(), name.clone()))
-                .map(|svc| shape(svc));
-            let spec = &se.spec;
+                .map(|svc| (**svc).clone());
             all.entry(ServiceKey {
                 namespace: ns.clone(),
                 name: name.clone(),
@@ -129,15 +184,12 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
             .insert(
                 m.id.clone(),
                 Export {
-                    created: se
-                        .metadata
-                        .creation_timestamp
-                        .as_ref()
-                        .map_or(i64::MAX, |t| t.0.as_second()),
+                    created: se.created,
                     service,
-                    labels: spec.exported_labels.clone().unwrap_or_default(),
-                    annotations: spec.exported_annotations.clone().unwrap_or_default(),
-                    refused: refusal(ns, name, &s.refused_namespaces),
+                    labels: se.labels.clone(),
+                    annotations: se.annotations.clone(),
+                    refused: refusal(ns, name, &s.refused_namespaces)
+                        .or_else(|| se.refused.clone()),
                 },
             );
         }
@@ -147,7 +199,7 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
     // Local export conditions.
     if let Some(me) = s.members.iter().find(|m| m.id == s.local) {
         for (k, se) in &me.exports {
-            if se.metadata.deletion_timestamp.is_some() {
+            if se.deleting {
                 continue;
             }
             let key = ServiceKey {
@@ -324,15 +376,14 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
             let served: Vec<String> = m
                 .services
                 .get(&k)
-                .map(|svc| self::shape(svc).ports)
-                .unwrap_or_default()
-                .into_iter()
+                .map_or(&[][..], |svc| &svc.ports)
+                .iter()
                 .filter(|sp| {
                     shape.ports.iter().any(|ip| {
                         ip.name == sp.name && ip.protocol == sp.protocol && ip.port == sp.port
                     })
                 })
-                .map(|sp| sp.name)
+                .map(|sp| sp.name.clone())
                 .collect();
             let Some(of_service) = by_service.get(m.id.as_str()).and_then(|b| b.get(&k)) else {
                 continue;
@@ -521,12 +572,8 @@ fn trim(s: &str, n: usize) -> String {
 
 /// The conditions of a local export, keeping each one's transition time while its status
 /// stays.
-fn conditions(c: &ExportConditions, se: &ServiceExport, now: &Time) -> Vec<Condition> {
-    let old = se
-        .status
-        .as_ref()
-        .map(|s| s.conditions.clone())
-        .unwrap_or_default();
+fn conditions(c: &ExportConditions, se: &LeanExport, now: &Time) -> Vec<Condition> {
+    let old = &se.conditions;
     let make = |type_: &str, m: &mcs_merge::Condition| {
         let status = if m.status { "True" } else { "False" };
         let since = old
@@ -539,7 +586,7 @@ fn conditions(c: &ExportConditions, se: &ServiceExport, now: &Time) -> Vec<Condi
             reason: m.reason.clone(),
             message: m.message.clone(),
             last_transition_time: since,
-            observed_generation: se.metadata.generation,
+            observed_generation: se.generation,
         }
     };
     let mut v = vec![make("Valid", &c.valid), make("Ready", &c.ready)];

@@ -4,6 +4,11 @@
 //!
 //! Each watcher re-lists into a fresh map and swaps it in when the list is complete, so a
 //! re-list never shows a half-filled store; every change wakes the reconciler.
+//!
+//! Only what the controller reads is kept (a tenant decides how large its objects are): of a
+//! ServiceExport its [`LeanExport`] (labels and annotations only when they can be carried,
+//! else just the refusal), of a Service its [`ServiceShape`], of an EndpointSlice its
+//! endpoints, ports and the labels read; no `managedFields`, annotations or owner references.
 
 use std::{
     collections::HashMap,
@@ -20,11 +25,16 @@ use k8s_openapi::api::{
     core::v1::{Namespace, Service},
     discovery::v1::EndpointSlice,
 };
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{
     Api, Client, Resource, ResourceExt as _,
     runtime::{utils::Backoff as _, watcher},
 };
-use mcs_api::{ServiceExport, ServiceImport};
+use mcs_api::{ServiceExport, ServiceExportSpec, ServiceExportStatus, ServiceImport};
+use mcs_merge::ServiceShape;
+use serde::Deserialize;
+
+use crate::desired::LeanExport;
 use mcs_sync::source::kube::WatchRetry;
 use serde::de::DeserializeOwned;
 use tokio::sync::Notify;
@@ -79,11 +89,12 @@ struct Health {
 pub struct Member {
     /// Its cluster id (the kubeconfig context's name).
     pub id: String,
-    /// ServiceExports.
-    pub exports: Arc<Store<ServiceExport>>,
-    /// Services.
-    pub services: Arc<Store<Service>>,
-    /// EndpointSlices of Services (label `kubernetes.io/service-name`).
+    /// ServiceExports, as much as is read of them.
+    pub exports: Arc<Store<LeanExport>>,
+    /// Services: the parts the merge reads.
+    pub services: Arc<Store<ServiceShape>>,
+    /// EndpointSlices of Services (label `kubernetes.io/service-name`), lean
+    /// ([`lean_member_slice`]).
     pub slices: Arc<Store<EndpointSlice>>,
     health: Mutex<Health>,
     started: Instant,
@@ -92,11 +103,12 @@ pub struct Member {
 /// The local cluster's extra stores.
 #[derive(Debug, Default)]
 pub struct Local {
-    /// Namespaces.
+    /// Namespaces: name and deletion timestamp.
     pub namespaces: Arc<Store<Namespace>>,
-    /// ServiceImports (all; ours carry [`crate::MANAGED_LABEL`]).
+    /// ServiceImports (all; ours carry [`crate::MANAGED_LABEL`]), without `managedFields`.
     pub imports: Arc<Store<ServiceImport>>,
-    /// MCS EndpointSlices this controller wrote (`managed-by` = ours).
+    /// MCS EndpointSlices this controller wrote (`managed-by` = ours), without
+    /// `managedFields`.
     pub slices: Arc<Store<EndpointSlice>>,
 }
 
@@ -192,22 +204,25 @@ pub fn start(
     };
     let all = watcher::Config::default;
     tokio::spawn(watch(
-        Api::<ServiceExport>::all(client.clone()),
+        Api::<WireExport>::all(client.clone()),
         all(),
         ctx(),
         m.exports.clone(),
+        LeanExport::new,
     ));
     tokio::spawn(watch(
         Api::<Service>::all(client.clone()),
         all(),
         ctx(),
         m.services.clone(),
+        |svc| crate::desired::shape(&svc),
     ));
     tokio::spawn(watch(
         Api::<EndpointSlice>::all(client.clone()),
         all().labels(crate::desired::LABEL_K8S_SERVICE_NAME),
         ctx(),
         m.slices.clone(),
+        lean_member_slice,
     ));
     if let Some(local) = local {
         tokio::spawn(watch(
@@ -215,12 +230,24 @@ pub fn start(
             all(),
             ctx(),
             local.namespaces.clone(),
+            |ns| Namespace {
+                metadata: ObjectMeta {
+                    name: ns.metadata.name,
+                    deletion_timestamp: ns.metadata.deletion_timestamp,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
         ));
         tokio::spawn(watch(
             Api::<ServiceImport>::all(client.clone()),
             all(),
             ctx(),
             local.imports.clone(),
+            |mut si| {
+                si.metadata.managed_fields = None;
+                si
+            },
         ));
         let ours = format!("{}={}", mcs_api::LABEL_MANAGED_BY, crate::MANAGER);
         tokio::spawn(watch(
@@ -228,6 +255,10 @@ pub fn start(
             all().labels(&ours),
             ctx(),
             local.slices.clone(),
+            |mut es| {
+                es.metadata.managed_fields = None;
+                es
+            },
         ));
     }
     m
@@ -239,16 +270,92 @@ struct Ctx {
     retry_max: Duration,
 }
 
-/// Keeps `store` equal to the cluster's objects of kind `K`.
-async fn watch<K>(api: Api<K>, config: watcher::Config, ctx: Ctx, store: Arc<Store<K>>)
-where
+/// A ServiceExport as the watcher reads it: `spec` may be absent (upstream's CRD does not
+/// require it, nor default it), so a metadata-only export never fails a list.
+#[derive(Clone, Debug, Deserialize)]
+pub struct WireExport {
+    /// Metadata.
+    pub metadata: ObjectMeta,
+    /// Spec (`{}` when absent).
+    #[serde(default)]
+    pub spec: ServiceExportSpec,
+    /// Status.
+    #[serde(default)]
+    pub status: Option<ServiceExportStatus>,
+}
+
+impl Resource for WireExport {
+    type DynamicType = ();
+    type Scope = k8s_openapi::NamespaceResourceScope;
+
+    fn kind(dt: &()) -> std::borrow::Cow<'_, str> {
+        ServiceExport::kind(dt)
+    }
+    fn group(dt: &()) -> std::borrow::Cow<'_, str> {
+        ServiceExport::group(dt)
+    }
+    fn version(dt: &()) -> std::borrow::Cow<'_, str> {
+        ServiceExport::version(dt)
+    }
+    fn plural(dt: &()) -> std::borrow::Cow<'_, str> {
+        ServiceExport::plural(dt)
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// What is kept of a member's Service EndpointSlice: name, namespace, the two labels read
+/// (`kubernetes.io/service-name`, `endpointslice.kubernetes.io/managed-by`), address type,
+/// ports, and of each endpoint what an MCS slice copies.
+pub fn lean_member_slice(es: EndpointSlice) -> EndpointSlice {
+    let labels = es.metadata.labels.map(|l| {
+        l.into_iter()
+            .filter(|(k, _)| {
+                k == crate::desired::LABEL_K8S_SERVICE_NAME || k == mcs_api::LABEL_MANAGED_BY
+            })
+            .collect()
+    });
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: es.metadata.name,
+            namespace: es.metadata.namespace,
+            labels,
+            ..Default::default()
+        },
+        address_type: es.address_type,
+        endpoints: es.endpoints.map(|eps| {
+            eps.into_iter()
+                .map(|e| k8s_openapi::api::discovery::v1::Endpoint {
+                    target_ref: None,
+                    deprecated_topology: None,
+                    ..e
+                })
+                .collect()
+        }),
+        ports: es.ports,
+    }
+}
+
+/// Keeps `store` equal to the cluster's objects of kind `K`, each kept as `lean` makes it.
+async fn watch<K, V>(
+    api: Api<K>,
+    config: watcher::Config,
+    ctx: Ctx,
+    store: Arc<Store<V>>,
+    lean: fn(K) -> V,
+) where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default,
+    V: Send + Sync + 'static,
 {
     let kind = K::kind(&K::DynamicType::default()).to_string();
     let mut retry = WatchRetry::new(ctx.retry_max);
     let mut stream = watcher(api, config).boxed();
-    let mut pending: Option<HashMap<ObjKey, Arc<K>>> = None;
+    let mut pending: Option<HashMap<ObjKey, Arc<V>>> = None;
     while let Some(item) = stream.next().await {
         let ev = match item {
             Ok(ev) => {
@@ -273,7 +380,7 @@ where
             watcher::Event::Init => pending = Some(HashMap::new()),
             watcher::Event::InitApply(o) => {
                 if let Some(p) = pending.as_mut() {
-                    p.insert(key(&o), Arc::new(o));
+                    p.insert(key(&o), Arc::new(lean(o)));
                 }
             }
             watcher::Event::InitDone => {
@@ -286,7 +393,7 @@ where
                 ctx.wake.notify_one();
             }
             watcher::Event::Apply(o) => {
-                store.write().insert(key(&o), Arc::new(o));
+                store.write().insert(key(&o), Arc::new(lean(o)));
                 ctx.wake.notify_one();
             }
             watcher::Event::Delete(o) => {
@@ -294,5 +401,38 @@ where
                 ctx.wake.notify_one();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_service_export_without_spec_is_read_and_kept_lean() {
+        // As upstream's CRD stores a metadata-only export (it does not default `spec`).
+        let se: WireExport = serde_json::from_value(serde_json::json!({
+            "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceExport",
+            "metadata": { "name": "web", "namespace": "shop", "generation": 2,
+                          "creationTimestamp": "2026-01-01T00:00:00Z" }
+        }))
+        .unwrap();
+        let lean = LeanExport::new(se);
+        assert_eq!(lean.generation, Some(2));
+        assert!(lean.labels.is_empty() && lean.refused.is_none() && !lean.deleting);
+        assert_eq!(lean.created, 1_767_225_600);
+
+        let big: WireExport = serde_json::from_value(serde_json::json!({
+            "metadata": { "name": "big", "namespace": "shop" },
+            "spec": { "exportedAnnotations": { "a": "v".repeat(300 * 1024) } }
+        }))
+        .unwrap();
+        let lean = LeanExport::new(big);
+        assert!(lean.annotations.is_empty(), "refused: not kept");
+        assert_eq!(
+            lean.refused.unwrap().reason,
+            mcs_merge::meta::INVALID_ANNOTATIONS
+        );
+        assert_eq!(lean.created, i64::MAX);
     }
 }

@@ -378,12 +378,7 @@ pub async fn sync(
     let mut writes = Vec::new();
     for (key, conds) in &want.export_conditions {
         let Some(se) = exports.get(key) else { continue };
-        let have = se
-            .status
-            .as_ref()
-            .map(|s| conditions_view(&s.conditions))
-            .unwrap_or_default();
-        if have == conditions_view(conds) {
+        if conditions_view(&se.conditions) == conditions_view(conds) {
             continue;
         }
         let target = (EXPORT, key.clone());
@@ -397,7 +392,7 @@ pub async fn sync(
                 || (c.type_ == "Conflict" && c.status == "True")
         }) {
             tracing::warn!(export = %format!("{}/{}", key.0, key.1), condition = %c.type_, reason = %c.reason, "{}", c.message);
-            event(client, se, c);
+            event(client, key, se.uid.clone(), c);
         }
         writes.push(async move {
             let outcome = match write_export_status(client, key, conds).await {
@@ -437,17 +432,15 @@ async fn write_export_status(
     }
 }
 
-/// Publishes a Warning Event about `c` on `se` (in the background; a failure is logged at
+/// Publishes a Warning Event about `c` on the ServiceExport `key` (in the background; a failure is logged at
 /// debug). Its name is derived from what it says, so a repeat of the same problem (e.g. after
 /// a restart) is one Event, not many.
-fn event(client: &Client, se: &ServiceExport, c: &Condition) {
+fn event(client: &Client, key: &ObjKey, uid: Option<String>, c: &Condition) {
     use k8s_openapi::{
         api::{core::v1::ObjectReference, events::v1::Event},
         apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta},
     };
-    let (Some(ns), Some(name)) = (se.metadata.namespace.clone(), se.metadata.name.clone()) else {
-        return;
-    };
+    let (ns, name) = key.clone();
     let hash = mcs_merge::alloc::fnv1a(
         format!("{ns}/{name}/{}/{}/{}", c.type_, c.reason, c.message).as_bytes(),
     );
@@ -468,7 +461,7 @@ fn event(client: &Client, se: &ServiceExport, c: &Condition) {
             kind: Some("ServiceExport".into()),
             namespace: Some(ns.clone()),
             name: Some(name),
-            uid: se.metadata.uid.clone(),
+            uid,
             ..Default::default()
         }),
         reporting_controller: Some("mcs-dataplane.io/mcs-controller".into()),

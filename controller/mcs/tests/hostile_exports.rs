@@ -168,3 +168,65 @@ fn hostile_exports_are_refused_alone_and_nothing_is_retried_forever() {
         assert_eq!(metric(&text, "mcs_controller_invalid_exports"), Some(3.0));
     });
 }
+
+/// Large objects are not kept whole: 60 ServiceExports with 1 MB of exportedAnnotations each
+/// (refused: over 256 KiB) and 60 Services with 240 KiB of annotations each (not exported)
+/// add less than 30 MB to the controller's resident memory (they were kept whole: 70 MB and
+/// more).
+#[test]
+fn large_exports_and_services_are_not_kept_whole() {
+    if !mcs_test_support::require(apiserver::prerequisites()) {
+        return;
+    }
+    let set = ClusterSet::start(&["c1"], false);
+    let (kc, rt, ns) = (&set.kubeconfig, &set.rt, NS);
+    let k1 = &set.clients[0];
+    let ctl = start_controller("c1", kc);
+    rt.block_on(async {
+        create(k1, ns, service("probe", serde_json::json!([{ "port": 80 }]))).await;
+        create(k1, ns, export("probe")).await;
+        until("the controller's first import", || async {
+            get_import(k1, ns, "probe").await
+        })
+        .await;
+        let before = ctl.rss();
+        const N: usize = 60;
+        let quarter = "v".repeat(250 * 1024);
+        let annotations: serde_json::Map<String, serde_json::Value> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|k| (k.to_string(), serde_json::Value::from(quarter.clone())))
+            .collect();
+        let service_annotations: serde_json::Map<String, serde_json::Value> =
+            ["a", "b", "c", "d"]
+                .iter()
+                .map(|k| (k.to_string(), serde_json::Value::from("s".repeat(60 * 1024))))
+                .collect();
+        for i in 0..N {
+            let name = format!("big{i}");
+            let mut svc = service(&name, serde_json::json!([{ "port": 80 }]));
+            svc.metadata.annotations = Some(obj(serde_json::Value::Object(
+                service_annotations.clone(),
+            )));
+            create(k1, ns, svc).await;
+            create(k1, ns, export_with(&name, serde_json::json!({ "exportedAnnotations": annotations }))).await;
+        }
+        let exports: Api<ServiceExport> = Api::namespaced(k1.clone(), ns);
+        until("every large export refused", || async {
+            let listed = exports.list(&Default::default()).await.ok()?;
+            let refused = listed
+                .items
+                .iter()
+                .filter(|se| condition(se, "Valid").is_some_and(|c| c.1 == "InvalidExportedAnnotations"))
+                .count();
+            (refused == N).then_some(())
+        })
+        .await;
+        let grown = ctl.rss().saturating_sub(before);
+        assert!(
+            grown < 30 << 20,
+            "the controller grew by {} MiB for {N} refused 1 MB exports and {N} Services of 240 KiB",
+            grown >> 20
+        );
+        eprintln!("controller RSS grew by {} MiB", grown >> 20);
+    });
+}

@@ -33,6 +33,19 @@ pub const NS: &str = "shop";
 /// A controller process, killed on drop.
 pub struct Controller(Child);
 
+impl Controller {
+    /// The process's resident set size in bytes (`VmRSS` of `/proc/<pid>/status`).
+    pub fn rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.0.id())).unwrap();
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS");
+        kib * 1024
+    }
+}
+
 impl Drop for Controller {
     fn drop(&mut self) {
         let _ = self.0.kill();
