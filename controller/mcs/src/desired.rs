@@ -65,6 +65,9 @@ pub struct Snapshot {
     pub now: Time,
     /// Namespaces whose exports are refused (not merged, never imported).
     pub refused_namespaces: std::collections::BTreeSet<String>,
+    /// The most ClusterSetIPs the imports of one namespace hold (`None`: no bound). Imports
+    /// that already have theirs keep them; new ones past it get none.
+    pub ip_quota: Option<usize>,
 }
 
 /// What the controller keeps of a ServiceExport: what the merge and the export's conditions
@@ -119,6 +122,12 @@ impl LeanExport {
         }
     }
 }
+
+/// The `Ready=False` reason of an import that got no ClusterSetIP because its namespace holds
+/// its quota.
+pub const QUOTA_EXCEEDED: &str = "ClusterSetIPQuotaExceeded";
+/// The `Ready=False` reason of a local export whose import here got no ClusterSetIP.
+pub const NO_CLUSTERSET_IP: &str = "NoClusterSetIP";
 
 /// The `Valid=False` reason of an export from a refused namespace.
 pub const NAMESPACE_NOT_ALLOWED: &str = "NamespaceNotAllowed";
@@ -195,23 +204,6 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
         }
     }
     let merged = mcs_merge::merge_all(&all);
-
-    // Local export conditions.
-    if let Some(me) = s.members.iter().find(|m| m.id == s.local) {
-        for (k, se) in &me.exports {
-            if se.deleting {
-                continue;
-            }
-            let key = ServiceKey {
-                namespace: k.0.clone(),
-                name: k.1.clone(),
-            };
-            if let Some(c) = merged.get(&key).and_then(|m| m.exports.get(&s.local)) {
-                out.export_conditions
-                    .insert(k.clone(), conditions(c, se, &s.now));
-            }
-        }
-    }
 
     // Imports where the namespace exists (and is not going away).
     let wanted: Vec<(&ServiceKey, &ImportShape)> = merged
@@ -290,6 +282,13 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
         }
     }
 
+    // ClusterSetIPs held per namespace (ours kept), for the quota.
+    let mut held: HashMap<&str, usize> = HashMap::new();
+    for (k, ips) in &keep {
+        *held.entry(k.0.as_str()).or_default() += ips.len();
+    }
+    // Imports of the local exports that got no ClusterSetIP, and why.
+    let mut no_ip: HashMap<ObjKey, String> = HashMap::new();
     for (key, shape) in wanted {
         let k: ObjKey = (key.namespace.clone(), key.name.clone());
         if let Some(si) = s.imports.get(&k)
@@ -300,12 +299,22 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
             ));
             continue;
         }
+        let mut over_quota = false;
         let (ips, families) = if shape.headless {
             // No ClusterSetIP, but the families of the exported Services: clients (and the
             // conformance suite) read them to know which address records to ask for.
             (Vec::new(), shape.ip_families.clone())
         } else if let Some(ips) = keep.get(&k) {
             (ips.clone(), shape.ip_families.clone())
+        } else if let Some(q) = s.ip_quota
+            && held.get(key.namespace.as_str()).copied().unwrap_or(0) + shape.ip_families.len() > q
+        {
+            out.problems.push(format!(
+                "no ClusterSetIP for {key}: namespace {} holds its quota of {q} (--clusterset-ips-per-namespace)",
+                key.namespace
+            ));
+            over_quota = true;
+            (Vec::new(), Vec::new())
         } else {
             let mut ips = Vec::new();
             let mut families = Vec::new();
@@ -320,6 +329,7 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
                     )),
                 }
             }
+            *held.entry(key.namespace.as_str()).or_default() += ips.len();
             (ips, families)
         };
         let missing: Vec<&String> = shape
@@ -327,7 +337,16 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
             .iter()
             .filter(|f| !families.contains(f))
             .collect();
-        let ready = if missing.is_empty() {
+        let ready = if over_quota {
+            (
+                "False",
+                QUOTA_EXCEEDED,
+                format!(
+                    "namespace {} holds its quota of ClusterSetIPs (--clusterset-ips-per-namespace)",
+                    key.namespace
+                ),
+            )
+        } else if missing.is_empty() {
             (
                 "True",
                 "Ready",
@@ -342,6 +361,9 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
                 ),
             )
         };
+        if !shape.headless && ips.is_empty() {
+            no_ip.insert(k.clone(), format!("has no ClusterSetIP: {}", ready.2));
+        }
         let mut si = import(key, shape, ips, families);
         let since = s
             .imports
@@ -398,6 +420,33 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
                         mcs,
                     );
                 }
+            }
+        }
+    }
+    // Local export conditions; an export whose import here got no ClusterSetIP is not
+    // Ready.
+    if let Some(me) = s.members.iter().find(|m| m.id == s.local) {
+        for (k, se) in &me.exports {
+            if se.deleting {
+                continue;
+            }
+            let key = ServiceKey {
+                namespace: k.0.clone(),
+                name: k.1.clone(),
+            };
+            if let Some(c) = merged.get(&key).and_then(|m| m.exports.get(&s.local)) {
+                let mut c = c.clone();
+                if let Some(why) = no_ip.get(k)
+                    && c.ready.status
+                {
+                    c.ready = mcs_merge::Condition {
+                        status: false,
+                        reason: NO_CLUSTERSET_IP.into(),
+                        message: format!("the ServiceImport in cluster {} {why}", s.local),
+                    };
+                }
+                out.export_conditions
+                    .insert(k.clone(), conditions(&c, se, &s.now));
             }
         }
     }

@@ -77,6 +77,8 @@ pub struct Config {
     pub resync: Duration,
     /// Namespaces whose exports are refused (in every member).
     pub refused_namespaces: std::collections::BTreeSet<String>,
+    /// The most ClusterSetIPs of one namespace's imports (`None`: no bound).
+    pub ip_quota: Option<usize>,
 }
 
 impl std::fmt::Debug for Config {
@@ -303,6 +305,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
             imports: local.imports.snapshot(),
             now: Time(Timestamp::now()),
             refused_namespaces: cfg.refused_namespaces.clone(),
+            ip_quota: cfg.ip_quota,
         };
         let want = desired::desired(&snapshot, Allocator::new(cfg.ranges.clone()));
         let computed = started.elapsed();

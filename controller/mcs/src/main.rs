@@ -83,6 +83,12 @@ struct RunArgs {
         default_value = "kube-system,kube-public,kube-node-lease"
     )]
     refuse_export_namespaces: Vec<String>,
+    /// The most ClusterSetIPs the ServiceImports of one namespace hold (0: no bound). An
+    /// import that already has its addresses keeps them; a new one past the quota gets none
+    /// (its Ready=False, `ClusterSetIPQuotaExceeded`, and the local export's Ready=False,
+    /// `NoClusterSetIP`). Every cluster's controller should be given the same value.
+    #[arg(long, env = "MCS_CLUSTERSET_IPS_PER_NAMESPACE", default_value_t = 0)]
+    clusterset_ips_per_namespace: usize,
 }
 
 fn main() -> ExitCode {
@@ -235,6 +241,8 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             .map(|n| n.trim().to_string())
             .filter(|n| !n.is_empty())
             .collect(),
+        ip_quota: (args.clusterset_ips_per_namespace > 0)
+            .then_some(args.clusterset_ips_per_namespace),
     };
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {

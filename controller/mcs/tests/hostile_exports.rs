@@ -230,3 +230,86 @@ fn large_exports_and_services_are_not_kept_whole() {
         eprintln!("controller RSS grew by {} MiB", grown >> 20);
     });
 }
+
+/// With `--clusterset-ips-per-namespace 2`, a namespace's third import gets no ClusterSetIP
+/// (its Ready and its export's Ready say why) while other namespaces still get theirs; an
+/// unexport frees room and the waiting import gets an address.
+#[test]
+fn a_namespace_past_its_clusterset_ip_quota_gets_no_more() {
+    if !mcs_test_support::require(apiserver::prerequisites()) {
+        return;
+    }
+    let set = ClusterSet::start(&["c1"], false);
+    let (kc, rt, ns) = (&set.kubeconfig, &set.rt, NS);
+    let k1 = &set.clients[0];
+    let _ctl = start_controller_with(
+        "c1",
+        kc,
+        &[
+            "--no-leader-election",
+            "--clusterset-ips-per-namespace",
+            "2",
+        ],
+    );
+    rt.block_on(async {
+        for (namespace, name) in [(ns, "a"), (ns, "b"), (ns, "c"), ("default", "d")] {
+            create(
+                k1,
+                namespace,
+                service(name, serde_json::json!([{ "port": 80 }])),
+            )
+            .await;
+            create(k1, namespace, export(name)).await;
+        }
+        for (namespace, name) in [(ns, "a"), (ns, "b"), ("default", "d")] {
+            until(
+                &format!("{namespace}/{name} with a ClusterSetIP"),
+                || async {
+                    get_import(k1, namespace, name)
+                        .await
+                        .filter(|si| si.spec.ips.len() == 1)
+                },
+            )
+            .await;
+        }
+        let c = until("c's import, not ready", || async {
+            get_import(k1, ns, "c").await.filter(|si| {
+                si.status.as_ref().is_some_and(|s| {
+                    s.conditions.iter().any(|c| {
+                        c.type_ == "Ready"
+                            && c.status == "False"
+                            && c.reason == "ClusterSetIPQuotaExceeded"
+                    })
+                })
+            })
+        })
+        .await;
+        assert!(c.spec.ips.is_empty());
+        let exports: Api<ServiceExport> = Api::namespaced(k1.clone(), ns);
+        until("c's export not ready", || async {
+            let se = exports.get("c").await.ok()?;
+            (condition(&se, "Ready")? == ("False".into(), "NoClusterSetIP".into())).then_some(())
+        })
+        .await;
+        assert_eq!(
+            condition(&exports.get("a").await.unwrap(), "Ready")
+                .unwrap()
+                .0,
+            "True"
+        );
+
+        // a unexported: its address is given back, and c gets one.
+        exports.delete("a", &Default::default()).await.unwrap();
+        until("c with a ClusterSetIP", || async {
+            get_import(k1, ns, "c")
+                .await
+                .filter(|si| si.spec.ips.len() == 1)
+        })
+        .await;
+        until("c's export ready", || async {
+            let se = exports.get("c").await.ok()?;
+            (condition(&se, "Ready")?.0 == "True").then_some(())
+        })
+        .await;
+    });
+}
