@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 /// Labels of MCS EndpointSlices, defined once with the validation that reads them.
 pub use mcs_model::validate::{
     DEFAULT_SLICE_CONTROLLER, LABEL_MANAGED_BY, LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER,
+    LABEL_SOURCE_MANAGED_BY,
 };
 /// Name of the ClusterProperty holding this cluster's id (KEP-2149).
 pub const CLUSTER_ID_PROPERTY: &str = "cluster.clusterset.k8s.io";

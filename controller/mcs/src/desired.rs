@@ -17,9 +17,9 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time},
 };
 use mcs_api::{
-    ClientIpConfig, ClusterStatus, LABEL_MANAGED_BY, LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER,
-    ServiceImport, ServiceImportSpec, ServiceImportStatus, ServiceImportType, ServicePort,
-    SessionAffinityConfig,
+    ClientIpConfig, ClusterStatus, DEFAULT_SLICE_CONTROLLER, LABEL_MANAGED_BY, LABEL_SERVICE_NAME,
+    LABEL_SOURCE_CLUSTER, LABEL_SOURCE_MANAGED_BY, ServiceImport, ServiceImportSpec,
+    ServiceImportStatus, ServiceImportType, ServicePort, SessionAffinityConfig,
 };
 use mcs_merge::{
     ClusterSetExports, Export, ExportConditions, ImportShape, Port, ServiceKey, ServiceKind,
@@ -411,6 +411,15 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
                 continue;
             };
             for es in of_service {
+                let source = source_manager(es);
+                if source != DEFAULT_SLICE_CONTROLLER {
+                    out.problems.push(format!(
+                        "EndpointSlice {}/{} of cluster {} is managed by {source:?}, not computed from a Service's selector (mirrored from Endpoints, or written by hand): its MCS copy says so ({LABEL_SOURCE_MANAGED_BY}) and agents use it only with --allow-selectorless-slices",
+                        key.namespace,
+                        es.metadata.name.as_deref().unwrap_or_default(),
+                        m.id
+                    ));
+                }
                 if let Some(mcs) = mcs_slice(key, &m.id, es, &served) {
                     out.slices.insert(
                         (
@@ -552,6 +561,20 @@ fn import(
     si
 }
 
+/// Who manages a member's slice (`endpointslice.kubernetes.io/managed-by`; `none` without
+/// one): what its MCS copy says in `LABEL_SOURCE_MANAGED_BY`. Only
+/// `DEFAULT_SLICE_CONTROLLER` computes endpoints from a selector; a value that is not a valid
+/// label value (it came from a label, so it is) would be `none` too.
+fn source_manager(es: &EndpointSlice) -> &str {
+    es.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(LABEL_MANAGED_BY))
+        .map(String::as_str)
+        .filter(|m| !m.is_empty() && m.len() <= 63)
+        .unwrap_or("none")
+}
+
 /// The MCS slice for `es` of cluster `cluster`: its endpoints, and the ports the import has
 /// for that cluster (a port this cluster defines differently from the import is left out, so
 /// the conflicting definition gets no traffic). `None` when no port is left.
@@ -582,6 +605,10 @@ fn mcs_slice(
         (LABEL_SERVICE_NAME.to_string(), key.name.clone()),
         (LABEL_SOURCE_CLUSTER.to_string(), cluster.to_string()),
         (LABEL_MANAGED_BY.to_string(), MANAGER.to_string()),
+        (
+            LABEL_SOURCE_MANAGED_BY.to_string(),
+            source_manager(es).to_string(),
+        ),
     ]);
     Some(EndpointSlice {
         metadata: ObjectMeta {

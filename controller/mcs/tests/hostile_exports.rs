@@ -104,10 +104,11 @@ fn hostile_exports_are_refused_alone_and_nothing_is_retried_forever() {
                 mcs_slices(k, ns, "web").await.into_iter().next()
             })
             .await;
-            assert_eq!(
-                s.metadata.labels.unwrap()["multicluster.kubernetes.io/source-cluster"],
-                c2_id
-            );
+            let labels = s.metadata.labels.unwrap();
+            assert_eq!(labels["multicluster.kubernetes.io/source-cluster"], c2_id);
+            // A slice written by hand (no manager): its copy says so, and agents refuse it
+            // unless --allow-selectorless-slices (mcs-model's safety tests).
+            assert_eq!(labels["multicluster.x-k8s.io/source-managed-by"], "none");
         }
 
         // The hostile exports are refused, each with its reason, and imported nowhere.

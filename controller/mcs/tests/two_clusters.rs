@@ -109,6 +109,12 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
                 mcs_controller::MANAGER
             );
             assert!(!labels.contains_key("kubernetes.io/service-name"));
+            // Where the endpoints came from travels with them (issue 32): computed from a
+            // selector by Kubernetes' EndpointSlice controller, so agents use them.
+            assert_eq!(
+                labels["multicluster.x-k8s.io/source-managed-by"],
+                "endpointslice-controller.k8s.io"
+            );
             let eps = s.endpoints.clone().unwrap();
             assert_eq!(eps.len(), 2);
             assert_eq!(eps[1].conditions.as_ref().unwrap().ready, Some(false));
