@@ -116,6 +116,7 @@ pub struct Metrics {
     imports: Gauge,
     slices: Gauge,
     member_up: Family<ClusterLabel, Gauge>,
+    member_unauthorized: Family<ClusterLabel, Gauge>,
     leader: Gauge,
     last_pass: Gauge<i64, AtomicI64>,
     problems: Gauge<u64, AtomicU64>,
@@ -134,6 +135,7 @@ impl Metrics {
             imports: Gauge::default(),
             slices: Gauge::default(),
             member_up: Family::default(),
+            member_unauthorized: Family::default(),
             leader: Gauge::default(),
             last_pass: Gauge::default(),
             problems: Gauge::default(),
@@ -171,6 +173,11 @@ impl Metrics {
             "member_up",
             "1 when the member cluster answers and has listed, 0 otherwise",
             m.member_up.clone(),
+        );
+        r.register(
+            "member_unauthorized",
+            "1 while the member cluster refuses our credentials (401/403), 0 otherwise",
+            m.member_unauthorized.clone(),
         );
         r.register("leader", "1 while this replica leads", m.leader.clone());
         r.register(
@@ -263,6 +270,12 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
                     cluster: m.id.clone(),
                 })
                 .set(i64::from(*s == MemberState::Up));
+            metrics
+                .member_unauthorized
+                .get_or_create(&ClusterLabel {
+                    cluster: m.id.clone(),
+                })
+                .set(i64::from(m.unauthorized()));
         }
         // Never write from a partial view: the local cluster listed, and every member listed
         // once or given up on.

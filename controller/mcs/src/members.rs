@@ -82,6 +82,8 @@ struct Health {
     failing_since: Option<Instant>,
     /// The last error, for logs and status.
     last_error: Option<String>,
+    /// Whether the last error was the member refusing our credentials (HTTP 401 or 403).
+    unauthorized: bool,
 }
 
 /// One member cluster.
@@ -170,15 +172,36 @@ impl Member {
         self.exports.listed() && self.services.listed() && self.slices.listed()
     }
 
+    /// Whether the member's last answer was a refusal of our credentials (401/403).
+    pub fn unauthorized(&self) -> bool {
+        self.health
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .unauthorized
+    }
+
     fn ok(&self) {
         let mut h = self.health.lock().unwrap_or_else(|p| p.into_inner());
+        h.unauthorized = false;
         if h.failing_since.take().is_some() {
             tracing::info!(cluster = %self.id, "member cluster answers again");
         }
     }
 
-    fn failed(&self, e: &str) {
+    /// A failed list or watch; `refused`: the member answered 401 or 403.
+    fn failed(&self, e: &str, refused: Option<u16>) {
         let mut h = self.health.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(code) = refused
+            && !h.unauthorized
+        {
+            tracing::warn!(
+                cluster = %self.id,
+                code,
+                error = e,
+                "member cluster refuses our credentials: its user in --clusterset-kubeconfig has a wrong, expired or revoked token, or lacks read access (docs/install.md); its imports stay until the member timeout. A token file (tokenFile) is read again within a minute"
+            );
+        }
+        h.unauthorized = refused.is_some();
         if h.failing_since.is_none() {
             tracing::warn!(cluster = %self.id, error = e, "member cluster does not answer");
             h.failing_since = Some(Instant::now());
@@ -340,6 +363,19 @@ pub fn lean_member_slice(es: EndpointSlice) -> EndpointSlice {
     }
 }
 
+/// The HTTP code of a watch error that is the API server refusing our credentials (401
+/// Unauthorized, 403 Forbidden).
+fn refusal(e: &watcher::Error) -> Option<u16> {
+    let code = match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+        | watcher::Error::WatchFailed(kube::Error::Api(s)) => s.code,
+        watcher::Error::WatchError(s) => s.code,
+        _ => return None,
+    };
+    matches!(code, 401 | 403).then_some(code)
+}
+
 /// Keeps `store` equal to the cluster's objects of kind `K`, each kept as `lean` makes it.
 async fn watch<K, V>(
     api: Api<K>,
@@ -366,7 +402,7 @@ async fn watch<K, V>(
             Err(watcher::Error::WatchError(s)) if s.code == 410 => continue,
             Err(e) => {
                 let msg = format!("{kind}: {e}");
-                ctx.member.failed(&msg);
+                ctx.member.failed(&msg, refusal(&e));
                 // The reconciler keeps time while a member fails (its timeout may pass
                 // without any event).
                 ctx.wake.notify_one();
