@@ -7,6 +7,7 @@
 #
 #   bash scripts/clusterset.sh up [--clusters N] [--bare] [--dataplane ebpf|userspace] [--cni ptp|bridge]
 #   bash scripts/clusterset.sh install [--dataplane ebpf|userspace]   # (re)install our chart
+#   bash scripts/clusterset.sh rotate-tokens   # new 24 h member tokens for every controller
 #   bash scripts/clusterset.sh status
 #   bash scripts/clusterset.sh images     # only build (and cache) the images besides ours
 #   bash scripts/clusterset.sh down
@@ -332,7 +333,8 @@ cert() {
 }
 
 # kubeconfig FILE CURRENT-CONTEXT "NAME SERVER TOKEN"...: one cluster, user and context per
-# entry, all three named NAME, trusting the clusterset's CA (CURRENT-CONTEXT may be empty).
+# entry, all three named NAME, trusting the clusterset's CA (CURRENT-CONTEXT may be empty). A
+# TOKEN of the form file:PATH is written as `tokenFile: PATH` (read again when it changes).
 kubeconfig() {
   local file=$1 current=$2 e name server token ca
   shift 2
@@ -347,7 +349,8 @@ kubeconfig() {
     echo "users:"
     for e in "$@"; do
       read -r name server token <<<"$e"
-      echo "- name: $name"; echo "  user:"; echo "    token: $token"
+      echo "- name: $name"; echo "  user:"
+      if [[ $token == file:* ]]; then echo "    tokenFile: ${token#file:}"; else echo "    token: $token"; fi
     done
     echo "contexts:"
     for e in "$@"; do
@@ -546,6 +549,24 @@ EOF
   start "$i" kube-proxy "$MCS_KUBE_BIN_DIR/kube-proxy" --config "$d/kube-proxy.yaml" --v 1
 }
 
+# clusterset_secret I: the Secret of c<I>'s controller: a kubeconfig of the other members
+# whose users read their tokens from files beside it (docs/install.md), and those files: a
+# fresh bound token of each member's read-only mcs-controller-reader, valid 24 h. Run again
+# (`rotate-tokens`) before they expire: the controller reads a changed file within about two
+# minutes (kubelet's Secret refresh, then kube-rs's token file re-read), without a restart.
+clusterset_secret() {
+  local i=$1 j f="$STATE/c$1/clusterset-for-controller.kubeconfig" members=() files=()
+  for ((j = 1; j <= N; j++)); do
+    ((j == i)) && continue
+    kc "$j" -n mcs-system create token mcs-controller-reader --duration=24h >"$STATE/c$i/c$j.token"
+    members+=("c$j https://$(node_ip "$j"):6443 file:/etc/mcs/clusterset/c$j.token")
+    files+=(--from-file="c$j.token=$STATE/c$i/c$j.token")
+  done
+  kubeconfig "$f" "" "${members[@]}"
+  kc "$i" -n mcs-system create secret generic mcs-clusterset-kubeconfig \
+    --from-file=kubeconfig="$f" "${files[@]}" --dry-run=client -o yaml | kc "$i" apply -f - >/dev/null
+}
+
 # Our chart into every cluster: the agents and the MCS controller (with a kubeconfig of the
 # other members, tokens of their read-only mcs-controller-reader), mcs-dns at a fixed
 # ClusterIP, and CoreDNS's Corefile gains our shipped clusterset.local block.
@@ -561,16 +582,8 @@ install_chart() {
       --set image.pullPolicy=Never --set dns.clusterIP="$(svc_ip "$i" 11)" \
       --set controller.replicas=1 >/dev/null
   done
-  # The clusterset kubeconfig of each controller: the other members, by their reader tokens.
   for ((i = 1; i <= N; i++)); do
-    local f="$STATE/c$i/clusterset-for-controller.kubeconfig" members=()
-    for ((j = 1; j <= N; j++)); do
-      ((j == i)) && continue
-      members+=("c$j https://$(node_ip "$j"):6443 $(kc "$j" -n mcs-system create token mcs-controller-reader --duration=720h)")
-    done
-    kubeconfig "$f" "" "${members[@]}"
-    kc "$i" -n mcs-system create secret generic mcs-clusterset-kubeconfig \
-      --from-file=kubeconfig="$f" --dry-run=client -o yaml | kc "$i" apply -f - >/dev/null
+    clusterset_secret "$i"
     kc "$i" -n mcs-system rollout restart deployment/mcs-controller >/dev/null
     # CoreDNS: our shipped clusterset.local block, pointed at this cluster's mcs-dns.
     local block corefile
@@ -704,6 +717,11 @@ case $cmd in
     [[ -f $STATE/kubeconfig ]] || die "not up"
     N=$(ls -d "$STATE"/c[0-9]* | wc -l)
     install_chart ;;
+  rotate-tokens)
+    [[ -f $STATE/kubeconfig ]] || die "not up"
+    N=$(ls -d "$STATE"/c[0-9]* | wc -l)
+    for ((i = 1; i <= N; i++)); do clusterset_secret "$i"; done
+    log "new 24 h reader tokens in every controller's Secret (read within about two minutes, no restart)" ;;
   help|"") sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' ;;
-  *) die "unknown command $cmd (up, down, status, install)" ;;
+  *) die "unknown command $cmd (up, down, status, install, rotate-tokens)" ;;
 esac

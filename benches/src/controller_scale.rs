@@ -69,13 +69,17 @@ async fn export(k: &Client, name: &str, i: usize) -> anyhow::Result<()> {
     let a = |n: usize| format!("198.19.{}.{}", (n / 250) % 250, n % 250 + 2);
     let svc: Service = obj(serde_json::json!({
         "metadata": { "name": name },
-        "spec": { "ports": [{ "name": "http", "port": 80, "targetPort": 8080 }] }
+        "spec": { "selector": { "app": name },
+                  "ports": [{ "name": "http", "port": 80, "targetPort": 8080 }] }
     }));
     Api::<Service>::namespaced(k.clone(), NS)
         .create(&PostParams::default(), &svc)
         .await?;
     let es: EndpointSlice = obj(serde_json::json!({
-        "metadata": { "name": format!("{name}-a"), "labels": { "kubernetes.io/service-name": name } },
+        // Written as Kubernetes' EndpointSlice controller would (no controller-manager here).
+        "metadata": { "name": format!("{name}-a"), "labels": {
+            "kubernetes.io/service-name": name,
+            "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io" } },
         "addressType": "IPv4",
         "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
         "endpoints": [{ "addresses": [a(2 * i)], "conditions": { "ready": true } },
@@ -161,6 +165,8 @@ pub fn run(
         let mut cmd = Command::new(&controller);
         cmd.args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
             .args(["--metrics-addr", "127.0.0.1:0", "--no-leader-election"])
+            // Every export in one namespace: the bench measures scale, not the limits.
+            .args(["--exports-per-namespace", "0", "--exports-per-member", "0"])
             .arg("--clusterset-kubeconfig")
             .arg(&kc);
         let log = dir.path().join(format!("controller-{id}.log"));

@@ -68,6 +68,15 @@ pub struct Snapshot {
     /// The most ClusterSetIPs the imports of one namespace hold (`None`: no bound). Imports
     /// that already have theirs keep them; new ones past it get none.
     pub ip_quota: Option<usize>,
+    /// The most exports one namespace of one member has merged, oldest first (`None`: no
+    /// bound); the younger ones are refused.
+    pub exports_per_namespace: Option<usize>,
+    /// The most exports one member has merged, oldest first (`None`: no bound).
+    pub exports_per_member: Option<usize>,
+    /// Export slices that Kubernetes' EndpointSlice controller did not compute from a
+    /// Service's selector (mirrored from Endpoints, written by hand). Off: they are withheld
+    /// and reported.
+    pub export_selectorless: bool,
 }
 
 /// What the controller keeps of a ServiceExport: what the merge and the export's conditions
@@ -129,6 +138,10 @@ pub const QUOTA_EXCEEDED: &str = "ClusterSetIPQuotaExceeded";
 /// The `Ready=False` reason of a local export whose import here got no ClusterSetIP.
 pub const NO_CLUSTERSET_IP: &str = "NoClusterSetIP";
 
+/// The `Ready=False` reason of a local export of a Service without a selector whose
+/// EndpointSlices are withheld (`--export-selectorless-slices` not given).
+pub const SELECTORLESS_SERVICE: &str = "SelectorlessService";
+
 /// The `Valid=False` reason of an export from a refused namespace.
 pub const NAMESPACE_NOT_ALLOWED: &str = "NamespaceNotAllowed";
 /// The `Valid=False` reason of an export of a Service that is never exported
@@ -159,6 +172,55 @@ pub fn refusal(
     }
 }
 
+/// The `Valid=False` reason of an export past `--exports-per-namespace` or
+/// `--exports-per-member`.
+pub const EXPORT_LIMIT_EXCEEDED: &str = "ExportLimitExceeded";
+
+/// The exports of `m` past the limits, and why: oldest first (by creation, then namespace
+/// and name), each namespace keeps at most `s.exports_per_namespace` and the member at most
+/// `s.exports_per_member`. Exports refused for their namespace or Service do not count.
+fn over_limits(m: &MemberView, s: &Snapshot) -> HashMap<ObjKey, Refusal> {
+    let mut over = HashMap::new();
+    if s.exports_per_namespace.is_none() && s.exports_per_member.is_none() {
+        return over;
+    }
+    let mut live: Vec<(i64, &ObjKey)> = m
+        .exports
+        .iter()
+        .filter(|((ns, name), se)| {
+            !se.deleting && refusal(ns, name, &s.refused_namespaces).is_none()
+        })
+        .map(|(k, se)| (se.created, k))
+        .collect();
+    if s.exports_per_namespace.is_none_or(|n| live.len() <= n)
+        && s.exports_per_member.is_none_or(|n| live.len() <= n)
+    {
+        return over;
+    }
+    live.sort_unstable();
+    let (mut total, mut per_ns) = (0usize, HashMap::<&str, usize>::new());
+    for (_, k) in live {
+        let in_ns = per_ns.entry(k.0.as_str()).or_default();
+        let why = if s.exports_per_namespace.is_some_and(|n| *in_ns >= n) {
+            format!(
+                "namespace {} of cluster {} already exports {} older services (mcs-controller --exports-per-namespace)",
+                k.0, m.id, *in_ns
+            )
+        } else if s.exports_per_member.is_some_and(|n| total >= n) {
+            format!(
+                "cluster {} already exports {total} older services (mcs-controller --exports-per-member)",
+                m.id
+            )
+        } else {
+            *in_ns += 1;
+            total += 1;
+            continue;
+        };
+        over.insert(k.clone(), Refusal::new(EXPORT_LIMIT_EXCEEDED, why));
+    }
+    over
+}
+
 /// What the local cluster should hold.
 #[derive(Debug, Default)]
 pub struct Desired {
@@ -170,6 +232,8 @@ pub struct Desired {
     pub export_conditions: BTreeMap<ObjKey, Vec<Condition>>,
     /// Why something is not as asked (logged by the reconciler).
     pub problems: Vec<String>,
+    /// Source slices not exported because no selector computed them.
+    pub withheld: usize,
 }
 
 /// Computes the desired local state; `alloc`: a fresh allocator over the ClusterSetIP ranges.
@@ -177,10 +241,12 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
     let mut out = Desired::default();
     let mut all: ClusterSetExports = BTreeMap::new();
     for m in &s.members {
+        let over = over_limits(m, s);
         for ((ns, name), se) in &m.exports {
             if se.deleting {
                 continue;
             }
+            let limit = over.get(&(ns.clone(), name.clone())).cloned();
             let service = m
                 .services
                 .get(&(ns.clone(), name.clone()))
@@ -198,6 +264,7 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
                     labels: se.labels.clone(),
                     annotations: se.annotations.clone(),
                     refused: refusal(ns, name, &s.refused_namespaces)
+                        .or(limit)
                         .or_else(|| se.refused.clone()),
                 },
             );
@@ -289,6 +356,8 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
     }
     // Imports of the local exports that got no ClusterSetIP, and why.
     let mut no_ip: HashMap<ObjKey, String> = HashMap::new();
+    // Local exports of selectorless Services whose slices are withheld.
+    let mut selectorless: std::collections::HashSet<ObjKey> = Default::default();
     for (key, shape) in wanted {
         let k: ObjKey = (key.namespace.clone(), key.name.clone());
         if let Some(si) = s.imports.get(&k)
@@ -393,11 +462,10 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
             .iter()
             .filter(|m| m.endpoints_count && shape.clusters.contains(&m.id))
         {
+            let svc = m.services.get(&k);
             // This cluster's ports that the import carries as it defines them (a port it
             // defines differently gets no traffic from here), once per service.
-            let served: Vec<String> = m
-                .services
-                .get(&k)
+            let served: Vec<String> = svc
                 .map_or(&[][..], |svc| &svc.ports)
                 .iter()
                 .filter(|sp| {
@@ -407,20 +475,32 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
                 })
                 .map(|sp| sp.name.clone())
                 .collect();
+            let selector = svc.is_some_and(|svc| svc.selector);
             let Some(of_service) = by_service.get(m.id.as_str()).and_then(|b| b.get(&k)) else {
                 continue;
             };
             for es in of_service {
                 let source = source_manager(es);
-                if source != DEFAULT_SLICE_CONTROLLER {
+                let computed = selector && source == DEFAULT_SLICE_CONTROLLER;
+                if !computed && !s.export_selectorless {
+                    out.withheld += 1;
                     out.problems.push(format!(
-                        "EndpointSlice {}/{} of cluster {} is managed by {source:?}, not computed from a Service's selector (mirrored from Endpoints, or written by hand): its MCS copy says so ({LABEL_SOURCE_MANAGED_BY}) and agents use it only with --allow-selectorless-slices",
+                        "EndpointSlice {}/{} of cluster {} is not exported: {}; such slices are exported only with --export-selectorless-slices",
                         key.namespace,
                         es.metadata.name.as_deref().unwrap_or_default(),
-                        m.id
+                        m.id,
+                        if selector {
+                            format!("it is managed by {source:?}, not computed from the Service's selector by Kubernetes' EndpointSlice controller")
+                        } else {
+                            "its Service has no selector (the slice is mirrored from Endpoints or written by hand)".to_string()
+                        }
                     ));
+                    if m.id == s.local && !selector {
+                        selectorless.insert(k.clone());
+                    }
+                    continue;
                 }
-                if let Some(mcs) = mcs_slice(key, &m.id, es, &served) {
+                if let Some(mcs) = mcs_slice(key, &m.id, es, &served, computed) {
                     out.slices.insert(
                         (
                             key.namespace.clone(),
@@ -452,6 +532,12 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
                         status: false,
                         reason: NO_CLUSTERSET_IP.into(),
                         message: format!("the ServiceImport in cluster {} {why}", s.local),
+                    };
+                } else if selectorless.contains(k) && c.ready.status {
+                    c.ready = mcs_merge::Condition {
+                        status: false,
+                        reason: SELECTORLESS_SERVICE.into(),
+                        message: "the Service has no selector: its EndpointSlices (mirrored from Endpoints, or written by hand) are not exported unless every cluster's mcs-controller runs with --export-selectorless-slices".into(),
                     };
                 }
                 out.export_conditions
@@ -504,6 +590,7 @@ pub fn shape(svc: &Service) -> ServiceShape {
         internal_traffic_policy: spec.internal_traffic_policy,
         traffic_distribution: spec.traffic_distribution,
         ip_families: spec.ip_families.unwrap_or_default(),
+        selector: spec.selector.is_some_and(|s| !s.is_empty()),
     }
 }
 
@@ -562,9 +649,8 @@ fn import(
 }
 
 /// Who manages a member's slice (`endpointslice.kubernetes.io/managed-by`; `none` without
-/// one): what its MCS copy says in `LABEL_SOURCE_MANAGED_BY`. Only
-/// `DEFAULT_SLICE_CONTROLLER` computes endpoints from a selector; a value that is not a valid
-/// label value (it came from a label, so it is) would be `none` too.
+/// one). Only `DEFAULT_SLICE_CONTROLLER` computes endpoints from a selector; a value that is
+/// not a valid label value (it came from a label, so it is) would be `none` too.
 fn source_manager(es: &EndpointSlice) -> &str {
     es.metadata
         .labels
@@ -575,14 +661,26 @@ fn source_manager(es: &EndpointSlice) -> &str {
         .unwrap_or("none")
 }
 
+/// What the MCS copy of a slice that no selector computed says in `LABEL_SOURCE_MANAGED_BY`:
+/// its manager, but never `DEFAULT_SLICE_CONTROLLER` (a slice of a selectorless Service that
+/// claims it was written by someone else), so agents can always tell.
+fn selectorless_source(es: &EndpointSlice) -> &str {
+    match source_manager(es) {
+        DEFAULT_SLICE_CONTROLLER => "none",
+        m => m,
+    }
+}
+
 /// The MCS slice for `es` of cluster `cluster`: its endpoints, and the ports the import has
 /// for that cluster (a port this cluster defines differently from the import is left out, so
-/// the conflicting definition gets no traffic). `None` when no port is left.
+/// the conflicting definition gets no traffic); `computed`: Kubernetes' EndpointSlice
+/// controller computed `es` from the Service's selector. `None` when no port is left.
 fn mcs_slice(
     key: &ServiceKey,
     cluster: &str,
     es: &EndpointSlice,
     served: &[String],
+    computed: bool,
 ) -> Option<EndpointSlice> {
     let src_ports = es.ports.as_deref().unwrap_or_default();
     let ports: Vec<EndpointPort> = src_ports
@@ -607,7 +705,12 @@ fn mcs_slice(
         (LABEL_MANAGED_BY.to_string(), MANAGER.to_string()),
         (
             LABEL_SOURCE_MANAGED_BY.to_string(),
-            source_manager(es).to_string(),
+            if computed {
+                DEFAULT_SLICE_CONTROLLER
+            } else {
+                selectorless_source(es)
+            }
+            .to_string(),
         ),
     ]);
     Some(EndpointSlice {

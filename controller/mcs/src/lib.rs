@@ -79,6 +79,15 @@ pub struct Config {
     pub refused_namespaces: std::collections::BTreeSet<String>,
     /// The most ClusterSetIPs of one namespace's imports (`None`: no bound).
     pub ip_quota: Option<usize>,
+    /// Export EndpointSlices that no selector computed (mirrored, written by hand).
+    pub export_selectorless: bool,
+    /// The most exports merged per namespace of a member (`None`: no bound).
+    pub exports_per_namespace: Option<usize>,
+    /// The most exports merged per member (`None`: no bound).
+    pub exports_per_member: Option<usize>,
+    /// This replica's Pod (namespace, name), if known: member problems (a member refusing
+    /// our credentials) are published as Events on it.
+    pub pod: Option<(String, String)>,
 }
 
 impl std::fmt::Debug for Config {
@@ -122,6 +131,7 @@ pub struct Metrics {
     problems: Gauge<u64, AtomicU64>,
     retries_waiting: Gauge,
     invalid_exports: Gauge,
+    slices_withheld: Gauge,
 }
 
 impl Metrics {
@@ -141,6 +151,7 @@ impl Metrics {
             problems: Gauge::default(),
             retries_waiting: Gauge::default(),
             invalid_exports: Gauge::default(),
+            slices_withheld: Gauge::default(),
         };
         let r = r.sub_registry_with_prefix("mcs_controller");
         r.register("passes", "Reconcile passes", m.passes.clone());
@@ -200,6 +211,11 @@ impl Metrics {
             "This cluster's ServiceExports with Valid=False in the last pass (reasons in their conditions and Events)",
             m.invalid_exports.clone(),
         );
+        r.register(
+            "slices_withheld",
+            "Members' EndpointSlices not exported in the last pass: not computed from a Service's selector (see the log; --export-selectorless-slices)",
+            m.slices_withheld.clone(),
+        );
         m
     }
 }
@@ -243,6 +259,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
     // ready with a complete view, but has written nothing).
     let mut written_once = false;
     let mut backoff = writer::Backoff::default();
+    let mut was_unauthorized = vec![false; members.len()];
     loop {
         tokio::select! {
             () = wake.notified() => {}
@@ -263,7 +280,31 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
         } else {
             cfg.resync
         };
-        for (m, s) in members.iter().zip(&states) {
+        for (i, (m, s)) in members.iter().zip(&states).enumerate() {
+            let refused = m.unauthorized();
+            if refused
+                && !was_unauthorized[i]
+                && let Some((ns, name)) = &cfg.pod
+            {
+                writer::warning_event(
+                    &local_client,
+                    k8s_openapi::api::core::v1::ObjectReference {
+                        api_version: Some("v1".into()),
+                        kind: Some("Pod".into()),
+                        namespace: Some(ns.clone()),
+                        name: Some(name.clone()),
+                        ..Default::default()
+                    },
+                    "Watch",
+                    &format!("unauthorized/{}", m.id),
+                    "MemberUnauthorized",
+                    &format!(
+                        "member cluster {} refuses our credentials (HTTP 401/403): its user in the clusterset kubeconfig has a wrong, expired or revoked token, or lacks read access; its imports stay until the member timeout",
+                        m.id
+                    ),
+                );
+            }
+            was_unauthorized[i] = refused;
             metrics
                 .member_up
                 .get_or_create(&ClusterLabel {
@@ -275,7 +316,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
                 .get_or_create(&ClusterLabel {
                     cluster: m.id.clone(),
                 })
-                .set(i64::from(m.unauthorized()));
+                .set(i64::from(refused));
         }
         // Never write from a partial view: the local cluster listed, and every member listed
         // once or given up on.
@@ -319,6 +360,9 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
             now: Time(Timestamp::now()),
             refused_namespaces: cfg.refused_namespaces.clone(),
             ip_quota: cfg.ip_quota,
+            export_selectorless: cfg.export_selectorless,
+            exports_per_namespace: cfg.exports_per_namespace,
+            exports_per_member: cfg.exports_per_member,
         };
         let want = desired::desired(&snapshot, Allocator::new(cfg.ranges.clone()));
         let computed = started.elapsed();
@@ -334,6 +378,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
         metrics.imports.set(want.imports.len() as i64);
         metrics.slices.set(want.slices.len() as i64);
         metrics.problems.set(want.problems.len() as u64);
+        metrics.slices_withheld.set(want.withheld as i64);
         metrics.retries_waiting.set(backoff.len() as i64);
         metrics.invalid_exports.set(
             want.export_conditions

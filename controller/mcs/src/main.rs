@@ -89,6 +89,25 @@ struct RunArgs {
     /// `NoClusterSetIP`). Every cluster's controller should be given the same value.
     #[arg(long, env = "MCS_CLUSTERSET_IPS_PER_NAMESPACE", default_value_t = 0)]
     clusterset_ips_per_namespace: usize,
+    /// Also export EndpointSlices that Kubernetes' EndpointSlice controller did not compute
+    /// from a Service's selector: those of selectorless Services (mirrored from Endpoints, or
+    /// written by hand) and hand-written ones. Risk: whoever can write Endpoints or
+    /// EndpointSlices in a member can then send every cluster's clients of that service to
+    /// any address. Off: such slices are withheld (logged, mcs_controller_slices_withheld),
+    /// and a local export of a selectorless Service is Ready=False (`SelectorlessService`).
+    /// Agents use the copies only with their own --allow-selectorless-slices.
+    #[arg(long, env = "MCS_EXPORT_SELECTORLESS_SLICES")]
+    export_selectorless_slices: bool,
+    /// The most ServiceExports one namespace of one member may have merged (0: no bound).
+    /// The oldest are kept; younger ones are refused (`Valid=False`, `ExportLimitExceeded`),
+    /// so one tenant cannot fill every cluster with ServiceImports. Every cluster's
+    /// controller should be given the same value.
+    #[arg(long, env = "MCS_EXPORTS_PER_NAMESPACE", default_value_t = 5000)]
+    exports_per_namespace: usize,
+    /// The most ServiceExports one member may have merged, over all its namespaces (0: no
+    /// bound); past it, as past --exports-per-namespace.
+    #[arg(long, env = "MCS_EXPORTS_PER_MEMBER", default_value_t = 20000)]
+    exports_per_member: usize,
 }
 
 fn main() -> ExitCode {
@@ -243,6 +262,14 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             .collect(),
         ip_quota: (args.clusterset_ips_per_namespace > 0)
             .then_some(args.clusterset_ips_per_namespace),
+        export_selectorless: args.export_selectorless_slices,
+        exports_per_namespace: (args.exports_per_namespace > 0)
+            .then_some(args.exports_per_namespace),
+        exports_per_member: (args.exports_per_member > 0).then_some(args.exports_per_member),
+        pod: std::env::var("POD_NAMESPACE")
+            .ok()
+            .zip(std::env::var("POD_NAME").ok())
+            .filter(|(ns, name)| !ns.is_empty() && !name.is_empty()),
     };
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {

@@ -432,18 +432,46 @@ async fn write_export_status(
     }
 }
 
-/// Publishes a Warning Event about `c` on the ServiceExport `key` (in the background; a failure is logged at
-/// debug). Its name is derived from what it says, so a repeat of the same problem (e.g. after
-/// a restart) is one Event, not many.
+/// Publishes a Warning Event about `c` on the ServiceExport `key`. Its name is derived from
+/// what it says, so a repeat of the same problem (e.g. after a restart) is one Event, not
+/// many.
 fn event(client: &Client, key: &ObjKey, uid: Option<String>, c: &Condition) {
+    let (ns, name) = key.clone();
+    warning_event(
+        client,
+        k8s_openapi::api::core::v1::ObjectReference {
+            api_version: Some("multicluster.x-k8s.io/v1beta1".into()),
+            kind: Some("ServiceExport".into()),
+            namespace: Some(ns),
+            name: Some(name),
+            uid,
+            ..Default::default()
+        },
+        "Export",
+        &format!("{}/{}", c.type_, c.reason),
+        &c.reason,
+        &c.message,
+    );
+}
+
+/// Publishes a Warning Event on `regarding` (in its namespace; in the background, a failure
+/// is logged at debug). `what` names the problem in the Event's name (a hash of it, of
+/// `regarding` and of `note`), so the same problem reported again is one Event.
+pub fn warning_event(
+    client: &Client,
+    regarding: k8s_openapi::api::core::v1::ObjectReference,
+    action: &str,
+    what: &str,
+    reason: &str,
+    note: &str,
+) {
     use k8s_openapi::{
-        api::{core::v1::ObjectReference, events::v1::Event},
+        api::events::v1::Event,
         apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta},
     };
-    let (ns, name) = key.clone();
-    let hash = mcs_merge::alloc::fnv1a(
-        format!("{ns}/{name}/{}/{}/{}", c.type_, c.reason, c.message).as_bytes(),
-    );
+    let ns = regarding.namespace.clone().unwrap_or_default();
+    let name = regarding.name.clone().unwrap_or_default();
+    let hash = mcs_merge::alloc::fnv1a(format!("{ns}/{name}/{what}/{note}").as_bytes());
     let base: String = name.chars().take(200).collect();
     let ev = Event {
         metadata: ObjectMeta {
@@ -453,17 +481,10 @@ fn event(client: &Client, key: &ObjKey, uid: Option<String>, c: &Condition) {
         },
         event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
         type_: Some("Warning".into()),
-        reason: Some(c.reason.chars().take(128).collect()),
-        action: Some("Export".into()),
-        note: Some(c.message.chars().take(1024).collect()),
-        regarding: Some(ObjectReference {
-            api_version: Some("multicluster.x-k8s.io/v1beta1".into()),
-            kind: Some("ServiceExport".into()),
-            namespace: Some(ns.clone()),
-            name: Some(name),
-            uid,
-            ..Default::default()
-        }),
+        reason: Some(reason.chars().take(128).collect()),
+        action: Some(action.into()),
+        note: Some(note.chars().take(1024).collect()),
+        regarding: Some(regarding),
         reporting_controller: Some("mcs-dataplane.io/mcs-controller".into()),
         reporting_instance: Some("mcs-controller".into()),
         ..Default::default()

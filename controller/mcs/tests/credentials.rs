@@ -1,5 +1,6 @@
 //! A member's credentials from a token file (issue 32): the controller reports a member that
-//! refuses its token as unauthorized (log, `mcs_controller_member_unauthorized`), keeps going
+//! refuses its token as unauthorized (log, `mcs_controller_member_unauthorized`, an Event on
+//! its Pod), keeps going
 //! for the other members, and picks up a rotated token from the file without a restart. Two
 //! real kube-apiservers (with their etcd) and the controller as a real process.
 
@@ -42,10 +43,11 @@ fn a_refused_token_is_reported_and_a_rotated_token_file_is_picked_up() {
     .unwrap();
     let port = free_port();
     let metrics = format!("127.0.0.1:{port}");
-    let _ctl1 = start_controller_with(
+    let _ctl1 = start_controller_env(
         "c1",
         &kubeconfig,
         &["--no-leader-election", "--metrics-addr", &metrics],
+        &[("POD_NAMESPACE", ns), ("POD_NAME", "mcs-controller-0")],
     );
     let unauthorized = |v: f64| {
         move || async move {
@@ -75,6 +77,29 @@ fn a_refused_token_is_reported_and_a_rotated_token_file_is_picked_up() {
             .unwrap();
         assert_eq!(up, 0.0);
         assert!(get_import(k1, ns, "web").await.is_none());
+        // And an Event on the controller's Pod says so.
+        let events: kube::Api<k8s_openapi::api::events::v1::Event> =
+            kube::Api::namespaced(k1.clone(), ns);
+        let ev = until("the MemberUnauthorized Event", || async {
+            events
+                .list(&Default::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|e| e.reason.as_deref() == Some("MemberUnauthorized"))
+        })
+        .await;
+        let regarding = ev.regarding.unwrap();
+        assert_eq!(
+            (regarding.kind.as_deref(), regarding.name.as_deref()),
+            (Some("Pod"), Some("mcs-controller-0"))
+        );
+        assert!(
+            ev.note
+                .unwrap()
+                .contains("member cluster c2 refuses our credentials")
+        );
 
         // Rotation: the right token written to the file is read again (kube-rs reads a token
         // file again when it is a minute old) and c2's export comes in, no restart.

@@ -56,14 +56,25 @@ fn hostile_exports_are_refused_alone_and_nothing_is_retried_forever() {
     let set = ClusterSet::start(&["c1", &c2_id], false);
     let (kc, rt, ns) = (&set.kubeconfig, &set.rt, NS);
     let (k1, k2) = (&set.clients[0], &set.clients[1]);
-    let port = free_port();
-    let metrics = format!("127.0.0.1:{port}");
+    let (port1, port2) = (free_port(), free_port());
+    let (metrics1, metrics2) = (format!("127.0.0.1:{port1}"), format!("127.0.0.1:{port2}"));
+    // c1's controller exports slices no selector computed (its copies say so); c2's, as by
+    // default, withholds them.
     let _ctl1 = start_controller_with(
         "c1",
         kc,
-        &["--no-leader-election", "--metrics-addr", &metrics],
+        &[
+            "--no-leader-election",
+            "--metrics-addr",
+            &metrics1,
+            "--export-selectorless-slices",
+        ],
     );
-    let _ctl2 = start_controller(&c2_id, kc);
+    let _ctl2 = start_controller_with(
+        &c2_id,
+        kc,
+        &["--no-leader-election", "--metrics-addr", &metrics2],
+    );
     rt.block_on(async {
         // c1: an export whose label key no ServiceImport can carry, one with 300 KiB of
         // annotations (two values, each within the schema's bound), one of the API server's
@@ -76,28 +87,47 @@ fn hostile_exports_are_refused_alone_and_nothing_is_retried_forever() {
         create(k1, ns, export("many")).await;
         create(k1, "default", export("kubernetes")).await;
 
-        // c2, a second later: `many` with 100 other ports, and `web` with an EndpointSlice.
+        // c2, a second later: `many` with 100 other ports; `web` with a slice of Kubernetes'
+        // EndpointSlice controller (written here as it would); `handmade` (a selector, but a
+        // slice written by hand) and `external` (no selector, and a slice that claims the
+        // EndpointSlice controller wrote it).
         tokio::time::sleep(std::time::Duration::from_millis(1100)).await; // a later creationTimestamp (1 s)
         let hundred: Vec<serde_json::Value> = (0..100)
             .map(|i| serde_json::json!({ "name": format!("p{i}"), "port": 1000 + i }))
             .collect();
         create(k2, ns, service("many", serde_json::Value::Array(hundred))).await;
         create(k2, ns, export("many")).await;
-        create(k2, ns, service("web", serde_json::json!([{ "name": "http", "port": 80 }]))).await;
-        create(
-            k2,
-            ns,
-            obj::<EndpointSlice>(serde_json::json!({
-                "metadata": { "name": "web-abcde", "labels": { "kubernetes.io/service-name": "web" } },
-                "addressType": "IPv4",
-                "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
-                "endpoints": [{ "addresses": ["198.18.2.2"], "conditions": { "ready": true } }]
-            })),
-        )
-        .await;
-        create(k2, ns, export("web")).await;
+        let http = serde_json::json!([{ "name": "http", "port": 80 }]);
+        create(k2, ns, service("web", http.clone())).await;
+        create(k2, ns, service("handmade", http.clone())).await;
+        let mut external = service("external", http);
+        external.spec.as_mut().unwrap().selector = None;
+        create(k2, ns, external).await;
+        for (name, manager) in [
+            ("web", Some("endpointslice-controller.k8s.io")),
+            ("handmade", None),
+            ("external", Some("endpointslice-controller.k8s.io")),
+        ] {
+            let mut labels = serde_json::json!({ "kubernetes.io/service-name": name });
+            if let Some(m) = manager {
+                labels["endpointslice.kubernetes.io/managed-by"] = m.into();
+            }
+            create(
+                k2,
+                ns,
+                obj::<EndpointSlice>(serde_json::json!({
+                    "metadata": { "name": format!("{name}-abcde"), "labels": labels },
+                    "addressType": "IPv4",
+                    "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
+                    "endpoints": [{ "addresses": ["198.18.2.2"], "conditions": { "ready": true } }]
+                })),
+            )
+            .await;
+            create(k2, ns, export(name)).await;
+        }
 
-        // Every other service works: web is imported in both clusters with c2's slice.
+        // Every other service works: web is imported in both clusters with c2's slice, which
+        // says the EndpointSlice controller computed it.
         for k in [k1, k2] {
             until("web imported", || async { get_import(k, ns, "web").await }).await;
             let s = until("c2's MCS slice of web", || async {
@@ -106,10 +136,42 @@ fn hostile_exports_are_refused_alone_and_nothing_is_retried_forever() {
             .await;
             let labels = s.metadata.labels.unwrap();
             assert_eq!(labels["multicluster.kubernetes.io/source-cluster"], c2_id);
-            // A slice written by hand (no manager): its copy says so, and agents refuse it
-            // unless --allow-selectorless-slices (mcs-model's safety tests).
-            assert_eq!(labels["multicluster.x-k8s.io/source-managed-by"], "none");
+            assert_eq!(
+                labels["multicluster.x-k8s.io/source-managed-by"],
+                "endpointslice-controller.k8s.io"
+            );
         }
+        // The slices no selector computed: c2 withholds them (and its export of the
+        // selectorless Service says why); c1, told to export them, does, and its copies say
+        // `none` (agents refuse them unless --allow-selectorless-slices: mcs-model's safety
+        // tests), also for the one that claims the EndpointSlice controller.
+        for name in ["handmade", "external"] {
+            let s = until("c1's MCS slice", || async {
+                mcs_slices(k1, ns, name).await.into_iter().next()
+            })
+            .await;
+            assert_eq!(s.metadata.labels.unwrap()["multicluster.x-k8s.io/source-managed-by"], "none", "{name}");
+        }
+        let text = until("c2 withholding both slices", || async {
+            scrape(port2).filter(|t| metric(t, "mcs_controller_slices_withheld") == Some(2.0))
+        })
+        .await;
+        assert_eq!(metric(&text, "mcs_controller_write_errors_total"), Some(0.0), "{text}");
+        for name in ["handmade", "external"] {
+            assert!(get_import(k2, ns, name).await.is_some(), "{name} is imported");
+            assert!(mcs_slices(k2, ns, name).await.is_empty(), "{name} has no MCS slice in c2");
+        }
+        let se: Api<ServiceExport> = Api::namespaced(k2.clone(), ns);
+        let external = until("external's Ready=False", || async {
+            se.get("external")
+                .await
+                .ok()
+                .filter(|se| condition(se, "Ready").is_some_and(|c| c.0 == "False"))
+        })
+        .await;
+        assert_eq!(condition(&external, "Valid").unwrap().0, "True");
+        assert_eq!(condition(&external, "Ready").unwrap().1, "SelectorlessService");
+        assert_eq!(conditions_of(k2, ns, "handmade").await.1.unwrap().0, "True");
 
         // The hostile exports are refused, each with its reason, and imported nowhere.
         for (namespace, name, reason) in [
@@ -163,7 +225,7 @@ fn hostile_exports_are_refused_alone_and_nothing_is_retried_forever() {
         assert_eq!(conditions_of(k1, ns, "plain").await.0.0, "True");
 
         // And c1's controller wrote nothing the API server refused.
-        let text = until("c1's metrics", || async { scrape(port) }).await;
+        let text = until("c1's metrics", || async { scrape(port1) }).await;
         assert_eq!(metric(&text, "mcs_controller_write_errors_total"), Some(0.0), "{text}");
         assert_eq!(metric(&text, "mcs_controller_retries_waiting"), Some(0.0));
         assert_eq!(metric(&text, "mcs_controller_invalid_exports"), Some(3.0));
@@ -312,5 +374,85 @@ fn a_namespace_past_its_clusterset_ip_quota_gets_no_more() {
             (condition(&se, "Ready")?.0 == "True").then_some(())
         })
         .await;
+    });
+}
+
+/// With `--exports-per-namespace 2 --exports-per-member 3`, one tenant cannot fill every
+/// cluster with imports: the youngest export past a limit is refused (`Valid=False`,
+/// `ExportLimitExceeded`) and imported nowhere, the older ones are untouched, and an
+/// unexport makes room for the waiting one.
+#[test]
+fn exports_past_the_per_namespace_and_per_member_limits_are_refused() {
+    if !mcs_test_support::require(apiserver::prerequisites()) {
+        return;
+    }
+    let set = ClusterSet::start(&["c1"], false);
+    let (kc, rt, ns) = (&set.kubeconfig, &set.rt, NS);
+    let k1 = &set.clients[0];
+    let _ctl = start_controller_with(
+        "c1",
+        kc,
+        &[
+            "--no-leader-election",
+            "--exports-per-namespace",
+            "2",
+            "--exports-per-member",
+            "3",
+        ],
+    );
+    rt.block_on(async {
+        // Oldest first (one creation second: then by namespace and name): NS/a, NS/b kept,
+        // NS/c past the namespace's 2; default/d kept (the member's third), then default/e
+        // past the member's 3.
+        for (namespace, name) in [(ns, "a"), (ns, "b"), (ns, "c"), ("default", "d")] {
+            create(
+                k1,
+                namespace,
+                service(name, serde_json::json!([{ "port": 80 }])),
+            )
+            .await;
+            create(k1, namespace, export(name)).await;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1100)).await; // a later creationTimestamp (1 s)
+        create(
+            k1,
+            "default",
+            service("e", serde_json::json!([{ "port": 80 }])),
+        )
+        .await;
+        create(k1, "default", export("e")).await;
+        for (namespace, name) in [(ns, "a"), (ns, "b"), ("default", "d")] {
+            until(&format!("{namespace}/{name} imported"), || async {
+                get_import(k1, namespace, name).await
+            })
+            .await;
+            assert_eq!(conditions_of(k1, namespace, name).await.0.0, "True");
+        }
+        for (namespace, name) in [(ns, "c"), ("default", "e")] {
+            let (valid, _, _) = conditions_of(k1, namespace, name).await;
+            assert_eq!(
+                valid,
+                ("False".into(), "ExportLimitExceeded".into()),
+                "{namespace}/{name}"
+            );
+            assert!(
+                get_import(k1, namespace, name).await.is_none(),
+                "{namespace}/{name}"
+            );
+        }
+
+        // a unexported: c (older than e) takes its place; e stays refused (the member holds
+        // b, c, d).
+        let exports: Api<ServiceExport> = Api::namespaced(k1.clone(), ns);
+        exports.delete("a", &Default::default()).await.unwrap();
+        until("c imported", || async { get_import(k1, ns, "c").await }).await;
+        until("c valid", || async {
+            let se = exports.get("c").await.ok()?;
+            (condition(&se, "Valid")?.0 == "True").then_some(())
+        })
+        .await;
+        let (valid, _, _) = conditions_of(k1, "default", "e").await;
+        assert_eq!(valid.1, "ExportLimitExceeded");
+        assert!(get_import(k1, "default", "e").await.is_none());
     });
 }

@@ -304,7 +304,8 @@ async fn export_web(k2: &Client, ns: &str, name: &str) {
         ns,
         obj::<EndpointSlice>(serde_json::json!({
             "metadata": { "name": format!("{name}-abcde"), "labels": {
-                "kubernetes.io/service-name": name } },
+                "kubernetes.io/service-name": name,
+                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io" } },
             "addressType": "IPv4",
             "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
             "endpoints": [{ "addresses": ["198.18.2.2"], "conditions": { "ready": true } }]

@@ -95,6 +95,9 @@ pub struct ServiceShape {
     pub traffic_distribution: Option<String>,
     /// `ipFamilies`, in order.
     pub ip_families: Vec<String>,
+    /// It has a `spec.selector`, so Kubernetes' EndpointSlice controller computes its
+    /// EndpointSlices. Not merged: it decides which of a cluster's slices are exported.
+    pub selector: bool,
 }
 
 /// One cluster's export of a service.

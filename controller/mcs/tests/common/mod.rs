@@ -62,6 +62,16 @@ pub fn start_controller(id: &str, kubeconfig: &PathBuf) -> Controller {
 /// unless they say `--metrics-addr`). Its log goes to the test's stderr with
 /// `MCS_TEST_CONTROLLER_LOG` set.
 pub fn start_controller_with(id: &str, kubeconfig: &PathBuf, extra: &[&str]) -> Controller {
+    start_controller_env(id, kubeconfig, extra, &[])
+}
+
+/// [`start_controller_with`], with `env` set in the controller's environment.
+pub fn start_controller_env(
+    id: &str,
+    kubeconfig: &PathBuf,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Controller {
     let metrics: &[&str] = if extra.contains(&"--metrics-addr") {
         &[]
     } else {
@@ -72,6 +82,7 @@ pub fn start_controller_with(id: &str, kubeconfig: &PathBuf, extra: &[&str]) -> 
         .args(metrics)
         .args(["--watch-retry-max-ms", "500"])
         .args(extra)
+        .envs(env.iter().copied())
         .arg("--clusterset-kubeconfig")
         .arg(kubeconfig)
         .stdout(Stdio::null())
