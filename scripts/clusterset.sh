@@ -450,7 +450,7 @@ start_node() {
   done
   # ptp (default): routed pods, one veth each, as Calico, Cilium and most cloud CNIs; bridge:
   # pods on a Linux bridge, as the bridge CNI, kubenet and flannel (there br_netfilter hands
-  # the userspace forwarder's TPROXY a packet it cannot keep; see README).
+  # the userspace forwarder's TPROXY a packet it cannot keep; see docs/real-clusterset.md).
   local plugin='"type": "ptp"'
   [[ $CNI == bridge ]] && plugin='"type": "bridge", "bridge": "cni0", "isGateway": true, "hairpinMode": true'
   cat >"$d/cni/net.d/10-clusterset.conflist" <<EOF

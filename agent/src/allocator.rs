@@ -1,7 +1,7 @@
 //! The agent's allocator: mimalloc, told to give freed memory back to the system at once.
 //!
 //! Why not glibc's malloc: with the runtime's threads it keeps an arena per thread, and the
-//! agent held ~130 MiB more at 1M endpoints (556 vs 427 MiB, README, issue 18). Why the two
+//! agent held ~130 MiB more at 1M endpoints (556 vs 427 MiB, docs/performance.md). Why the two
 //! options: a full sync allocates and frees the list responses it reads (tens of MB); with
 //! mimalloc's defaults that memory stayed resident for a second or more, and arenas were
 //! committed ahead of use. At 10k imports the agent's RSS went from ~95 to ~63 MiB, with the

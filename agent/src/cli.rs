@@ -369,7 +369,7 @@ pub enum TcpEngineArg {
 pub enum Format {
     /// For people.
     Text,
-    /// The stable JSON shape (see README).
+    /// The stable JSON shape (see docs/agent.md).
     Json,
 }
 

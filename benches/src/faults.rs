@@ -1,7 +1,7 @@
 //! The fault suite (`mcs-bench faults`): each scenario runs steady load from the client pod to
 //! a ClusterSetIP while a fault is injected, and counts what the client saw — connections
 //! tried, failed, replies cut, the longest gap between two served connections. A bench, not a
-//! test: the figures go into README's "Faults" table; `--smoke` (CI) asserts only that no
+//! test: the figures go into docs/faults.md; `--smoke` (CI) asserts only that no
 //! reply was cut and that the load ran.
 //!
 //! # Layout

@@ -165,7 +165,7 @@ impl Default for Limits {
             endpoints_per_slice: 1000,
             backends_per_frontend: Self::EBPF_BACKENDS_PER_FRONTEND,
             // At these the agent's peak RSS is within the DaemonSet's 512 MiB with every
-            // dataplane (README, Safety).
+            // dataplane (docs/safety.md).
             frontends: 10_000,
             backends: 100_000,
         }

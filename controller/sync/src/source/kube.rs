@@ -96,7 +96,7 @@ pub struct Options {
     pub slices: SliceEncoding,
     /// Where the protobuf EndpointSlice watch lists from: by default the watch cache in one
     /// response (at 1M endpoints a full sync took 11.5 s so, 19.0 s in consistent pages with
-    /// the next page prefetched, 24.7 s as JSON in pages; README). The JSON watch always lists
+    /// the next page prefetched, 24.7 s as JSON in pages; docs/performance.md). The JSON watch always lists
     /// consistently in pages of [`SLICE_PAGE_SIZE`].
     pub slice_list: slice_watch::ListFrom,
 }

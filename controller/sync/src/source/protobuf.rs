@@ -10,7 +10,7 @@
 //! `k8s.io/apimachinery/pkg/apis/meta/v1/generated.proto`.
 //!
 //! Why: serving 200k EndpointSlices as JSON was most of a full sync at 1M endpoints; protobuf
-//! is several times less for the API server to write and for the agent to read (README).
+//! is several times less for the API server to write and for the agent to read (docs/performance.md).
 //!
 //! Any input is decoded without panicking: lengths are checked against what is left, varints
 //! are at most 10 bytes, a string that is not UTF-8 is an error, and the nesting is the
