@@ -75,16 +75,40 @@ impl ServiceRecords {
     }
 
     /// A headless service: its import's ports and its ready endpoints (any order; one is kept
-    /// per (cluster, address), the one with the smallest hostname). An endpoint whose
+    /// per (cluster, address), the one with the smallest hostname, with the union of their
+    /// ports, so the records do not depend on the order slices came in). An endpoint whose
     /// `<hostname>.<cluster>` is not a valid DNS name keeps its address records at the
     /// service's name but gets no name of its own (and so no SRV record): a name that does
     /// not resolve is never published.
     pub fn headless(ports: Vec<DnsPort>, mut endpoints: Vec<DnsEndpoint>) -> Self {
         endpoints.sort_by(|a, b| {
-            (&a.cluster, a.address, &a.hostname).cmp(&(&b.cluster, b.address, &b.hostname))
+            (&a.cluster, a.address, &a.hostname, &a.ports).cmp(&(
+                &b.cluster,
+                b.address,
+                &b.hostname,
+                &b.ports,
+            ))
         });
-        endpoints.dedup_by(|a, b| a.cluster == b.cluster && a.address == b.address);
-        endpoints.shrink_to_fit();
+        // One endpoint per (cluster, address), whatever order its slices came in: the same
+        // address in two slices of a cluster keeps the first hostname in that order and the
+        // union of both slices' ports.
+        let mut merged: Vec<DnsEndpoint> = Vec::with_capacity(endpoints.len());
+        for e in endpoints {
+            match merged.last_mut() {
+                Some(last) if last.cluster == e.cluster && last.address == e.address => {
+                    if last.ports != e.ports {
+                        let mut ports: Vec<DnsPort> =
+                            last.ports.iter().chain(e.ports.iter()).cloned().collect();
+                        ports.sort();
+                        ports.dedup();
+                        last.ports = ports.into();
+                    }
+                }
+                _ => merged.push(e),
+            }
+        }
+        merged.shrink_to_fit();
+        let endpoints = merged;
         let mut names = Vec::new();
         let mut clusters: Vec<Box<str>> = Vec::new();
         for (i, e) in endpoints.iter().enumerate() {
@@ -309,6 +333,35 @@ mod tests {
         assert!(r.lookup("db-z.c1").is_empty() && r.lookup("db-0.c3").is_empty());
         assert!(r.is_cluster("c1") && r.is_cluster("eu.c2") && r.is_cluster("c2"));
         assert!(!r.is_cluster("c3") && !r.is_cluster("eu"));
+    }
+
+    /// Found by `incremental_diffs_equal_a_fresh_compute_at_the_caps`: the same address in
+    /// two slices of a cluster, one without ports, gave records that depended on which slice
+    /// came first.
+    #[test]
+    fn one_address_in_two_slices_gives_the_same_records_in_either_order() {
+        let none: Arc<[DnsPort]> = Arc::from(vec![]);
+        let tcp = |port| DnsPort {
+            name: None,
+            protocol: Protocol::Tcp,
+            port,
+        };
+        let p80: Arc<[DnsPort]> = Arc::from(vec![tcp(80)]);
+        let p81: Arc<[DnsPort]> = Arc::from(vec![tcp(81)]);
+        let a = vec![
+            ep("c2", "2001-2--1-2", "2001:2::1:2", &none),
+            ep("c2", "2001-2--1-2", "2001:2::1:2", &p81),
+            ep("c2", "2001-2--1-2", "2001:2::1:2", &p80),
+        ];
+        let mut b = a.clone();
+        b.reverse();
+        let (ra, rb) = (
+            ServiceRecords::headless(vec![], a),
+            ServiceRecords::headless(vec![], b),
+        );
+        assert_eq!(ra, rb);
+        assert_eq!(ra.endpoints().len(), 1);
+        assert_eq!(&*ra.endpoints()[0].ports, &[tcp(80), tcp(81)]);
     }
 
     #[test]
