@@ -604,7 +604,7 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
             .collect::<anyhow::Result<_>>()?,
         ..Default::default()
     };
-    let table = crate::commands::table_text(&sb.dir, "c1", guard)?;
+    let table = crate::table::table_text(&sb.dir, "c1", guard)?;
     for line in table.lines() {
         println!("      {line}");
     }

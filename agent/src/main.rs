@@ -1,5 +1,13 @@
 //! `mcs-agent`: the node agent of mcs-dataplane. Wiring only; the work lives in the library
-//! crates (`mcs-model`, `mcs-controller`, `mcs-proxy`).
+//! crates (`mcs-model`, `mcs-sync`, `mcs-dns`, `mcs-proxy`).
+//!
+//! # Layout
+//!
+//! - `cli`: the flags; `commands`: which subcommand runs, and what they share.
+//! - One file per subcommand: `run` (the agent), `table`, `query` (`mcs-agent dns`),
+//!   `status` (and `uninstall`), `demo`.
+//! - `dns`: the DNS server (UDP and TCP) around `mcs-dns`'s answers; `guard`: the guard
+//!   from the flags and the node; `allocator`: the allocator's tuning.
 // `deny`, not `forbid`: `allocator` alone allows it, and says why.
 #![deny(unsafe_code)]
 
@@ -9,6 +17,10 @@ mod commands;
 mod demo;
 mod dns;
 mod guard;
+mod query;
+mod run;
+mod status;
+mod table;
 
 use std::process::ExitCode;
 
@@ -33,11 +45,7 @@ fn main() -> ExitCode {
         eprintln!("warning: log filter {spec:?} does not parse ({e}); using {level}");
         tracing_subscriber::EnvFilter::new(level)
     });
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    mcs_runtime::logging::init(filter);
     for note in tuned {
         tracing::debug!("allocator: {note}");
     }

@@ -9,10 +9,9 @@ use std::{
 use criterion::{Criterion, criterion_group, criterion_main};
 use mcs_bench::fixtures;
 use mcs_model::{Affinity, ForwardingTable, Protocol};
-use mcs_proxy::userspace::{
+use mcs_proxy::{
     maglev::{DEFAULT_TABLE_SIZE, Maglev},
-    metrics::ProxyMetrics,
-    routes::SharedRoutes,
+    userspace::{metrics::ProxyMetrics, routes::SharedRoutes},
 };
 
 fn maglev(c: &mut Criterion) {

@@ -162,11 +162,7 @@ fn main() {
     // tables are built at a route's first connection; here none has had one).
     let metrics = mcs_proxy::userspace::metrics::ProxyMetrics::default();
     let routes = mcs_proxy::userspace::routes::SharedRoutes::new();
-    routes.apply(
-        &diff,
-        mcs_proxy::userspace::maglev::DEFAULT_TABLE_SIZE,
-        &metrics,
-    );
+    routes.apply(&diff, mcs_proxy::maglev::DEFAULT_TABLE_SIZE, &metrics);
     drop(diff);
     let routes_held = LIVE.load(Ordering::Relaxed) - base - held;
     let backends = imports * ENDPOINTS; // local cluster first: one cluster's endpoints are selected

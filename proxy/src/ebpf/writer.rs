@@ -165,7 +165,7 @@ impl SocketLb {
             // Entries are overwritten in place; every entry names a live backend at all times
             // (old ids are released only after the frontend points at the new ones).
             let keys: Vec<String> = backends.iter().map(ToString::to_string).collect();
-            let table = crate::userspace::maglev::Maglev::new(&keys, MAGLEV_TABLE_SIZE as usize);
+            let table = crate::maglev::Maglev::new(&keys, MAGLEV_TABLE_SIZE as usize);
             let mut complete = true;
             for index in 0..MAGLEV_TABLE_SIZE {
                 let Some(i) = table.pick(u64::from(index)) else {

@@ -4,7 +4,6 @@
 //!
 //! - [`nft`]: the agent's nftables table (frontend sets, TPROXY) and policy routing.
 //! - [`routes`]: the route table (ArcSwap; readers never lock) built from diffs.
-//! - [`maglev`]: consistent hashing of flows onto backends.
 //! - [`tcp`]: accept, pick, connect with retries, relay (copy, splice for bulk), idle,
 //!   drain, cap.
 //! - [`uring`]: the same TCP worker on io_uring (`--tcp-engine`, by default where available).
@@ -15,7 +14,6 @@
 //! the routes first and the interception set second when frontends appear, and the other way
 //! round when they go, so an intercepted packet always finds a route.
 
-pub mod maglev;
 pub mod metrics;
 pub mod nft;
 pub mod routes;
@@ -94,7 +92,7 @@ impl Default for UserspaceConfig {
             max_udp_sessions: 65_536,
             max_udp_sessions_per_client: 4_096,
             max_connections_per_client: 16_384,
-            maglev_table_size: maglev::DEFAULT_TABLE_SIZE,
+            maglev_table_size: crate::maglev::DEFAULT_TABLE_SIZE,
             splice: true,
             tcp_workers: 0,
             tcp_engine: TcpEngine::Auto,

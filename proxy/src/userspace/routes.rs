@@ -12,10 +12,8 @@ use std::{
 use arc_swap::ArcSwap;
 use mcs_model::{Frontend, Protocol, Service, TableDiff};
 
-use super::{
-    maglev::{self, Maglev},
-    metrics::{Backends, FrontendCounters, ProxyMetrics},
-};
+use super::metrics::{Backends, FrontendCounters, ProxyMetrics};
+use crate::maglev::{self, Maglev};
 
 /// Where a frontend's connections go.
 #[derive(Debug)]

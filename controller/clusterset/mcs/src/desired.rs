@@ -11,7 +11,7 @@ use std::{
 
 use k8s_openapi::{
     api::{
-        core::v1::{Namespace, Service},
+        core::v1::Namespace,
         discovery::v1::{Endpoint, EndpointPort, EndpointSlice},
     },
     apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time},
@@ -22,17 +22,12 @@ use mcs_api::{
     ServiceImportStatus, ServiceImportType, ServicePort, SessionAffinityConfig,
 };
 use mcs_merge::{
-    ClusterSetExports, Export, ExportConditions, ImportShape, Port, ServiceKey, ServiceKind,
-    ServiceShape, alloc::Allocator, meta::Refusal,
+    ClusterSetExports, Export, ExportConditions, ImportShape, ServiceKey, ServiceShape,
+    alloc::Allocator, meta::Refusal,
 };
 
-use crate::{
-    MANAGED_LABEL, MANAGER,
-    members::{ObjKey, WireExport},
-};
-
-/// The label Kubernetes puts on a Service's own EndpointSlices.
-pub const LABEL_K8S_SERVICE_NAME: &str = "kubernetes.io/service-name";
+use crate::objects::{LABEL_K8S_SERVICE_NAME, LeanExport};
+use crate::{MANAGED_LABEL, MANAGER, objects::ObjKey};
 
 /// One member's objects, as the reconciler sees them.
 #[derive(Debug, Default)]
@@ -77,59 +72,6 @@ pub struct Snapshot {
     /// Service's selector (mirrored from Endpoints, written by hand). Off: they are withheld
     /// and reported.
     pub export_selectorless: bool,
-}
-
-/// What the controller keeps of a ServiceExport: what the merge and the export's conditions
-/// read. Labels and annotations that cannot be carried are not kept, only why.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct LeanExport {
-    /// creationTimestamp in seconds since the epoch (`i64::MAX` when absent).
-    pub created: i64,
-    /// It has a deletionTimestamp.
-    pub deleting: bool,
-    /// `metadata.generation`.
-    pub generation: Option<i64>,
-    /// `metadata.uid`.
-    pub uid: Option<String>,
-    /// `status.conditions`.
-    pub conditions: Vec<Condition>,
-    /// `spec.exportedLabels` (empty when refused).
-    pub labels: BTreeMap<String, String>,
-    /// `spec.exportedAnnotations` (empty when refused).
-    pub annotations: BTreeMap<String, String>,
-    /// Why its labels or annotations cannot be carried, if they cannot.
-    pub refused: Option<Refusal>,
-}
-
-impl LeanExport {
-    /// What is kept of `se`: its labels and annotations are checked here, before they are
-    /// stored ([`mcs_merge::meta`]).
-    pub fn new(se: WireExport) -> Self {
-        let labels = se.spec.exported_labels.unwrap_or_default();
-        let annotations = se.spec.exported_annotations.unwrap_or_default();
-        let refused = mcs_merge::meta::check_labels(&labels)
-            .and_then(|()| mcs_merge::meta::check_annotations(&annotations))
-            .err();
-        let (labels, annotations) = if refused.is_some() {
-            Default::default()
-        } else {
-            (labels, annotations)
-        };
-        Self {
-            created: se
-                .metadata
-                .creation_timestamp
-                .as_ref()
-                .map_or(i64::MAX, |t| t.0.as_second()),
-            deleting: se.metadata.deletion_timestamp.is_some(),
-            generation: se.metadata.generation,
-            uid: se.metadata.uid,
-            conditions: se.status.map(|s| s.conditions).unwrap_or_default(),
-            labels,
-            annotations,
-            refused,
-        }
-    }
 }
 
 /// The `Ready=False` reason of an import that got no ClusterSetIP because its namespace holds
@@ -559,39 +501,6 @@ pub fn ours(si: &ServiceImport) -> bool {
 
 fn family(ip: IpAddr) -> &'static str {
     if ip.is_ipv4() { "IPv4" } else { "IPv6" }
-}
-
-/// The parts of a Service the merge reads.
-pub fn shape(svc: &Service) -> ServiceShape {
-    let spec = svc.spec.clone().unwrap_or_default();
-    ServiceShape {
-        kind: Some(match spec.type_.as_deref() {
-            Some("NodePort") => ServiceKind::NodePort,
-            Some("LoadBalancer") => ServiceKind::LoadBalancer,
-            Some("ExternalName") => ServiceKind::ExternalName,
-            _ => ServiceKind::ClusterIp,
-        }),
-        headless: spec.cluster_ip.as_deref() == Some("None"),
-        ports: spec
-            .ports
-            .unwrap_or_default()
-            .into_iter()
-            .map(|p| Port {
-                name: p.name.unwrap_or_default(),
-                protocol: p.protocol.unwrap_or_else(|| "TCP".into()),
-                port: p.port,
-                app_protocol: p.app_protocol,
-            })
-            .collect(),
-        session_affinity: spec.session_affinity,
-        session_affinity_timeout: spec
-            .session_affinity_config
-            .map(|c| c.client_ip.and_then(|c| c.timeout_seconds)),
-        internal_traffic_policy: spec.internal_traffic_policy,
-        traffic_distribution: spec.traffic_distribution,
-        ip_families: spec.ip_families.unwrap_or_default(),
-        selector: spec.selector.is_some_and(|s| !s.is_empty()),
-    }
 }
 
 fn import(

@@ -8,6 +8,7 @@
 //!
 //! # Layout
 //!
+//! - [`objects`]: what is kept of each watched object, and the keys.
 //! - [`members`]: watched copies of each member's objects, and whether it answers.
 //! - [`desired`]: snapshot → the local cluster's desired imports, slices, conditions.
 //! - [`writer`]: writes the difference (server-side apply).
@@ -18,6 +19,7 @@
 pub mod desired;
 pub mod lease;
 pub mod members;
+pub mod objects;
 pub mod writer;
 
 use std::{
@@ -32,7 +34,7 @@ use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
 use kube::Client;
 use mcs_merge::alloc::Allocator;
 use mcs_model::guard::IpCidr;
-use mcs_sync::http::Health;
+use mcs_runtime::http::Health;
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},

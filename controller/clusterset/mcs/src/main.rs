@@ -113,11 +113,7 @@ struct RunArgs {
 fn main() -> ExitCode {
     let filter = tracing_subscriber::EnvFilter::try_from_env("MCS_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    mcs_runtime::logging::init(filter);
     let Command::Run(args) = Cli::parse().command;
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -136,13 +132,6 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
-}
-
-/// A cluster id: DNS labels joined by dots (KEP-2149), at most 63 bytes in all: it is the
-/// value of every MCS slice's `multicluster.kubernetes.io/source-cluster` label, and a label
-/// value is at most 63 bytes (a longer id would make every slice write from it fail).
-fn valid_cluster_id(id: &str) -> bool {
-    id.len() <= 63 && mcs_merge::meta::dns_subdomain(id)
 }
 
 /// The cluster id from this cluster's ClusterProperty (in-cluster config or KUBECONFIG).
@@ -170,7 +159,7 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         Some(c) => c,
         None => cluster_id_from_property().await?,
     };
-    if !valid_cluster_id(&cluster_id) {
+    if !mcs_runtime::cluster_id::valid(&cluster_id) {
         bail!(
             "cluster id {cluster_id:?} is not a cluster id (lowercase DNS labels joined by dots, \
              at most 63 bytes)"
@@ -193,7 +182,7 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     let mut members = Vec::new();
     for ctx in &kc.contexts {
         let id = ctx.name.clone();
-        if !valid_cluster_id(&id) {
+        if !mcs_runtime::cluster_id::valid(&id) {
             bail!(
                 "context {id:?} of {} is not a cluster id (lowercase DNS labels joined by dots, at \
                  most 63 bytes): name each context by its cluster's id",
@@ -230,8 +219,8 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     );
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = mcs_controller::Metrics::new(&mut registry);
-    let health = mcs_sync::http::Health::default();
-    let addr = mcs_sync::http::spawn(args.metrics_addr, Arc::new(registry), health.clone())
+    let health = mcs_runtime::http::Health::default();
+    let addr = mcs_runtime::http::spawn(args.metrics_addr, Arc::new(registry), health.clone())
         .await
         .with_context(|| format!("binding --metrics-addr {}", args.metrics_addr))?;
     tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
@@ -271,15 +260,10 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             .zip(std::env::var("POD_NAME").ok())
             .filter(|(ns, name)| !ns.is_empty() && !name.is_empty()),
     };
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         r = mcs_controller::run(cfg, health, metrics) => r,
-        _ = tokio::signal::ctrl_c() => {
-            tracing::info!("interrupted; stopping");
-            Ok(())
-        }
-        _ = term.recv() => {
-            tracing::info!("terminated; stopping");
+        () = mcs_runtime::signals::shutdown() => {
+            tracing::info!("SIGTERM or SIGINT; stopping");
             Ok(())
         }
     }
@@ -289,7 +273,7 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
 mod tests {
     #[test]
     fn cluster_ids_fit_a_label_value() {
-        use super::valid_cluster_id as ok;
+        use mcs_runtime::cluster_id::valid as ok;
         assert!(ok("c1") && ok("east.prod") && ok(&"c".repeat(63)));
         let dot_at_40 = format!("{}.{}", "a".repeat(39), "b".repeat(10));
         assert!(ok(&dot_at_40));

@@ -30,17 +30,13 @@ use kube::{
     Api, Client, Resource, ResourceExt as _,
     runtime::{utils::Backoff as _, watcher},
 };
-use mcs_api::{ServiceExport, ServiceExportSpec, ServiceExportStatus, ServiceImport};
+use mcs_api::ServiceImport;
 use mcs_merge::ServiceShape;
-use serde::Deserialize;
 
-use crate::desired::LeanExport;
-use mcs_sync::source::kube::WatchRetry;
+use crate::objects::{LABEL_K8S_SERVICE_NAME, LeanExport, ObjKey, WireExport, shape};
+use mcs_runtime::retry::WatchRetry;
 use serde::de::DeserializeOwned;
 use tokio::sync::Notify;
-
-/// (namespace, name).
-pub type ObjKey = (String, String);
 
 /// A watched copy of one kind.
 #[derive(Debug)]
@@ -238,11 +234,11 @@ pub fn start(
         all(),
         ctx(),
         m.services.clone(),
-        |svc| crate::desired::shape(&svc),
+        |svc| shape(&svc),
     ));
     tokio::spawn(watch(
         Api::<EndpointSlice>::all(client.clone()),
-        all().labels(crate::desired::LABEL_K8S_SERVICE_NAME),
+        all().labels(LABEL_K8S_SERVICE_NAME),
         ctx(),
         m.slices.clone(),
         lean_member_slice,
@@ -293,53 +289,13 @@ struct Ctx {
     retry_max: Duration,
 }
 
-/// A ServiceExport as the watcher reads it: `spec` may be absent (upstream's CRD does not
-/// require it, nor default it), so a metadata-only export never fails a list.
-#[derive(Clone, Debug, Deserialize)]
-pub struct WireExport {
-    /// Metadata.
-    pub metadata: ObjectMeta,
-    /// Spec (`{}` when absent).
-    #[serde(default)]
-    pub spec: ServiceExportSpec,
-    /// Status.
-    #[serde(default)]
-    pub status: Option<ServiceExportStatus>,
-}
-
-impl Resource for WireExport {
-    type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
-
-    fn kind(dt: &()) -> std::borrow::Cow<'_, str> {
-        ServiceExport::kind(dt)
-    }
-    fn group(dt: &()) -> std::borrow::Cow<'_, str> {
-        ServiceExport::group(dt)
-    }
-    fn version(dt: &()) -> std::borrow::Cow<'_, str> {
-        ServiceExport::version(dt)
-    }
-    fn plural(dt: &()) -> std::borrow::Cow<'_, str> {
-        ServiceExport::plural(dt)
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
-
 /// What is kept of a member's Service EndpointSlice: name, namespace, the two labels read
 /// (`kubernetes.io/service-name`, `endpointslice.kubernetes.io/managed-by`), address type,
 /// ports, and of each endpoint what an MCS slice copies.
 pub fn lean_member_slice(es: EndpointSlice) -> EndpointSlice {
     let labels = es.metadata.labels.map(|l| {
         l.into_iter()
-            .filter(|(k, _)| {
-                k == crate::desired::LABEL_K8S_SERVICE_NAME || k == mcs_api::LABEL_MANAGED_BY
-            })
+            .filter(|(k, _)| k == LABEL_K8S_SERVICE_NAME || k == mcs_api::LABEL_MANAGED_BY)
             .collect()
     });
     EndpointSlice {

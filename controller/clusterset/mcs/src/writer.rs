@@ -26,7 +26,8 @@ use serde_json::json;
 
 use crate::{
     desired::{Desired, ours},
-    members::{Local, Member, ObjKey},
+    members::{Local, Member},
+    objects::ObjKey,
 };
 
 /// The field manager of every write.

@@ -21,25 +21,12 @@ use std::{
 use crate::{
     Backend, ForwardingTable, Frontend, Protocol, Service, TableDiff,
     dns::{DnsEndpoint, DnsPort, ServiceRecords},
-    guard::Guard,
     input::{ImportInput, ServiceRef, SliceInput},
     intern::Strings,
+    node::NodeConfig,
     select,
     validate::{self, AgeKey, Reason, Rejection, ValidImport, ValidSlice},
 };
-
-/// Node-level settings of the index.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NodeConfig {
-    /// This cluster's id (local endpoints are preferred). Empty: no preference.
-    pub cluster_id: String,
-    /// This node's zone (for `trafficDistribution: PreferClose`).
-    pub zone: Option<String>,
-    /// This node's name (for `internalTrafficPolicy: Local`).
-    pub node_name: Option<String>,
-    /// What may be programmed at all.
-    pub guard: Guard,
-}
 
 type SliceKey = (String, String);
 /// An import as validated, and what validation said (the input itself is not kept: validation

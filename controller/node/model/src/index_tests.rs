@@ -4,8 +4,9 @@ use proptest::prelude::*;
 
 use crate::{
     ForwardingTable, Frontend, Protocol,
-    index::{Index, NodeConfig, compute},
+    index::{Index, compute},
     input::{EndpointInput, ImportInput, ImportPortInput, SliceInput, SlicePortInput},
+    node::NodeConfig,
     validate::{LABEL_MANAGED_BY, LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER, Reason},
 };
 

@@ -1,5 +1,5 @@
 //! The index's input: the fields of ServiceImports, MCS EndpointSlices and the cluster id that
-//! the forwarding table depends on, as plain data. The controller converts Kubernetes objects
+//! the forwarding table depends on, as plain data. The agent's sync converts Kubernetes objects
 //! into these (a field-by-field copy); keeping them free of kube types keeps this crate pure.
 //! Values are kept raw (strings, wide integers) so that validation happens here, in one place.
 

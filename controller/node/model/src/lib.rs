@@ -19,6 +19,7 @@
 //! - [`input`]: the fields of ServiceImports and EndpointSlices the table depends on.
 //! - [`validate`]: rejects or trims invalid input, each time with a [`validate::Rejection`].
 //! - [`intern`]: shared cluster, zone and node names.
+//! - [`node`]: what the index knows of its node ([`NodeConfig`]).
 //! - [`index`]: the incremental index (objects → table, minimal diffs); [`index::compute`].
 //! - [`select`]: which backends get new connections (readiness, locality, zone).
 //! - [`render`]: `mcs-agent table` output (JSON and text).
@@ -31,12 +32,14 @@ pub mod guard;
 pub mod index;
 pub mod input;
 pub mod intern;
+pub mod node;
 pub mod render;
 pub mod select;
 pub mod validate;
 
 pub use guard::{Guard, IpCidr, Limits};
-pub use index::{Index, NodeConfig, compute};
+pub use index::{Index, compute};
+pub use node::NodeConfig;
 pub use validate::{Reason, Rejection};
 
 use std::{collections::BTreeMap, fmt, net::IpAddr, sync::Arc};

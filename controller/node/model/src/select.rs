@@ -8,7 +8,7 @@
 
 use std::{collections::BTreeSet, net::IpAddr};
 
-use crate::{Backend, index::NodeConfig};
+use crate::{Backend, node::NodeConfig};
 
 /// Sets `selected` on every backend by the policy above. With `node_local`
 /// (`internalTrafficPolicy: Local`), only the usable backends in that set (address, port) of

@@ -1,6 +1,6 @@
 //! Kubernetes Events for rejected objects, rate-limited: at most one per object and reason per
 //! [`EVENT_INTERVAL`], and at most [`MAX_EVENTS_PER_FLUSH`] per flush. Publishing happens in a
-//! background task and never blocks the controller.
+//! background task and never blocks the sync loop.
 //!
 //! Every node's agent sees the same objects and rejects them alike, so an Event's name is
 //! derived from what it says (object, reason, message): the first node creates it, the others

@@ -12,16 +12,16 @@
 //! - [`convert`]: Kubernetes objects → `mcs_model::input` (field copies).
 //! - [`source`]: the [`source::SourceEvent`] stream of each source.
 //! - [`sync_loop`]: the loop that coalesces bursts, flushes the index and applies diffs.
-//! - [`metrics`], [`http`]: Prometheus metrics, `/healthz`, `/readyz`.
+//! - [`metrics`]: Prometheus metrics; [`http`] (from `mcs-runtime`): `/metrics`, `/healthz`, `/readyz`.
 //! - [`events`]: rate-limited Kubernetes Events for rejected objects.
 #![forbid(unsafe_code)]
 
 pub mod convert;
 pub mod events;
-pub mod http;
+pub use mcs_runtime::http;
 pub mod metrics;
 pub mod source;
 pub mod sync_loop;
 
 pub use source::SourceEvent;
-pub use sync_loop::{LogDataplane, SyncConfig, SyncLoop};
+pub use sync_loop::{SyncConfig, SyncLoop};

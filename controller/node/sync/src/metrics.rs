@@ -1,4 +1,4 @@
-//! Prometheus metrics of the controller (prometheus-client), served on `/metrics`.
+//! Prometheus metrics of the agent's sync loop (prometheus-client), served on `/metrics`.
 
 use prometheus_client::{
     encoding::EncodeLabelSet,
@@ -20,7 +20,7 @@ pub struct KindLabel {
     pub kind: String,
 }
 
-/// The controller's metrics.
+/// The sync loop's metrics.
 #[derive(Debug)]
 pub struct Metrics {
     /// Objects held by the index, by kind.

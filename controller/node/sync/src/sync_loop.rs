@@ -1,4 +1,4 @@
-//! The controller loop: source events in, diffs out to the dataplane.
+//! The agent's sync loop: source events in, diffs out to the dataplane.
 //!
 //! Events are applied to the index as they come. A batch ends when the sources have been
 //! quiet for [`SyncConfig::quiet`] or the batch is [`SyncConfig::max_delay`] old;
@@ -50,7 +50,7 @@ impl Default for SyncConfig {
     }
 }
 
-/// The controller. See the module docs.
+/// The agent's sync loop. See the module docs.
 #[derive(Debug)]
 pub struct SyncLoop<D> {
     index: Index,
@@ -88,7 +88,7 @@ impl<D: Dataplane> SyncLoop<D> {
         self
     }
 
-    /// A controller for a node.
+    /// A sync loop for a node.
     pub fn new(
         node: NodeConfig,
         dataplane: D,
@@ -334,44 +334,5 @@ impl<D: Dataplane> SyncLoop<D> {
         self.metrics
             .backends
             .set(self.index.table_backends() as i64);
-    }
-}
-
-/// A dataplane that only logs what it would program and keeps the table (until the real
-/// dataplanes land, and for `--dataplane log`).
-#[derive(Debug, Default)]
-pub struct LogDataplane {
-    table: mcs_model::ForwardingTable,
-}
-
-impl LogDataplane {
-    /// What it holds.
-    pub fn table(&self) -> &mcs_model::ForwardingTable {
-        &self.table
-    }
-}
-
-impl Dataplane for LogDataplane {
-    fn name(&self) -> &'static str {
-        "log"
-    }
-
-    fn apply(&mut self, diff: &TableDiff) -> Result<(), DataplaneError> {
-        for f in &diff.remove {
-            tracing::info!(frontend = %f, "remove frontend");
-        }
-        // One line per frontend: made only when someone reads them (a full sync at 1M
-        // endpoints would format every backend).
-        if tracing::enabled!(tracing::Level::INFO) {
-            for (f, s) in &diff.upsert {
-                let selected: Vec<String> = s
-                    .selected()
-                    .map(|b| format!("{}:{}@{}", b.address, b.port, b.cluster))
-                    .collect();
-                tracing::info!(frontend = %f, service = %escaped(&s.service), backends = ?selected, "program frontend");
-            }
-        }
-        self.table.apply(diff);
-        Ok(())
     }
 }

@@ -296,7 +296,7 @@ async fn apiserver_restart_loses_nothing_and_reprograms_nothing() {
 async fn apply_rbac(admin: Client) {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../deploy/kustomize/base/rbac.yaml"
+        "/../../../deploy/kustomize/base/rbac.yaml"
     ))
     .unwrap();
     let pp = PatchParams::apply("mcs-test").force();

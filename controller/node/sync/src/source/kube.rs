@@ -122,55 +122,7 @@ impl Default for Options {
     }
 }
 
-/// The retry delays of a failed watch: 100 ms doubling up to `max`, each drawn in
-/// `[delay / 2, delay]` so that a DaemonSet's agents do not retry in step; reset on the
-/// watch's first good event.
-#[derive(Debug)]
-pub struct WatchRetry {
-    max: Duration,
-    next: Duration,
-    seed: u64,
-}
-
-impl WatchRetry {
-    /// The first delay.
-    pub const MIN: Duration = Duration::from_millis(100);
-
-    /// Delays capped at `max` (at least [`WatchRetry::MIN`]).
-    pub fn new(max: Duration) -> Self {
-        use std::hash::{BuildHasher as _, Hasher as _};
-        let seed = std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish();
-        Self {
-            max: max.max(Self::MIN),
-            next: Self::MIN,
-            seed: seed | 1,
-        }
-    }
-}
-
-impl Iterator for WatchRetry {
-    type Item = Duration;
-
-    fn next(&mut self) -> Option<Duration> {
-        // xorshift64: cheap, good enough to spread retries.
-        self.seed ^= self.seed << 13;
-        self.seed ^= self.seed >> 7;
-        self.seed ^= self.seed << 17;
-        let delay = self.next;
-        self.next = (self.next * 2).min(self.max);
-        let half = delay / 2;
-        let frac = (self.seed >> 11) as f64 / (1u64 << 53) as f64;
-        Some(half + half.mul_f64(frac))
-    }
-}
-
-impl kube::runtime::utils::Backoff for WatchRetry {
-    fn reset(&mut self) {
-        self.next = Self::MIN;
-    }
-}
+pub use mcs_runtime::retry::WatchRetry;
 
 /// Runs the watchers until the receiver is dropped. Sends `Synced` once every watcher has
 /// listed.
@@ -334,7 +286,7 @@ async fn until_ok<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
         match attempt().await {
             Ok(v) => return Some(v),
             Err(e) => {
-                let delay = retry.next().unwrap_or(retry.max);
+                let delay = retry.next().unwrap_or(retry.cap());
                 tracing::warn!(error = %e, retry_ms = delay.as_millis() as u64, "{what}");
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
@@ -358,7 +310,7 @@ struct Relister {
     lists: u32,
 }
 
-/// What one watcher event means for the controller.
+/// What one watcher event means for the sync loop.
 #[derive(Debug, PartialEq)]
 enum Step<K> {
     /// Send an upsert of this object.
@@ -512,29 +464,6 @@ mod tests {
 
     fn k(name: &str) -> (String, String) {
         ("ns".into(), name.into())
-    }
-
-    #[test]
-    fn watch_retry_doubles_to_its_cap_jittered_down_to_half_and_resets() {
-        use kube::runtime::utils::Backoff as _;
-        let max = Duration::from_secs(5);
-        let mut r = WatchRetry::new(max);
-        let mut nominal = WatchRetry::MIN;
-        for _ in 0..20 {
-            let d = r.next().unwrap();
-            assert!(
-                d >= nominal / 2 && d <= nominal,
-                "{d:?} outside [{nominal:?}/2, {nominal:?}]"
-            );
-            nominal = (nominal * 2).min(max);
-        }
-        assert_eq!(nominal, max, "the cap is reached");
-        r.reset();
-        let d = r.next().unwrap();
-        assert!(d <= WatchRetry::MIN, "after a reset it starts over: {d:?}");
-        // A cap below the first delay is raised to it.
-        let mut tiny = WatchRetry::new(Duration::ZERO);
-        assert!(tiny.nth(5).unwrap() <= WatchRetry::MIN);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Sources of MCS objects. Each runs as a task that sends [`SourceEvent`]s; the controller
+//! Sources of MCS objects. Each runs as a task that sends [`SourceEvent`]s; the sync loop
 //! does not care where they come from.
 //!
 //! - [`kube`]: watchers on a real API server ([`slice_watch`]: EndpointSlices in protobuf,
@@ -65,7 +65,7 @@ impl std::str::FromStr for SourceSpec {
 
 /// Applies one source event to `index` (and to `unreadable`, keyed by object); returns true
 /// for [`SourceEvent::Synced`]. With `cluster_id_fixed` (`--cluster-id`), ClusterProperty
-/// updates are ignored. The one place that turns events into index calls: the controller,
+/// updates are ignored. The one place that turns events into index calls: the sync loop,
 /// `mcs-agent table` and the demo all use it.
 pub fn apply(
     index: &mut Index,

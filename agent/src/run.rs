@@ -1,0 +1,199 @@
+//! `mcs-agent run`: the node agent. Wiring only: the source, the dataplane (chosen here,
+//! driven through [`mcs_proxy::AnyDataplane`]), the DNS server, metrics and health, the sync
+//! loop, and a clean stop on SIGTERM or SIGINT.
+
+use std::{process::ExitCode, sync::Arc, time::Duration};
+
+use anyhow::{Context as _, bail};
+use mcs_proxy::{
+    AnyDataplane,
+    ebpf::{MapSizes, SocketLb},
+    log::LogDataplane,
+    userspace::{
+        TcpEngine, Userspace, UserspaceConfig, metrics::ProxyMetrics, nft::InterceptConfig,
+    },
+};
+use mcs_sync::{
+    SyncConfig, SyncLoop,
+    events::EventSink,
+    http::{self, Health},
+    metrics::Metrics,
+};
+use tokio::sync::{mpsc, watch};
+
+use crate::{
+    cli::{DataplaneKind, ProxyArgs, RunArgs, TcpEngineArg},
+    commands::{SOURCE_CHANNEL, prepare, spawn_source},
+};
+
+/// `mcs-agent run`: the agent.
+pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    // Flags and source first: a bad value fails before anything is attached or listening.
+    let prepared = prepare(&args.source, Some(&args.node_name)).await?;
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Arc::new(Metrics::new(&mut registry));
+    let start_userspace =
+        |registry: &mut prometheus_client::registry::Registry| -> anyhow::Result<AnyDataplane> {
+            // An eBPF socket LB a previous agent left pinned (the dataplane was switched)
+            // would keep translating ClusterSetIPs in the kernel with a table nobody
+            // updates, ahead of the forwarder: remove it first.
+            let pins = &args.pins.bpf_pin_dir;
+            match SocketLb::uninstall(pins) {
+                Ok(0) => {}
+                Ok(n) => tracing::warn!(
+                    pin_dir = %pins.display(),
+                    removed = n,
+                    "removed the eBPF socket LB a previous agent left pinned: this agent runs the userspace forwarder"
+                ),
+                Err(e) => tracing::warn!(
+                    pin_dir = %pins.display(),
+                    error = %e,
+                    "could not remove the eBPF socket LB a previous agent left pinned; it may still translate ClusterSetIPs (mcs-agent uninstall)"
+                ),
+            }
+            let proxy_metrics = ProxyMetrics::default();
+            proxy_metrics.register(registry);
+            Ok(AnyDataplane::Userspace(
+                Userspace::start(userspace_config(&args.proxy), proxy_metrics)
+                    .context("starting the userspace forwarder")?,
+            ))
+        };
+    let dataplane = match args.dataplane {
+        DataplaneKind::Userspace => start_userspace(&mut registry)?,
+        DataplaneKind::Ebpf => AnyDataplane::Ebpf(Box::new(start_ebpf(&args)?)),
+        DataplaneKind::Auto => match start_ebpf(&args) {
+            Ok(lb) => {
+                tracing::info!(
+                    "--dataplane auto: the kernel accepted the eBPF socket LB; using it"
+                );
+                AnyDataplane::Ebpf(Box::new(lb))
+            }
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "--dataplane auto: eBPF socket LB unavailable; using the userspace forwarder");
+                start_userspace(&mut registry)?
+            }
+        },
+        DataplaneKind::Log => AnyDataplane::Log(LogDataplane::default()),
+        DataplaneKind::Both => bail!("--dataplane both is for `mcs-agent demo` only"),
+    };
+    let health = Health::default();
+    let zone = Arc::new(mcs_model::dns::Zone::new());
+    let dns = if args.dns.listen.is_empty() {
+        None
+    } else {
+        let fd_limit = crate::dns::raise_fd_limit();
+        let config = crate::dns::DnsConfig {
+            listen: args.dns.listen.clone(),
+            ttl: args.dns.answers.ttl,
+            rate_limit: args.dns.rate_limit,
+            tcp: crate::dns::fit_to_fd_limit(
+                crate::dns::TcpLimits {
+                    connections: args.dns.tcp_connections,
+                    per_client: args.dns.tcp_connections_per_client,
+                    idle: Duration::from_secs(args.dns.tcp_idle_s),
+                    lifetime: Duration::from_secs(args.dns.tcp_lifetime_s),
+                },
+                fd_limit,
+            ),
+        };
+        let server =
+            crate::dns::DnsServer::start(zone.clone(), &config, &mut registry, health.clone())
+                .await?;
+        tracing::info!(addrs = ?server.addrs, ttl = config.ttl, rate_limit = config.rate_limit, tcp_connections = config.tcp.connections, tcp_connections_per_client = config.tcp.per_client, fd_limit, "serving clusterset.local DNS (UDP and TCP)");
+        Some(server)
+    };
+    let addr = http::spawn(args.metrics_addr, Arc::new(registry), health.clone())
+        .await
+        .with_context(|| format!("binding the metrics address {}", args.metrics_addr))?;
+    tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+
+    let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
+    let events = prepared
+        .client
+        .clone()
+        .map(|c| EventSink::new(c, &args.node_name));
+    spawn_source(
+        &args.source,
+        prepared.client,
+        tx,
+        Duration::from_millis(args.file_poll_ms),
+    );
+    let config = SyncConfig {
+        cluster_id_fixed: args.source.cluster_id.is_some(),
+        ..Default::default()
+    };
+    let mut sync_loop = SyncLoop::new(prepared.node, dataplane, config, metrics, health, events);
+    if dns.is_some() {
+        sync_loop = sync_loop.with_dns_zone(zone);
+    }
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        mcs_runtime::signals::shutdown().await;
+        tracing::info!("shutting down");
+        let _ = stop_tx.send(true);
+    });
+    tracing::info!(source = ?args.source.source, dataplane = ?args.dataplane, "mcs-agent running");
+    let sync_loop = sync_loop.run(rx, stop_rx).await;
+    if let Some(dns) = dns {
+        dns.shutdown().await;
+    }
+    match sync_loop.into_dataplane() {
+        AnyDataplane::Userspace(u) => u.shutdown().await,
+        AnyDataplane::Ebpf(_) => tracing::warn!(
+            cgroup = %args.cgroup_root.display(),
+            pins = %args.pins.bpf_pin_dir.display(),
+            "the eBPF programs stay attached to {} and keep rewriting connects to the ClusterSetIPs (so traffic survives restarts); to remove them: mcs-agent uninstall --bpf-pin-dir {}",
+            args.cgroup_root.display(),
+            args.pins.bpf_pin_dir.display()
+        ),
+        AnyDataplane::Log(_) => {}
+    }
+    tracing::info!("stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Loads and attaches the eBPF dataplane.
+fn start_ebpf(args: &RunArgs) -> anyhow::Result<SocketLb> {
+    let maglev = args.ebpf_selection == crate::cli::Selection::Maglev;
+    let caps = &args.source.guard;
+    let sizes = MapSizes::for_caps(caps.max_frontends, caps.max_backends, maglev);
+    let mut lb = SocketLb::open_sized(&args.pins.bpf_pin_dir, sizes).with_context(|| {
+        format!(
+            "loading the eBPF programs (pins in {})",
+            args.pins.bpf_pin_dir.display()
+        )
+    })?;
+    lb.set_maglev(maglev);
+    lb.attach(&args.cgroup_root)
+        .with_context(|| format!("attaching to cgroup {}", args.cgroup_root.display()))?;
+    Ok(lb)
+}
+
+fn userspace_config(p: &ProxyArgs) -> UserspaceConfig {
+    UserspaceConfig {
+        intercept: InterceptConfig {
+            table: p.nft_table.clone(),
+            mark: p.fwmark,
+            route_table: p.fwmark,
+            port: p.proxy_port,
+            ..Default::default()
+        },
+        connect_timeout: Duration::from_millis(p.connect_timeout_ms),
+        connect_attempts: p.connect_attempts.max(1),
+        idle_timeout: Duration::from_secs(p.idle_timeout_s),
+        drain_timeout: Duration::from_secs(p.drain_timeout_s),
+        max_connections: p.max_connections.max(1),
+        max_connections_per_client: p.max_connections_per_client.max(1),
+        udp_idle_timeout: Duration::from_secs(p.udp_idle_timeout_s),
+        max_udp_sessions: p.max_udp_sessions.max(1),
+        max_udp_sessions_per_client: p.max_udp_sessions_per_client.max(1),
+        splice: !p.no_splice,
+        tcp_workers: usize::from(p.tcp_workers),
+        tcp_engine: match p.tcp_engine {
+            TcpEngineArg::Auto => TcpEngine::Auto,
+            TcpEngineArg::IoUring => TcpEngine::IoUring,
+            TcpEngineArg::Epoll => TcpEngine::Epoll,
+        },
+        ..Default::default()
+    }
+}

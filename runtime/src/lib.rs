@@ -1,0 +1,17 @@
+//! What both binaries (`mcs-agent`, `mcs-controller`) need around their work, so neither
+//! depends on the other's crates for it.
+//!
+//! # Layout
+//!
+//! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`retry`]: the retry delays of a failed watch.
+//! - [`signals`]: a clean stop on SIGTERM or SIGINT.
+//! - [`logging`]: the tracing subscriber.
+//! - [`cluster_id`]: what a cluster id may be.
+#![forbid(unsafe_code)]
+
+pub mod cluster_id;
+pub mod http;
+pub mod logging;
+pub mod retry;
+pub mod signals;
