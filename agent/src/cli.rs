@@ -187,7 +187,7 @@ pub struct DnsArgs {
     #[arg(
         long = "dns-tcp-connections",
         env = "MCS_DNS_TCP_CONNECTIONS",
-        default_value_t = crate::dns::TcpLimits::default().connections,
+        default_value_t = mcs_dns::server::TcpLimits::default().connections,
         value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000)
     )]
     pub tcp_connections: usize,
@@ -197,7 +197,7 @@ pub struct DnsArgs {
     #[arg(
         long = "dns-tcp-connections-per-client",
         env = "MCS_DNS_TCP_CONNECTIONS_PER_CLIENT",
-        default_value_t = crate::dns::TcpLimits::default().per_client,
+        default_value_t = mcs_dns::server::TcpLimits::default().per_client,
         value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000)
     )]
     pub tcp_connections_per_client: usize,

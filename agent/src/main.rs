@@ -6,8 +6,8 @@
 //! - `cli`: the flags; `commands`: which subcommand runs, and what they share.
 //! - One file per subcommand: `run` (the agent), `table`, `query` (`mcs-agent dns`),
 //!   `status` (and `uninstall`), `demo`.
-//! - `dns`: the DNS server (UDP and TCP) around `mcs-dns`'s answers; `guard`: the guard
-//!   from the flags and the node; `allocator`: the allocator's tuning.
+//! - `guard`: the guard from the flags and the node; `allocator`: the allocator's tuning.
+//!   The DNS server is `mcs-dns`'s (feature `server`).
 // `deny`, not `forbid`: `allocator` alone allows it, and says why.
 #![deny(unsafe_code)]
 
@@ -15,7 +15,6 @@ mod allocator;
 mod cli;
 mod commands;
 mod demo;
-mod dns;
 mod guard;
 mod query;
 mod run;

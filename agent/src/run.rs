@@ -81,13 +81,13 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let dns = if args.dns.listen.is_empty() {
         None
     } else {
-        let fd_limit = crate::dns::raise_fd_limit();
-        let config = crate::dns::DnsConfig {
+        let fd_limit = mcs_dns::server::raise_fd_limit();
+        let config = mcs_dns::server::DnsConfig {
             listen: args.dns.listen.clone(),
             ttl: args.dns.answers.ttl,
             rate_limit: args.dns.rate_limit,
-            tcp: crate::dns::fit_to_fd_limit(
-                crate::dns::TcpLimits {
+            tcp: mcs_dns::server::fit_to_fd_limit(
+                mcs_dns::server::TcpLimits {
                     connections: args.dns.tcp_connections,
                     per_client: args.dns.tcp_connections_per_client,
                     idle: Duration::from_secs(args.dns.tcp_idle_s),
@@ -97,7 +97,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             ),
         };
         let server =
-            crate::dns::DnsServer::start(zone.clone(), &config, &mut registry, health.clone())
+            mcs_dns::server::DnsServer::start(zone.clone(), &config, &mut registry, health.clone())
                 .await?;
         tracing::info!(addrs = ?server.addrs, ttl = config.ttl, rate_limit = config.rate_limit, tcp_connections = config.tcp.connections, tcp_connections_per_client = config.tcp.per_client, fd_limit, "serving clusterset.local DNS (UDP and TCP)");
         Some(server)

@@ -1,6 +1,7 @@
 //! `clusterset.local` DNS answers, as the MCS DNS specification 1.0.0 (KEP-1645
 //! `specification.md`) defines them, from the agent's [`Zone`] (kept up to date by its index).
-//! Pure: no kube, aya, tokio or sockets; the server around it is the agent's.
+//! Pure: no kube, aya, tokio or sockets. The server around it ([`server`], feature `server`,
+//! which `mcs-agent` turns on) is the only part with sockets.
 //!
 //! Names (zone `clusterset.local.`, case-insensitive; answers carry the name as asked):
 //!
@@ -28,6 +29,9 @@
 //! NXDOMAIN (with the SOA); anything outside it is REFUSED: this is not a resolver.
 
 #![forbid(unsafe_code)]
+
+#[cfg(feature = "server")]
+pub mod server;
 
 use std::{net::IpAddr, sync::Arc};
 

@@ -1,8 +1,9 @@
-//! The agent's `clusterset.local` DNS server: UDP and TCP on every `--dns-listen` address,
-//! answers from the agent's own zone (`mcs-dns`), a per-client rate limit, metrics.
+//! The agent's `clusterset.local` DNS server (feature `server`): UDP and TCP on every
+//! `--dns-listen` address, answers from the agent's own zone ([`crate::Answerer`]), a
+//! per-client rate limit, metrics.
 //!
 //! UDP: hickory-server (0.26.3) does the wire work: it answers FORMERR to undecodable queries
-//! itself. Every answer is made within what the response can carry ([`mcs_dns::Budget`]: 512
+//! itself. Every answer is made within what the response can carry ([`crate::Budget`]: 512
 //! bytes without EDNS, else the payload size of the EDNS record we attach — the client's, at
 //! most [`MAX_UDP_PAYLOAD`]), with TC when records were left out (the client then asks over
 //! TCP).
@@ -24,6 +25,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::{Answerer, Budget};
 use anyhow::Context as _;
 use hickory_server::{
     Server,
@@ -40,8 +42,7 @@ use hickory_server::{
     server::{Request, RequestHandler, ResponseHandler, ResponseInfo},
     zone_handler::{MessageResponse, MessageResponseBuilder},
 };
-use mcs_dns::{Answerer, Budget};
-use mcs_sync::http::Health;
+use mcs_runtime::http::Health;
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
@@ -356,15 +357,15 @@ impl RequestHandler for Handler {
                 if !self.health.is_ready() && a.rcode != ResponseCode::Refused {
                     // Before the first full sync the zone is incomplete: an NXDOMAIN now
                     // would be cached by clients. SERVFAIL makes them retry.
-                    a = mcs_dns::Answer::code(ResponseCode::ServFail);
+                    a = crate::Answer::code(ResponseCode::ServFail);
                 }
                 (Some(q.query_type()), a)
             }
             Ok(info) => (
                 Some(info.query.query_type()),
-                mcs_dns::Answer::code(ResponseCode::NotImp),
+                crate::Answer::code(ResponseCode::NotImp),
             ),
-            Err(_) => (None, mcs_dns::Answer::code(ResponseCode::FormErr)),
+            Err(_) => (None, crate::Answer::code(ResponseCode::FormErr)),
         };
         meta.response_code = answer.rcode;
         meta.authoritative = answer.authoritative;
