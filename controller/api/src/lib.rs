@@ -10,7 +10,7 @@
 //! - [`ClusterProperty`] (`about.k8s.io`, cluster-scoped): the cluster's id lives in the one
 //!   named [`CLUSTER_ID_PROPERTY`].
 //! - [`crds`]: the CRDs written to `deploy/crds/` by the `crdgen` binary.
-//! - Label names of MCS EndpointSlices: [`LABEL_SERVICE_NAME`], [`LABEL_SOURCE_CLUSTER`].
+//! - [`labels`]: every label name the crates share.
 #![forbid(unsafe_code)]
 
 use std::collections::BTreeMap;
@@ -20,8 +20,10 @@ use kube::{CustomResource, CustomResourceExt as _};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// Labels of MCS EndpointSlices, defined once with the validation that reads them.
-pub use mcs_model::validate::{
+pub mod labels;
+
+/// Labels of MCS EndpointSlices (all labels: [`labels`]).
+pub use labels::{
     DEFAULT_SLICE_CONTROLLER, LABEL_MANAGED_BY, LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER,
     LABEL_SOURCE_MANAGED_BY,
 };
@@ -34,7 +36,7 @@ pub const CLUSTERSET_ID_PROPERTY: &str = "clusterset.k8s.io";
 pub const ABOUT_API_APPROVAL: &str = "https://github.com/kubernetes/enhancements/pull/3084";
 
 /// Labels of the generated CRDs.
-const CRD_LABELS: [(&str, &str); 1] = [("app.kubernetes.io/part-of", "mcs-dataplane")];
+const CRD_LABELS: [(&str, &str); 1] = [(labels::LABEL_PART_OF, "mcs-dataplane")];
 
 /// The most ports a ServiceImport holds (the agents' `ports_per_import`; the CRD's
 /// `maxItems`).

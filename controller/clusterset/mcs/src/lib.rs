@@ -51,7 +51,7 @@ use crate::{
 /// [`MANAGED_LABEL`] on our imports.
 pub const MANAGER: &str = "mcs-controller.mcs-dataplane";
 /// The label that marks the ServiceImports we manage.
-pub const MANAGED_LABEL: &str = "app.kubernetes.io/managed-by";
+pub const MANAGED_LABEL: &str = mcs_api::labels::LABEL_APP_MANAGED_BY;
 
 /// Changes arriving within this window are handled in one pass; under a burst the window
 /// grows to the last pass's duration (at most [`MAX_SETTLE`]), so passes never take all the

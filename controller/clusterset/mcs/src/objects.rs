@@ -15,8 +15,7 @@ use serde::Deserialize;
 /// (namespace, name).
 pub type ObjKey = (String, String);
 
-/// The label Kubernetes puts on a Service's own EndpointSlices.
-pub const LABEL_K8S_SERVICE_NAME: &str = "kubernetes.io/service-name";
+pub use mcs_api::labels::LABEL_K8S_SERVICE_NAME;
 
 /// A ServiceExport as the watcher reads it: `spec` may be absent (upstream's CRD does not
 /// require it, nor default it), so a metadata-only export never fails a list.
