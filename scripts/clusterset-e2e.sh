@@ -14,6 +14,11 @@
 #   4. Userspace: the chart switched to --dataplane userspace (helm upgrade); the new agent
 #      removes the pinned socket LB, and the same requests go through its forwarder (its
 #      connection counter moves). Then back to eBPF.
+#   5. Credentials: `clusterset.sh rotate-tokens --revoke` gives every controller new member
+#      tokens (files in its Secret) and revokes the old ones; each cluster still imports an
+#      export the other makes afterwards. (Open watches outlive a revoked token, so this shows
+#      that rotation breaks nothing; that a rotated token file is read again is shown by
+#      controller/clusterset/mcs/tests/credentials.rs.)
 #
 # Every request is checked (the reply names the pod that served it); failures are counted and
 # shown, and any in a step that should have none fails the script. Everything it creates (one
@@ -200,6 +205,19 @@ say "   userspace: $ok/40 served by c2 (by IP and name); forwarder connections $
 say "   back to eBPF"
 bash scripts/clusterset.sh install --dataplane ebpf >/dev/null
 until_ok 30 "a reply through eBPF again" served_by c2
+
+say "5. every controller's member tokens rotated, the old ones revoked at once"
+bash scripts/clusterset.sh rotate-tokens --revoke >/dev/null
+t0=$SECONDS
+for c in c1 c2; do
+  kc "$c" -n "$NS" create service clusterip "after-$c" --tcp=80:8080 >/dev/null
+  printf 'apiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceExport\nmetadata: {name: after-%s, namespace: %s}\n' "$c" "$NS" |
+    kc "$c" apply -f - >/dev/null
+done
+until_ok 300 "c1 imports c2's export made after the rotation" kc c1 -n "$NS" get serviceimport after-c2 &&
+  until_ok 300 "c2 imports c1's export made after the rotation" kc c2 -n "$NS" get serviceimport after-c1 &&
+  say "   each cluster imported the other's new export $((SECONDS - t0)) s after the revocation"
+until_ok 30 "a reply through eBPF after the rotation" served_by c2
 
 if ((failures)); then
   echo "e2e: $failures check(s) failed" >&2

@@ -7,7 +7,8 @@
 #
 #   bash scripts/clusterset.sh up [--clusters N] [--bare] [--dataplane ebpf|userspace] [--cni ptp|bridge]
 #   bash scripts/clusterset.sh install [--dataplane ebpf|userspace]   # (re)install our chart
-#   bash scripts/clusterset.sh rotate-tokens   # new 24 h member tokens for every controller
+#   bash scripts/clusterset.sh rotate-tokens [--revoke]   # new 24 h member tokens for every
+#                                              # controller (--revoke: the old ones at once)
 #   bash scripts/clusterset.sh status
 #   bash scripts/clusterset.sh images     # only build (and cache) the images besides ours
 #   bash scripts/clusterset.sh down
@@ -44,6 +45,7 @@ N="${MCS_CLUSTERS:-2}"
 DATAPLANE="${MCS_CLUSTERSET_DATAPLANE:-ebpf}"
 CNI="${MCS_CLUSTERSET_CNI:-ptp}"
 BARE=0
+REVOKE=
 BRIDGE=mcscs0
 NETNS_PREFIX=mcs-cs-
 NODE_NET=198.19.32
@@ -549,22 +551,36 @@ EOF
   start "$i" kube-proxy "$MCS_KUBE_BIN_DIR/kube-proxy" --config "$d/kube-proxy.yaml" --v 1
 }
 
-# clusterset_secret I: the Secret of c<I>'s controller: a kubeconfig of the other members
-# whose users read their tokens from files beside it (docs/install.md), and those files: a
-# fresh bound token of each member's read-only mcs-controller-reader, valid 24 h. Run again
-# (`rotate-tokens`) before they expire: the controller reads a changed file within about two
-# minutes (kubelet's Secret refresh, then kube-rs's token file re-read), without a restart.
+# clusterset_secret I [revoke]: the Secret of c<I>'s controller: a kubeconfig of the other
+# members whose users read their tokens from files beside it (docs/install.md), and those
+# files: a fresh token of each member's read-only mcs-controller-reader, valid 24 h and bound
+# to a Secret in that member (deleting it revokes the token). Run again (`rotate-tokens`)
+# before they expire: the controller reads a changed file within about two minutes
+# (kubelet's Secret refresh, then kube-rs's token file re-read), without a restart. With
+# `revoke`, the tokens minted before are revoked at once (their Secrets deleted).
 clusterset_secret() {
-  local i=$1 j f="$STATE/c$1/clusterset-for-controller.kubeconfig" members=() files=()
+  local i=$1 revoke=${2:-} j gen f="$STATE/c$1/clusterset-for-controller.kubeconfig" members=() files=()
+  gen=$(date +%s%N)
   for ((j = 1; j <= N; j++)); do
     ((j == i)) && continue
-    kc "$j" -n mcs-system create token mcs-controller-reader --duration=24h >"$STATE/c$i/c$j.token"
+    kc "$j" -n mcs-system create secret generic "mcs-reader-token-c$i-$gen" >/dev/null
+    kc "$j" -n mcs-system label secret "mcs-reader-token-c$i-$gen" \
+      mcs-dataplane.io/reader-token-for="c$i" mcs-dataplane.io/reader-token-generation="$gen" >/dev/null
+    kc "$j" -n mcs-system create token mcs-controller-reader --duration=24h \
+      --bound-object-kind Secret --bound-object-name "mcs-reader-token-c$i-$gen" >"$STATE/c$i/c$j.token"
     members+=("c$j https://$(node_ip "$j"):6443 file:/etc/mcs/clusterset/c$j.token")
     files+=(--from-file="c$j.token=$STATE/c$i/c$j.token")
   done
   kubeconfig "$f" "" "${members[@]}"
   kc "$i" -n mcs-system create secret generic mcs-clusterset-kubeconfig \
     --from-file=kubeconfig="$f" "${files[@]}" --dry-run=client -o yaml | kc "$i" apply -f - >/dev/null
+  if [[ $revoke == revoke ]]; then
+    for ((j = 1; j <= N; j++)); do
+      ((j == i)) && continue
+      kc "$j" -n mcs-system delete secret --wait=false \
+        -l "mcs-dataplane.io/reader-token-for=c$i,mcs-dataplane.io/reader-token-generation!=$gen" >/dev/null
+    done
+  fi
 }
 
 # Our chart into every cluster: the agents and the MCS controller (with a kubeconfig of the
@@ -701,6 +717,7 @@ while (($#)); do
     --bare) BARE=1; shift ;;
     --dataplane) DATAPLANE=$2; shift 2 ;;
     --cni) CNI=$2; shift 2 ;;
+    --revoke) REVOKE=revoke; shift ;;
     -h|--help) cmd=help; shift ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
@@ -720,8 +737,8 @@ case $cmd in
   rotate-tokens)
     [[ -f $STATE/kubeconfig ]] || die "not up"
     N=$(ls -d "$STATE"/c[0-9]* | wc -l)
-    for ((i = 1; i <= N; i++)); do clusterset_secret "$i"; done
-    log "new 24 h reader tokens in every controller's Secret (read within about two minutes, no restart)" ;;
+    for ((i = 1; i <= N; i++)); do clusterset_secret "$i" "$REVOKE"; done
+    log "new 24 h reader tokens in every controller's Secret (read within about two minutes, no restart)${REVOKE:+; the old ones revoked}" ;;
   help|"") sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' ;;
   *) die "unknown command $cmd (up, down, status, install, rotate-tokens)" ;;
 esac
