@@ -48,25 +48,47 @@ pub const LABEL_VALUE_PATTERN: &str = "^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9
 /// also the bound of each exported annotation's value in the schema.
 pub const MAX_ANNOTATION_BYTES: usize = 256 * 1024;
 
-/// The schema of `exportedLabels`: values are label values.
+/// A qualified name (a label or annotation key): an optional DNS-subdomain-like prefix of at
+/// most 253 bytes and `/`, then a name part of at most 63 (Kubernetes' `IsQualifiedName`;
+/// the controller checks the prefix's labels exactly).
+pub const QUALIFIED_NAME_PATTERN: &str =
+    "^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$";
+/// The most entries of `exportedLabels` and of `exportedAnnotations` (a bound the API
+/// server's CEL cost estimate needs; far more than a ServiceImport's labels hold).
+pub const MAX_EXPORTED_ENTRIES: usize = 256;
+
+/// The CEL rule that every key of a map is a qualified name.
+fn qualified_keys(what: &str) -> serde_json::Value {
+    serde_json::json!([{
+        "rule": format!("self.all(k, k.matches('{QUALIFIED_NAME_PATTERN}'))"),
+        "message": format!("every {what} key must be a qualified name ([prefix/]name, as label keys are)"),
+    }])
+}
+
+/// The schema of `exportedLabels`: keys are qualified names, values are label values.
 fn exported_labels_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({
         "type": "object",
         "nullable": true,
+        "maxProperties": MAX_EXPORTED_ENTRIES,
         "additionalProperties": {
             "type": "string",
             "maxLength": 63,
             "pattern": LABEL_VALUE_PATTERN,
         },
+        "x-kubernetes-validations": qualified_keys("exportedLabels"),
     })
 }
 
-/// The schema of `exportedAnnotations`: no value longer than all annotations may be.
+/// The schema of `exportedAnnotations`: keys are qualified names, no value longer than all
+/// annotations may be.
 fn exported_annotations_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({
         "type": "object",
         "nullable": true,
+        "maxProperties": MAX_EXPORTED_ENTRIES,
         "additionalProperties": { "type": "string", "maxLength": MAX_ANNOTATION_BYTES },
+        "x-kubernetes-validations": qualified_keys("exportedAnnotations"),
     })
 }
 
@@ -234,14 +256,14 @@ macro_rules! mcs_version {
             #[serde(rename_all = "camelCase")]
             pub struct ServiceExportSpec {
                 /// Labels to put on the derived ServiceImport. Each must be a valid label
-                /// (the schema checks the values; the controller refuses the export,
-                /// `Valid=False`, for a key that is not a qualified name).
+                /// (the schema checks values and key formats, at most 256 entries; the
+                /// controller refuses the export, `Valid=False`, past 64 KiB in all).
                 #[serde(default, skip_serializing_if = "Option::is_none")]
                 #[schemars(schema_with = "exported_labels_schema")]
                 pub exported_labels: Option<BTreeMap<String, String>>,
                 /// Annotations to put on the derived ServiceImport. At most 256 KiB in all
-                /// (the schema bounds each value; the controller refuses the export,
-                /// `Valid=False`, past the total).
+                /// (the schema checks key formats and bounds each value, at most 256
+                /// entries; the controller refuses the export, `Valid=False`, past the total).
                 #[serde(default, skip_serializing_if = "Option::is_none")]
                 #[schemars(schema_with = "exported_annotations_schema")]
                 pub exported_annotations: Option<BTreeMap<String, String>>,

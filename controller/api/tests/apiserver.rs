@@ -242,7 +242,8 @@ async fn the_schema_bounds_what_the_dataplane_cannot_carry() {
         "spec.ports",
     );
 
-    // An exported label value no label may have, an annotation value over 256 KiB.
+    // An exported label value no label may have, an annotation value over 256 KiB, keys that
+    // are not qualified names; good keys with a prefix pass.
     let (exports, ar) = dynamic(client, &ns, "ServiceExport");
     for (name, spec, field) in [
         (
@@ -260,6 +261,18 @@ async fn the_schema_bounds_what_the_dataplane_cannot_carry() {
             serde_json::json!({ "exportedAnnotations": { "a": "v".repeat(256 * 1024 + 1) } }),
             "spec.exportedAnnotations",
         ),
+        // Keys no label or annotation may have (once accepted, then refused by the
+        // controller at every pass).
+        (
+            "bad-label-key",
+            serde_json::json!({ "exportedLabels": { "bad key!": "x" } }),
+            "spec.exportedLabels",
+        ),
+        (
+            "bad-annotation-key",
+            serde_json::json!({ "exportedAnnotations": { "-a/b": "x" } }),
+            "spec.exportedAnnotations",
+        ),
     ] {
         let mut se = DynamicObject::new(name, &ar).within(&ns);
         se.data = serde_json::json!({ "spec": spec });
@@ -271,6 +284,14 @@ async fn the_schema_bounds_what_the_dataplane_cannot_carry() {
             field,
         );
     }
+    let mut se = DynamicObject::new("good-keys", &ar).within(&ns);
+    se.data = serde_json::json!({ "spec": {
+        "exportedLabels": { "app.kubernetes.io/part-of": "shop", "team": "" },
+        "exportedAnnotations": { "example.com/owner": "a b c", "note": "x" } } });
+    exports
+        .create(&PostParams::default(), &se)
+        .await
+        .expect("qualified keys are accepted");
 }
 
 #[tokio::test]

@@ -76,13 +76,19 @@ fn hostile_exports_are_refused_alone_and_nothing_is_retried_forever() {
         &["--no-leader-election", "--metrics-addr", &metrics2],
     );
     rt.block_on(async {
-        // c1: an export whose label key no ServiceImport can carry, one with 300 KiB of
-        // annotations (two values, each within the schema's bound), one of the API server's
-        // own Service, and `many` with one port.
+        // c1: an export with more labels than a ServiceImport can carry (256 within the
+        // schema's bounds, 67 KB in all; a key no label may have is refused by the schema
+        // now, the controller refuses it under other CRDs), one with 300 KiB of annotations
+        // (two values, each within the schema's bound), one of the API server's own Service,
+        // and `many` with one port.
         for name in ["bad", "fat", "many"] {
             create(k1, ns, service(name, serde_json::json!([{ "name": "web", "port": 80 }]))).await;
         }
-        create(k1, ns, export_with("bad", serde_json::json!({ "exportedLabels": { "bad key!": "x" } }))).await;
+        let prefix = format!("{}.{}.{}.com", "a".repeat(63), "b".repeat(63), "c".repeat(63));
+        let labels: serde_json::Map<String, serde_json::Value> = (0..256)
+            .map(|i| (format!("{prefix}/k{i:03}"), serde_json::Value::from("v".repeat(63))))
+            .collect();
+        create(k1, ns, export_with("bad", serde_json::json!({ "exportedLabels": labels }))).await;
         create(k1, ns, export_with("fat", serde_json::json!({ "exportedAnnotations": { "a": "v".repeat(150 * 1024), "b": "v".repeat(150 * 1024) } }))).await;
         create(k1, ns, export("many")).await;
         create(k1, "default", export("kubernetes")).await;
