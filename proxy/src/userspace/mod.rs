@@ -5,7 +5,9 @@
 //! - [`nft`]: the agent's nftables table (frontend sets, TPROXY) and policy routing.
 //! - [`routes`]: the route table (ArcSwap; readers never lock) built from diffs.
 //! - [`tcp`]: accept, pick, connect with retries, relay (copy, splice for bulk), idle,
-//!   drain, cap.
+//!   drain, cap (the epoll worker).
+//! - [`conn`]: what both TCP workers share (per-client counts, resets, pooled pipes and
+//!   buffers).
 //! - [`uring`]: the same TCP worker on io_uring (`--tcp-engine`, by default where available).
 //! - [`udp`]: per-flow sessions with VIP-sourced replies.
 //! - [`metrics`]: per frontend and backend counters.
@@ -14,6 +16,7 @@
 //! the routes first and the interception set second when frontends appear, and the other way
 //! round when they go, so an intercepted packet always finds a route.
 
+pub mod conn;
 pub mod metrics;
 pub mod nft;
 pub mod routes;
@@ -135,7 +138,7 @@ pub struct Shared {
     shutdown: watch::Receiver<bool>,
     /// Open TCP connections per client, counted in buckets by a hash of the client address
     /// (lock-free; clients that share a bucket share its cap).
-    per_client: tcp::ClientCounts,
+    per_client: conn::ClientCounts,
 }
 
 /// The running forwarder.
@@ -163,7 +166,7 @@ impl Userspace {
             config: config.clone(),
             metrics,
             shutdown: shutdown_rx,
-            per_client: tcp::ClientCounts::new(config.max_connections_per_client),
+            per_client: conn::ClientCounts::new(config.max_connections_per_client),
         });
         let cap = Arc::new(Semaphore::new(config.max_connections));
         let mut tasks = Vec::new();

@@ -42,8 +42,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 
 use super::{
     Shared,
+    conn::{ClientSlot, FIRST_TABLE_WAIT, Pipe, PooledBuf, give_back_pipe, reset, take_pipe},
     routes::{Route, normalize},
-    tcp::{ClientSlot, FIRST_TABLE_WAIT, Pipe, PooledBuf, give_back_pipe, reset, take_pipe},
 };
 
 /// Entries of each ring's submission queue (the completion queue has twice that; the kernel
