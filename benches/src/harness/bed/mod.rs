@@ -8,6 +8,13 @@
 //!
 //! Service `web` (80/TCP → 8080, 9000/UDP → 9000) has one backend, in c2, or with `--spread`
 //! one in each cluster; `bulk` (5201/TCP) one backend in c2, the harness's TCP sink. Each mode has its own ClusterSetIPs: see [`Mode::vip_base`].
+//!
+//! # Layout
+//!
+//! - here: the topology, the backends, our agents (`mcs-ebpf`, `mcs-userspace`), the modes'
+//!   dispatch and what the load generator needs.
+//! - `peers`: HAProxy (also behind TPROXY) and nginx.
+//! - `kernel`: kube-proxy's iptables, nftables and IPVS rules.
 
 use std::{
     collections::BTreeMap,
@@ -22,6 +29,9 @@ use anyhow::{Context, bail};
 use mcs_sandbox::{cgroup::TestCgroup, topology::TwoClusters};
 
 use super::procs::{Proc, deathsig, run_ok, wait_for};
+
+mod kernel;
+mod peers;
 
 /// Backends of `web`, one per cluster.
 pub const BACKENDS: [Ipv4Addr; 2] = [Ipv4Addr::new(198, 18, 1, 2), Ipv4Addr::new(198, 18, 2, 2)];
@@ -217,11 +227,6 @@ fn userspace_metrics_port(mode: Mode) -> u16 {
     }
 }
 
-/// Firewall mark and routing table of `haproxy-tproxy`'s interception.
-const HAPROXY_TPROXY_MARK: u32 = 0x4d54;
-/// Port HAProxy listens on (transparent) behind its interception.
-const HAPROXY_TPROXY_PORT: u16 = 15100;
-
 impl Drop for Bed {
     fn drop(&mut self) {
         self.procs.clear();
@@ -397,177 +402,87 @@ impl Bed {
             in_cgroup: false,
             cpu_cgroup: None,
         };
-        match mode {
+        let failed = match mode {
             Mode::Direct => {
                 let (web, udp, _) = service_eps(self.web);
                 target.web = web;
                 target.udp = Some(udp);
                 target.bulk = SocketAddr::from((BACKENDS[1], BULK_PORT));
+                None
             }
-            Mode::Haproxy => {
-                if !have("haproxy") {
-                    return Ok(ModeState::Failed("haproxy is not installed".into()));
-                }
-                let conf = self.work.join("haproxy.cfg");
-                std::fs::write(&conf, haproxy_config(Some(mode.vip(1)), self.web))?;
-                let conf = conf.to_string_lossy().into_owned();
-                target.cpu_cgroup = Some(self.spawn_in_cgroup(
-                    "haproxy",
-                    |t| &t.node,
-                    "haproxy",
-                    &["-db", "-f", &conf],
-                )?);
-                target.bulk = SocketAddr::from((mode.vip(1), BULK_PORT));
-                target.udp = None;
+            Mode::Haproxy => self.setup_haproxy(mode, &mut target)?,
+            Mode::HaproxyTproxy => self.setup_haproxy_tproxy(mode, &mut target)?,
+            Mode::Nginx => self.setup_nginx(mode, &mut target)?,
+            Mode::Iptables => self.setup_iptables()?,
+            Mode::Nftables => {
+                self.program_nftables(0)?;
+                None
             }
-            Mode::Nginx => {
-                let module = Path::new("/usr/lib/nginx/modules/ngx_stream_module.so");
-                if !have("nginx") || !module.exists() {
-                    return Ok(ModeState::Failed(
-                        "nginx or its stream module is not installed".into(),
-                    ));
-                }
-                let conf = self.work.join("nginx-proxy.conf");
-                std::fs::write(
-                    &conf,
-                    nginx_proxy_config(mode.vip(1), self.web, module, &self.work),
-                )?;
-                let conf = conf.to_string_lossy().into_owned();
-                let err = self
-                    .work
-                    .join("nginx-proxy.err")
-                    .to_string_lossy()
-                    .into_owned();
-                target.cpu_cgroup = Some(self.spawn_in_cgroup(
-                    "nginx-proxy",
-                    |t| &t.node,
-                    "nginx",
-                    &["-e", &err, "-c", &conf],
-                )?);
-                target.bulk = SocketAddr::from((mode.vip(1), BULK_PORT));
-            }
-            Mode::Iptables => {
-                if !have("iptables-restore") {
-                    return Ok(ModeState::Failed("iptables is not installed".into()));
-                }
-                self.program_iptables(0)?;
-            }
-            Mode::Nftables => self.program_nftables(0)?,
-            Mode::Ipvs => {
-                if !have("ipvsadm") {
-                    return Ok(ModeState::Unavailable("ipvsadm is not installed".into()));
-                }
-                // The kernel module creates the per-namespace IPVS state; without it ipvsadm
-                // says "Protocol not available".
-                let probe = self.topo.node.command("ipvsadm").arg("-Ln").output()?;
-                if !probe.status.success() {
-                    return Ok(ModeState::Unavailable(format!(
-                        "the kernel has no IPVS (`ipvsadm -Ln`: {})",
-                        String::from_utf8_lossy(&probe.stderr)
-                            .trim()
-                            .replace('\n', " ")
-                    )));
-                }
-                self.topo
-                    .node
-                    .ip(&["link", "add", "kube-ipvs0", "type", "dummy"])?;
-                for off in [1, 2] {
-                    self.topo
-                        .node
-                        .addr("kube-ipvs0", &format!("{}/32", mode.vip(off)))?;
-                }
-                self.program_ipvs(0)?;
-            }
+            Mode::Ipvs => self.setup_ipvs(mode)?,
             Mode::McsUserspace | Mode::McsUserspaceB => {
                 target.cpu_cgroup = Some(self.start_userspace(mode)?);
+                None
             }
-            Mode::HaproxyTproxy => {
-                if !have("haproxy") {
-                    return Ok(ModeState::Failed("haproxy is not installed".into()));
-                }
-                self.load_rules(
-                    "haproxy-tproxy.nft",
-                    &haproxy_tproxy_rules(mode.vip(1)),
-                    "nft",
-                    &["-f"],
-                    false,
-                )?;
-                // The mark is also the routing table's number.
-                let mark = HAPROXY_TPROXY_MARK.to_string();
-                self.topo.node.ip(&[
-                    "rule", "add", "fwmark", &mark, "lookup", &mark, "priority", "9044",
-                ])?;
-                self.topo.node.ip(&[
-                    "route",
-                    "add",
-                    "local",
-                    "0.0.0.0/0",
-                    "dev",
-                    "lo",
-                    "table",
-                    &mark,
-                ])?;
-                let conf = self.work.join("haproxy-tproxy.cfg");
-                std::fs::write(&conf, haproxy_config(None, self.web))?;
-                let conf = conf.to_string_lossy().into_owned();
-                target.cpu_cgroup = Some(self.spawn_in_cgroup(
-                    "haproxy-tproxy",
-                    |t| &t.node,
-                    "haproxy",
-                    &["-db", "-f", &conf],
-                )?);
-                target.bulk = SocketAddr::from((mode.vip(1), BULK_PORT));
-                target.udp = None;
-            }
-            Mode::McsEbpf => {
-                if let Err(why) = mcs_sandbox::cgroup::prerequisite() {
-                    return Ok(ModeState::Unavailable(why));
-                }
-                let cg = TestCgroup::new("benchcli")?;
-                let dir = self.work.join(format!("objects-{}", mode.name()));
-                std::fs::create_dir_all(&dir)?;
-                write_objects(&dir, mode, 0, self.web)?;
-                let port = free_port()?;
-                self.ebpf_metrics = Some(SocketAddr::from(([127, 0, 0, 1], port)));
-                let wrapped = deathsig(&self.agent.to_string_lossy());
-                let mut cmd = Command::new(&wrapped[0]);
-                cmd.args(&wrapped[1..])
-                    .args([
-                        "run",
-                        "--dataplane",
-                        "ebpf",
-                        "--cluster-id",
-                        "bench",
-                        "--log-level",
-                        "warn",
-                        "--clusterset-ip-cidr",
-                        "198.19.192.0/18",
-                        "--max-frontends",
-                        "65536",
-                        "--max-backends",
-                        "262144",
-                    ])
-                    .arg("--cgroup-root")
-                    .arg(cg.path())
-                    .arg("--bpf-pin-dir")
-                    .arg(&self.pins)
-                    .args([
-                        "--metrics-addr",
-                        &format!("127.0.0.1:{port}"),
-                        "--file-poll-ms",
-                        "100",
-                    ])
-                    .arg("--source")
-                    .arg(format!("file:{}", dir.display()));
-                self.client_cg = Some(cg);
-                let proc = Proc::spawn("mcs-ebpf", cmd, &self.work.join("mcs-ebpf.log"))?;
-                self.agents.insert(Mode::McsEbpf, proc.pid());
-                self.procs.push(proc);
-                self.wait_frontends(Mode::McsEbpf, 3)?;
-                target.in_cgroup = true;
-            }
+            Mode::McsEbpf => self.setup_mcs_ebpf(mode, &mut target)?,
+        };
+        if let Some(state) = failed {
+            return Ok(state);
         }
         Ok(ModeState::Ready(target))
+    }
+
+    /// Our agent with the eBPF socket LB (`mcs-ebpf`).
+    fn setup_mcs_ebpf(
+        &mut self,
+        mode: Mode,
+        target: &mut Target,
+    ) -> anyhow::Result<Option<ModeState>> {
+        if let Err(why) = mcs_sandbox::cgroup::prerequisite() {
+            return Ok(Some(ModeState::Unavailable(why)));
+        }
+        let cg = TestCgroup::new("benchcli")?;
+        let dir = self.work.join(format!("objects-{}", mode.name()));
+        std::fs::create_dir_all(&dir)?;
+        write_objects(&dir, mode, 0, self.web)?;
+        let port = free_port()?;
+        self.ebpf_metrics = Some(SocketAddr::from(([127, 0, 0, 1], port)));
+        let wrapped = deathsig(&self.agent.to_string_lossy());
+        let mut cmd = Command::new(&wrapped[0]);
+        cmd.args(&wrapped[1..])
+            .args([
+                "run",
+                "--dataplane",
+                "ebpf",
+                "--cluster-id",
+                "bench",
+                "--log-level",
+                "warn",
+                "--clusterset-ip-cidr",
+                "198.19.192.0/18",
+                "--max-frontends",
+                "65536",
+                "--max-backends",
+                "262144",
+            ])
+            .arg("--cgroup-root")
+            .arg(cg.path())
+            .arg("--bpf-pin-dir")
+            .arg(&self.pins)
+            .args([
+                "--metrics-addr",
+                &format!("127.0.0.1:{port}"),
+                "--file-poll-ms",
+                "100",
+            ])
+            .arg("--source")
+            .arg(format!("file:{}", dir.display()));
+        self.client_cg = Some(cg);
+        let proc = Proc::spawn("mcs-ebpf", cmd, &self.work.join("mcs-ebpf.log"))?;
+        self.agents.insert(Mode::McsEbpf, proc.pid());
+        self.procs.push(proc);
+        self.wait_frontends(Mode::McsEbpf, 3)?;
+        target.in_cgroup = true;
+        Ok(None)
     }
 
     /// Starts the userspace agent of `mode` (`mcs-userspace`, or the A/B variant with its own
@@ -691,157 +606,6 @@ impl Bed {
         Ok(())
     }
 
-    /// The services a kernel mode programs: `fillers` others first, then the measured ones
-    /// last (the worst case of a linear list).
-    fn kernel_services(&self, mode: Mode, fillers: usize) -> Vec<KernelService> {
-        let (web, udp, bulk) = service_eps(self.web);
-        let svc = |name: String, vip, proto, port, eps| KernelService {
-            name,
-            vip,
-            proto,
-            port,
-            eps,
-        };
-        (0..fillers)
-            .map(|i| {
-                let vip = mode.vip(256 + i as u32);
-                svc(format!("f{i}"), vip, "tcp", 80, filler_eps().to_vec())
-            })
-            .chain([
-                svc("web".into(), mode.vip(1), "tcp", 80, web),
-                svc("udp".into(), mode.vip(1), "udp", UDP_PORT, udp),
-                svc("bulk".into(), mode.vip(2), "tcp", BULK_PORT, bulk),
-            ])
-            .collect()
-    }
-
-    /// Writes `text` to `file` in the work directory and runs `program` on it inside the node
-    /// namespace (`args` before the file; `stdin`: feed the file on standard input).
-    fn load_rules(
-        &self,
-        file: &str,
-        text: &str,
-        program: &str,
-        args: &[&str],
-        stdin: bool,
-    ) -> anyhow::Result<()> {
-        let path = self.work.join(file);
-        std::fs::write(&path, text)?;
-        let mut cmd = self.topo.node.command(program);
-        cmd.args(args);
-        if stdin {
-            cmd.stdin(std::fs::File::open(&path)?);
-        } else {
-            cmd.arg(&path);
-        }
-        run_ok(&mut cmd).map(drop)
-    }
-
-    /// kube-proxy's iptables layout: KUBE-SERVICES matches each service and jumps to its
-    /// KUBE-SVC chain, which picks an endpoint chain with `statistic`. Only this mode's range
-    /// enters the list, so the other modes' traffic does not pay for it.
-    fn program_iptables(&self, fillers: usize) -> anyhow::Result<()> {
-        let mode = Mode::Iptables;
-        let mut chains = String::new();
-        let mut rules = format!("-A PREROUTING -d {}/18 -j KUBE-SERVICES\n", mode.vip_base());
-        for KernelService {
-            name,
-            vip,
-            proto,
-            port,
-            eps,
-        } in self.kernel_services(mode, fillers)
-        {
-            let _ = writeln!(chains, ":KUBE-SVC-{name} - [0:0]");
-            let _ = writeln!(
-                rules,
-                "-A KUBE-SERVICES -d {vip}/32 -p {proto} -m {proto} --dport {port} -j KUBE-SVC-{name}"
-            );
-            for (i, ep) in eps.iter().enumerate() {
-                let _ = writeln!(chains, ":KUBE-SEP-{name}-{i} - [0:0]");
-                let left = eps.len() - i;
-                if left > 1 {
-                    let _ = writeln!(
-                        rules,
-                        "-A KUBE-SVC-{name} -m statistic --mode random --probability {:.5} -j KUBE-SEP-{name}-{i}",
-                        1.0 / left as f64
-                    );
-                } else {
-                    let _ = writeln!(rules, "-A KUBE-SVC-{name} -j KUBE-SEP-{name}-{i}");
-                }
-                let _ = writeln!(
-                    rules,
-                    "-A KUBE-SEP-{name}-{i} -p {proto} -m {proto} -j DNAT --to-destination {ep}"
-                );
-            }
-        }
-        let input = format!(
-            "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n{chains}{rules}COMMIT\n"
-        );
-        self.load_rules("iptables.rules", &input, "iptables-restore", &[], false)
-    }
-
-    /// kube-proxy's nftables layout: one verdict map from address . protocol . port to a
-    /// service chain, which picks an endpoint chain with `numgen random`.
-    fn program_nftables(&self, fillers: usize) -> anyhow::Result<()> {
-        let mut elements = vec![];
-        let mut chains = String::new();
-        for KernelService {
-            name,
-            vip,
-            proto,
-            port,
-            eps,
-        } in self.kernel_services(Mode::Nftables, fillers)
-        {
-            elements.push(format!("{vip} . {proto} . {port} : goto svc_{name}"));
-            let picks: Vec<String> = (0..eps.len())
-                .map(|i| format!("{i} : goto sep_{name}_{i}"))
-                .collect();
-            let _ = writeln!(
-                chains,
-                "  chain svc_{name} {{ numgen random mod {} vmap {{ {} }}; }}",
-                eps.len(),
-                picks.join(", ")
-            );
-            for (i, ep) in eps.iter().enumerate() {
-                let _ = writeln!(
-                    chains,
-                    "  chain sep_{name}_{i} {{ meta l4proto {proto} dnat to {ep}; }}"
-                );
-            }
-        }
-        let script = format!(
-            "table ip mcs_bench_kp {{}}\ndelete table ip mcs_bench_kp\ntable ip mcs_bench_kp {{\n\
-             {chains}\
-               map service_ips {{ type ipv4_addr . inet_proto . inet_service : verdict; elements = {{ {} }}; }}\n\
-               chain prerouting {{ type nat hook prerouting priority dstnat; policy accept; ip daddr . meta l4proto . th dport vmap @service_ips; }}\n\
-             }}\n",
-            elements.join(",\n    ")
-        );
-        self.load_rules("nftables.nft", &script, "nft", &["-f"], false)
-    }
-
-    /// kube-proxy's IPVS layout: a virtual server per service (NAT, rr).
-    fn program_ipvs(&self, fillers: usize) -> anyhow::Result<()> {
-        let mut rules = String::from("-C\n");
-        for KernelService {
-            vip,
-            proto,
-            port,
-            eps,
-            ..
-        } in self.kernel_services(Mode::Ipvs, fillers)
-        {
-            let flag = if proto == "udp" { "-u" } else { "-t" };
-            let _ = writeln!(rules, "-A {flag} {vip}:{port} -s rr");
-            for ep in eps {
-                let _ = writeln!(rules, "-a {flag} {vip}:{port} -r {ep} -m");
-            }
-        }
-        self.load_rules("ipvs.rules", &rules, "ipvsadm-restore", &[], true)
-    }
-
     /// Resident memory of the agent of `mode` (MiB), if it has one.
     pub fn agent_rss_mib(&self, mode: Mode) -> Option<f64> {
         super::procs::rss_mib(*self.agents.get(&mode)?)
@@ -885,20 +649,6 @@ impl Bed {
     }
 }
 
-/// A service as the kernel modes program it.
-#[derive(Debug)]
-struct KernelService {
-    name: String,
-    vip: Ipv4Addr,
-    proto: &'static str,
-    port: u16,
-    eps: Vec<SocketAddr>,
-}
-
-fn filler_eps() -> [SocketAddr; 2] {
-    FILLER_BACKENDS.map(|ip| SocketAddr::from((ip, HTTP_PORT)))
-}
-
 fn service_eps(web: &[Ipv4Addr]) -> (Vec<SocketAddr>, Vec<SocketAddr>, Vec<SocketAddr>) {
     (
         web.iter()
@@ -908,73 +658,6 @@ fn service_eps(web: &[Ipv4Addr]) -> (Vec<SocketAddr>, Vec<SocketAddr>, Vec<Socke
             .map(|ip| SocketAddr::from((*ip, UDP_PORT)))
             .collect(),
         vec![SocketAddr::from((BACKENDS[1], BULK_PORT))],
-    )
-}
-
-/// HAProxy's configuration: listening on `vip` (a node address), or with `vip` `None` behind
-/// TPROXY: one transparent listener for every intercepted frontend (as our forwarder has),
-/// the backend chosen by the original destination port.
-fn haproxy_config(vip: Option<Ipv4Addr>, web: &[Ipv4Addr]) -> String {
-    let b = BACKENDS[1];
-    let servers: String = web
-        .iter()
-        .enumerate()
-        .map(|(i, ip)| format!("  server s{i} {ip}:{HTTP_PORT}\n"))
-        .collect();
-    let proxies = match vip {
-        Some(vip) => format!(
-            "listen web\n  bind {vip}:80\n  balance roundrobin\n{servers}\
-             listen bulk\n  bind {vip}:{BULK_PORT}\n  server c2 {b}:{BULK_PORT}\n"
-        ),
-        None => format!(
-            "frontend intercepted\n  bind 0.0.0.0:{HAPROXY_TPROXY_PORT} transparent\n  use_backend bulk if {{ dst_port {BULK_PORT} }}\n  default_backend web\n\
-             backend web\n  balance roundrobin\n{servers}\
-             backend bulk\n  server c2 {b}:{BULK_PORT}\n"
-        ),
-    };
-    format!(
-        "global\n  nbthread 2\n  maxconn 4096\n  tune.pipesize 1048576\n\
-         defaults\n  mode tcp\n  timeout connect 2s\n  timeout client 60s\n  timeout server 60s\n  option splice-auto\n\
-         {proxies}"
-    )
-}
-
-/// The interception of `haproxy-tproxy`, shaped like our forwarder's: a set of frontends,
-/// `tproxy` to the listener and a mark for the local route.
-fn haproxy_tproxy_rules(vip: Ipv4Addr) -> String {
-    format!(
-        "table ip mcs_bench_haproxy_tp {{\n\
-           set frontends {{ type ipv4_addr . inet_proto . inet_service; elements = {{ {vip} . tcp . 80, {vip} . tcp . {BULK_PORT} }}; }}\n\
-           chain prerouting {{ type filter hook prerouting priority mangle; policy accept;\n\
-             meta l4proto tcp ip daddr . meta l4proto . th dport @frontends tproxy to :{HAPROXY_TPROXY_PORT} meta mark set {HAPROXY_TPROXY_MARK} accept; }}\n\
-         }}\n"
-    )
-}
-
-/// nginx's stream proxy. `proxy_half_close on` on the bulk server: without it nginx ends
-/// both directions at the client's FIN, and the sink's byte count never reaches the client
-/// (our forwarder and HAProxy pass a half-close on).
-fn nginx_proxy_config(vip: Ipv4Addr, web: &[Ipv4Addr], module: &Path, work: &Path) -> String {
-    let b = BACKENDS[1];
-    let servers = |port: u16| -> String {
-        web.iter()
-            .map(|ip| format!("server {ip}:{port}; "))
-            .collect()
-    };
-    let (web_servers, udp_servers) = (servers(HTTP_PORT), servers(UDP_PORT));
-    format!(
-        "load_module {module};\nworker_processes 2;\ndaemon off;\npid {work}/nginx-proxy.pid;\nerror_log {work}/nginx-proxy.err;\n\
-         events {{ worker_connections 8192; }}\n\
-         stream {{\n\
-           upstream web {{ {web_servers}}}\n\
-           upstream udp {{ {udp_servers}}}\n\
-           upstream bulk {{ server {b}:{BULK_PORT}; }}\n\
-           server {{ listen {vip}:80 reuseport; proxy_pass web; }}\n\
-           server {{ listen {vip}:{UDP_PORT} udp reuseport; proxy_pass udp; proxy_responses 1; proxy_timeout 5s; }}\n\
-           server {{ listen {vip}:{BULK_PORT}; proxy_pass bulk; proxy_half_close on; }}\n\
-         }}\n",
-        module = module.display(),
-        work = work.display()
     )
 }
 
