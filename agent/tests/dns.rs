@@ -261,6 +261,11 @@ fn rdatas(m: &Message) -> Vec<String> {
     v
 }
 
+/// The sorted answers of one plain UDP query (no EDNS).
+fn ask(to: SocketAddr, name: &str, t: RecordType) -> Vec<String> {
+    rdatas(&udp(to, &query(name, t, None)).0)
+}
+
 fn is_nodata(m: &Message) -> bool {
     m.metadata.response_code == ResponseCode::NoError
         && m.answers.is_empty()
@@ -295,63 +300,50 @@ fn dns_over_udp_and_tcp_from_the_agents_index() {
         m.queries[0].name().to_string(),
         "Web.Shop.svc.clusterset.local."
     );
-    let (m, _) = udp(
-        to,
-        &query("web.shop.svc.clusterset.local.", RecordType::AAAA, None),
-    );
-    assert_eq!(rdatas(&m), ["2001:2::100:10"]);
-    let (m, _) = udp(
-        to,
-        &query("web.shop.svc.clusterset.local.", RecordType::SRV, None),
+    assert_eq!(
+        ask(to, "web.shop.svc.clusterset.local.", RecordType::AAAA),
+        ["2001:2::100:10"]
     );
     assert_eq!(
-        rdatas(&m),
+        ask(to, "web.shop.svc.clusterset.local.", RecordType::SRV),
         [
             "0 100 53 web.shop.svc.clusterset.local.",
             "0 100 80 web.shop.svc.clusterset.local."
         ]
     );
-    let (m, _) = udp(
-        to,
-        &query(
+    assert_eq!(
+        ask(
+            to,
             "_http._tcp.web.shop.svc.clusterset.local.",
-            RecordType::SRV,
-            None,
+            RecordType::SRV
         ),
+        ["0 100 80 web.shop.svc.clusterset.local."]
     );
-    assert_eq!(rdatas(&m), ["0 100 80 web.shop.svc.clusterset.local."]);
 
     // Headless: ready endpoints only; names per endpoint; SRV to those names with each
     // cluster's target port.
-    let (m, _) = udp(
-        to,
-        &query("db.shop.svc.clusterset.local.", RecordType::A, None),
-    );
-    assert_eq!(rdatas(&m), ["198.18.64.2", "198.18.68.3"]);
-    let (m, _) = udp(
-        to,
-        &query("db-0.c1.db.shop.svc.clusterset.local.", RecordType::A, None),
-    );
-    assert_eq!(rdatas(&m), ["198.18.64.2"]);
-    let (m, _) = udp(
-        to,
-        &query(
-            "198-18-68-3.eu.c2.db.shop.svc.clusterset.local.",
-            RecordType::A,
-            None,
-        ),
-    );
-    assert_eq!(rdatas(&m), ["198.18.68.3"]);
-    let (m, _) = udp(
-        to,
-        &query(
-            "_pg._tcp.db.shop.svc.clusterset.local.",
-            RecordType::SRV,
-            None,
-        ),
+    assert_eq!(
+        ask(to, "db.shop.svc.clusterset.local.", RecordType::A),
+        ["198.18.64.2", "198.18.68.3"]
     );
     assert_eq!(
-        rdatas(&m),
+        ask(to, "db-0.c1.db.shop.svc.clusterset.local.", RecordType::A),
+        ["198.18.64.2"]
+    );
+    assert_eq!(
+        ask(
+            to,
+            "198-18-68-3.eu.c2.db.shop.svc.clusterset.local.",
+            RecordType::A
+        ),
+        ["198.18.68.3"]
+    );
+    assert_eq!(
+        ask(
+            to,
+            "_pg._tcp.db.shop.svc.clusterset.local.",
+            RecordType::SRV
+        ),
         [
             "0 50 15432 198-18-68-3.eu.c2.db.shop.svc.clusterset.local.",
             "0 50 5432 db-0.c1.db.shop.svc.clusterset.local."
@@ -528,22 +520,9 @@ fn dns_command_prints_the_answer_without_a_socket() {
 
 /// `kubectl apply -f -` of `yaml` with `kubeconfig`; panics unless it succeeds.
 fn kubectl_apply(kubeconfig: &Path, yaml: &str) {
-    let kubectl = mcs_test_support::apiserver::find_kube_binary("kubectl").expect("kubectl");
-    let mut child = Command::new(kubectl)
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .args(["apply", "-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(yaml.as_bytes())
-        .unwrap();
-    assert!(child.wait().unwrap().success(), "kubectl apply");
+    mcs_test_support::kubectl::Kubectl::new(kubeconfig)
+        .and_then(|k| k.apply(yaml))
+        .expect("kubectl apply");
 }
 
 /// The same index from `--source kube`: objects written to a real API server are answered.
@@ -680,26 +659,22 @@ fn coredns_with_the_shipped_snippets_forwards_clusterset_local_to_the_agent() {
         let cd_dir = tempfile::tempdir().unwrap();
         let _coredns = start_coredns(cd_dir.path(), &corefile, port);
         let to: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let (m, _) = udp(
-            to,
-            &query("web.shop.svc.clusterset.local.", RecordType::A, None),
-        );
-        assert_eq!(rdatas(&m), ["198.18.100.10"], "{what}");
-        let (m, _) = udp(
-            to,
-            &query("db-0.c1.db.shop.svc.clusterset.local.", RecordType::A, None),
-        );
-        assert_eq!(rdatas(&m), ["198.18.64.2"], "{what}");
-        let (m, _) = udp(
-            to,
-            &query(
-                "_http._tcp.web.shop.svc.clusterset.local.",
-                RecordType::SRV,
-                None,
-            ),
+        assert_eq!(
+            ask(to, "web.shop.svc.clusterset.local.", RecordType::A),
+            ["198.18.100.10"],
+            "{what}"
         );
         assert_eq!(
-            rdatas(&m),
+            ask(to, "db-0.c1.db.shop.svc.clusterset.local.", RecordType::A),
+            ["198.18.64.2"],
+            "{what}"
+        );
+        assert_eq!(
+            ask(
+                to,
+                "_http._tcp.web.shop.svc.clusterset.local.",
+                RecordType::SRV
+            ),
             ["0 100 80 web.shop.svc.clusterset.local."],
             "{what}"
         );

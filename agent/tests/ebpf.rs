@@ -13,7 +13,7 @@ use std::{
 };
 
 use mcs_test_support::{
-    cgroup::{self, TestCgroup},
+    cgroup::TestCgroup,
     netns::Netns,
     prereq,
     probe::{Probe, ProbeResult},
@@ -61,16 +61,7 @@ impl Drop for Setup {
 }
 
 fn setup() -> Option<Setup> {
-    if !require(prereq::all([
-        prereq::root(),
-        cgroup::prerequisite(),
-        prereq::program("ip"),
-        if Path::new("/sys/fs/bpf").is_dir() {
-            Ok(())
-        } else {
-            Err("bpffs not mounted".into())
-        },
-    ])) {
+    if !require(prereq::socket_lb()) {
         return None;
     }
     let ns = Netns::new("ebpf").unwrap();

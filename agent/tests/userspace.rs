@@ -189,22 +189,26 @@ fn connections_above_the_cap_are_refused_while_open_ones_continue() {
     }
     let mut sb = Sandbox::new(&ALL);
     sb.start_agent(&["--max-connections", "2"]);
-    let (open, ask) = (open_web, ask_once);
-    let a = open(&sb).unwrap();
-    let b = open(&sb).unwrap();
-    assert!(ask(&a, "a").unwrap().ends_with(" a"));
-    assert!(ask(&b, "b").unwrap().ends_with(" b"));
-    // The third is accepted by the kernel (TPROXY) and reset by the forwarder.
-    let refused = open(&sb).and_then(|c| ask(&c, "c"));
+    let (a, b) = two_served_and_a_third_refused(&sb);
+    assert!(ask_once(&b, "b2").unwrap().ends_with(" b2"));
+    drop((a, b));
+    sb.stop_agent();
+}
+
+/// Two connections to web are served, a third is refused (accepted by the kernel's TPROXY,
+/// reset by the forwarder), and the first goes on being served; returns the two.
+fn two_served_and_a_third_refused(sb: &Sandbox) -> (TcpStream, TcpStream) {
+    let a = open_web(sb).unwrap();
+    let b = open_web(sb).unwrap();
+    assert!(ask_once(&a, "a").unwrap().ends_with(" a"));
+    assert!(ask_once(&b, "b").unwrap().ends_with(" b"));
+    let refused = open_web(sb).and_then(|c| ask_once(&c, "c"));
     assert!(
         refused.as_ref().map_or(true, String::is_empty),
         "third connection served: {refused:?}"
     );
-    // The open ones carry on.
-    assert!(ask(&a, "a2").unwrap().ends_with(" a2"));
-    assert!(ask(&b, "b2").unwrap().ends_with(" b2"));
-    drop((a, b));
-    sb.stop_agent();
+    assert!(ask_once(&a, "a2").unwrap().ends_with(" a2"));
+    (a, b)
 }
 
 #[test]
@@ -631,16 +635,7 @@ fn tcp_connections_are_capped_per_client() {
     let mut sb = Sandbox::new(&ALL);
     sb.start_agent(&["--max-connections-per-client", "2"]);
     let (open, ask) = (open_web, ask_once);
-    let a = open(&sb).unwrap();
-    let b = open(&sb).unwrap();
-    assert!(ask(&a, "a").unwrap().ends_with(" a"));
-    assert!(ask(&b, "b").unwrap().ends_with(" b"));
-    let refused = open(&sb).and_then(|c| ask(&c, "c"));
-    assert!(
-        refused.as_ref().map_or(true, String::is_empty),
-        "third connection of one client served: {refused:?}"
-    );
-    assert!(ask(&a, "a2").unwrap().ends_with(" a2"));
+    let (a, b) = two_served_and_a_third_refused(&sb);
     drop((a, b));
     // Its slots come back when its connections close.
     wait_until("slots given back", || {

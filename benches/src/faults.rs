@@ -30,7 +30,10 @@ use anyhow::{Context as _, bail};
 use mcs_sandbox::{cgroup::TestCgroup, netns::Netns, topology::TwoClusters};
 use serde::{Deserialize, Serialize};
 
-use mcs_test_support::apiserver::{ApiServer, PeerApiServer, User, find_kube_binary};
+use mcs_test_support::{
+    apiserver::{ApiServer, PeerApiServer, User},
+    kubectl::Kubectl,
+};
 
 use crate::harness::bed::{http_get, metric};
 
@@ -259,44 +262,28 @@ impl Dataplane {
 /// the first (`api`), the scenario writing through the second (`peer`) while the first is down.
 /// The peer is declared first, so it stops before etcd does.
 struct ControlPlane {
-    peer: PeerApiServer,
+    /// Held so the peer runs as long as the scenario; reached only through `kubectl`.
+    _peer: PeerApiServer,
     api: ApiServer,
-    kubectl: PathBuf,
+    kubectl: Kubectl,
 }
 
 impl ControlPlane {
     fn start() -> anyhow::Result<Self> {
         mcs_test_support::apiserver::prerequisites().map_err(anyhow::Error::msg)?;
-        let kubectl = find_kube_binary("kubectl")
-            .context("kubectl not found (set MCS_KUBE_BIN_DIR or run `bash scripts/setup.sh`)")?;
         let api = ApiServer::start()?;
         let peer = api.start_peer()?;
-        Ok(Self { peer, api, kubectl })
+        let kubectl = Kubectl::new(&peer.kubeconfig(User::Admin))?;
+        Ok(Self {
+            _peer: peer,
+            api,
+            kubectl,
+        })
     }
 
     /// `kubectl apply` of `yaml` through the peer API server (up all the time).
     fn apply(&self, yaml: &str) -> anyhow::Result<()> {
-        let mut child = Command::new(&self.kubectl)
-            .arg("--kubeconfig")
-            .arg(self.peer.kubeconfig(User::Admin))
-            .args(["apply", "-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("running kubectl")?;
-        child
-            .stdin
-            .take()
-            .context("kubectl stdin")?
-            .write_all(yaml.as_bytes())?;
-        let out = child.wait_with_output()?;
-        anyhow::ensure!(
-            out.status.success(),
-            "kubectl apply: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(())
+        self.kubectl.apply(yaml)
     }
 }
 

@@ -7,115 +7,36 @@
 use std::{
     collections::BTreeSet,
     io::{Read as _, Write as _},
-    net::{SocketAddr, TcpListener, UdpSocket},
-    path::{Path, PathBuf},
+    net::SocketAddr,
     thread,
 };
 
 use aya::maps::MapData;
 use mcs_proxy::ebpf::{L4, MapSizes, SocketLb, read_pinned};
 use mcs_test_support::{
-    cgroup::{self, TestCgroup},
     netns::Netns,
-    prereq,
-    probe::{Probe, ProbeResult},
-    require,
+    probe::Probe,
+    socket_lb::{Fixture, probe_in, tcp, udp_backend},
 };
 
 mcs_test_support::probe_entry!();
 
-/// A pin directory under bpffs, unpinned (programs detached) on drop.
-struct PinDir(PathBuf);
-
-impl PinDir {
-    fn new() -> Self {
-        PinDir(Path::new("/sys/fs/bpf").join(mcs_test_support::unique_name("pin")))
-    }
-}
-
-impl Drop for PinDir {
-    fn drop(&mut self) {
-        let _ = SocketLb::uninstall(&self.0);
-    }
-}
-
-fn prerequisites() -> bool {
-    require(prereq::all([
-        prereq::root(),
-        cgroup::prerequisite(),
-        prereq::program("ip"),
-        if Path::new("/sys/fs/bpf").is_dir() {
-            Ok(())
-        } else {
-            Err("bpffs not mounted at /sys/fs/bpf".into())
-        },
-    ]))
-}
-
-/// TCP servers answering "backend <port> got <request>" until the test ends.
-fn tcp_backend(ns: &Netns, addr: &str) -> SocketAddr {
-    let l = ns
-        .run(|| TcpListener::bind(addr))
-        .unwrap()
-        .expect("bind backend");
-    let local = l.local_addr().unwrap();
-    thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { return };
-            let mut req = String::new();
-            let _ = s.read_to_string(&mut req);
-            let _ = write!(s, "backend {} got {req}", local.port());
-        }
-    });
-    local
-}
-
-fn udp_backend(ns: &Netns, addr: &str) -> SocketAddr {
-    let u = ns
-        .run(|| UdpSocket::bind(addr))
-        .unwrap()
-        .expect("bind udp backend");
-    let local = u.local_addr().unwrap();
-    thread::spawn(move || {
-        let mut buf = [0u8; 512];
-        while let Ok((n, from)) = u.recv_from(&mut buf) {
-            let reply = format!(
-                "backend {} got {}",
-                local.port(),
-                String::from_utf8_lossy(&buf[..n])
-            );
-            let _ = u.send_to(reply.as_bytes(), from);
-        }
-    });
-    local
-}
-
-fn probe(cg: &TestCgroup, ns: &Netns, p: &Probe) -> ProbeResult {
-    let mut cmd = cg.command(Some(ns), &Probe::program());
-    p.configure(&mut cmd);
-    Probe::parse(&cmd.output().expect("run probe")).expect("probe result")
-}
-
-fn tcp(to: &str) -> Probe {
-    Probe::Tcp {
-        to: to.parse().unwrap(),
-        send: "hi".into(),
-    }
+/// The socket LB loaded with its maps pinned in the fixture's directory, attached to its cgroup.
+fn open_attached(f: &Fixture) -> SocketLb {
+    let mut lb = SocketLb::open(f.pins.path()).expect("load eBPF programs");
+    lb.attach(f.cg.path()).expect("attach");
+    lb
 }
 
 #[test]
 fn tcp_udp_and_ipv6_are_translated_and_getpeername_shows_the_vip() {
-    if !prerequisites() {
+    let Some(f) = Fixture::new("bpf") else {
         return;
-    }
-    let pins = PinDir::new();
-    let ns = Netns::new("bpf").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
-    let be = tcp_backend(&ns, "127.0.0.1:0");
-    let ube = udp_backend(&ns, "127.0.0.1:0");
-    let be6 = tcp_backend(&ns, "[::1]:0");
-    let mut lb = SocketLb::open(&pins.0).expect("load eBPF programs");
-    lb.attach(cg.path()).expect("attach");
+    };
+    let be = f.tcp_backend("127.0.0.1:0");
+    let ube = f.udp_backend("127.0.0.1:0");
+    let be6 = f.tcp_backend("[::1]:0");
+    let mut lb = open_attached(&f);
     lb.set_service("198.18.0.10:80".parse().unwrap(), L4::Tcp, &[be])
         .unwrap();
     lb.set_service("198.18.0.10:53".parse().unwrap(), L4::Udp, &[ube])
@@ -124,7 +45,7 @@ fn tcp_udp_and_ipv6_are_translated_and_getpeername_shows_the_vip() {
         .unwrap();
     assert_eq!(lb.frontends_in_map(), 3);
 
-    let r = probe(&cg, &ns, &tcp("198.18.0.10:80"));
+    let r = f.probe(&tcp("198.18.0.10:80"));
     assert_eq!(r.error, None, "{r:?}");
     assert_eq!(
         r.reply,
@@ -137,14 +58,10 @@ fn tcp_udp_and_ipv6_are_translated_and_getpeername_shows_the_vip() {
         "getpeername must show the VIP"
     );
 
-    let r = probe(
-        &cg,
-        &ns,
-        &Probe::Udp {
-            to: "198.18.0.10:53".parse().unwrap(),
-            send: "q".into(),
-        },
-    );
+    let r = f.probe(&Probe::Udp {
+        to: "198.18.0.10:53".parse().unwrap(),
+        send: "q".into(),
+    });
     assert_eq!(r.error, None, "{r:?}");
     assert_eq!(r.reply, format!("backend {} got q", ube.port()));
     assert_eq!(
@@ -153,14 +70,10 @@ fn tcp_udp_and_ipv6_are_translated_and_getpeername_shows_the_vip() {
         "recvfrom must show the VIP"
     );
 
-    let r = probe(
-        &cg,
-        &ns,
-        &Probe::UdpConnected {
-            to: "198.18.0.10:53".parse().unwrap(),
-            send: "c".into(),
-        },
-    );
+    let r = f.probe(&Probe::UdpConnected {
+        to: "198.18.0.10:53".parse().unwrap(),
+        send: "c".into(),
+    });
     assert_eq!(r.error, None, "{r:?}");
     assert_eq!(
         r.reply,
@@ -173,40 +86,36 @@ fn tcp_udp_and_ipv6_are_translated_and_getpeername_shows_the_vip() {
         "getpeername on UDP"
     );
 
-    let r = probe(&cg, &ns, &tcp("[2001:2::10]:80"));
+    let r = f.probe(&tcp("[2001:2::10]:80"));
     assert_eq!(r.error, None, "{r:?}");
     assert_eq!(r.reply, format!("backend {} got hi", be6.port()));
     assert_eq!(r.peer, Some("[2001:2::10]:80".parse().unwrap()));
 
     // Outside the cgroup nothing is translated (no route to the VIP in this namespace).
-    let mut cmd = ns.command(Probe::program().to_str().unwrap());
+    let mut cmd = f.ns.command(Probe::program().to_str().unwrap());
     tcp("198.18.0.10:80").configure(&mut cmd);
     let r = Probe::parse(&cmd.output().unwrap()).unwrap();
     assert!(r.error.is_some(), "translated outside the cgroup: {r:?}");
 
     // A destination that is not a frontend is untouched.
-    let r = probe(&cg, &ns, &tcp(&be.to_string()));
+    let r = f.probe(&tcp(&be.to_string()));
     assert_eq!((r.error.as_deref(), r.peer), (None, Some(be)));
-    let read = read_pinned(&pins.0).unwrap();
+    let read = read_pinned(f.pins.path()).unwrap();
     assert_eq!(read.frontends["198.18.0.10:80/TCP"], vec![be.to_string()]);
 }
 
 #[test]
 fn removed_backends_get_no_new_connections_and_1000_services_work() {
-    if !prerequisites() {
+    let Some(f) = Fixture::new("bpf") else {
         return;
-    }
-    let pins = PinDir::new();
-    let ns = Netns::new("bpf").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
-    let a = tcp_backend(&ns, "127.0.0.1:0");
-    let b = tcp_backend(&ns, "127.0.0.1:0");
-    let mut lb = SocketLb::open(&pins.0).unwrap();
-    lb.attach(cg.path()).unwrap();
+    };
+    let a = f.tcp_backend("127.0.0.1:0");
+    let b = f.tcp_backend("127.0.0.1:0");
+    let mut lb = open_attached(&f);
     let vip: SocketAddr = "198.18.0.10:80".parse().unwrap();
     lb.set_service(vip, L4::Tcp, &[a, b]).unwrap();
     let seen: BTreeSet<String> = (0..16)
-        .map(|_| probe(&cg, &ns, &tcp("198.18.0.10:80")).reply)
+        .map(|_| f.probe(&tcp("198.18.0.10:80")).reply)
         .collect();
     assert_eq!(
         seen.len(),
@@ -215,7 +124,7 @@ fn removed_backends_get_no_new_connections_and_1000_services_work() {
     );
     lb.set_service(vip, L4::Tcp, &[b]).unwrap();
     for _ in 0..16 {
-        let r = probe(&cg, &ns, &tcp("198.18.0.10:80"));
+        let r = f.probe(&tcp("198.18.0.10:80"));
         assert_eq!(
             r.reply,
             format!("backend {} got hi", b.port()),
@@ -235,7 +144,7 @@ fn removed_backends_get_no_new_connections_and_1000_services_work() {
     assert_eq!(lb.frontends_in_map(), 1001);
     for i in [0u32, 1, 499, 998, 999] {
         let ip = std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(198, 18, 4, 0)) + i);
-        let r = probe(&cg, &ns, &tcp(&format!("{ip}:80")));
+        let r = f.probe(&tcp(&format!("{ip}:80")));
         let want = if i % 2 == 0 { a } else { b };
         assert_eq!(
             r.reply,
@@ -247,16 +156,12 @@ fn removed_backends_get_no_new_connections_and_1000_services_work() {
 
 #[test]
 fn pinned_state_outlives_the_loader_is_adopted_and_uninstall_detaches() {
-    if !prerequisites() {
+    let Some(f) = Fixture::new("bpf") else {
         return;
-    }
-    let pins = PinDir::new();
-    let ns = Netns::new("bpf").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
-    let be = tcp_backend(&ns, "127.0.0.1:0");
+    };
+    let be = f.tcp_backend("127.0.0.1:0");
     {
-        let mut lb = SocketLb::open(&pins.0).unwrap();
-        lb.attach(cg.path()).unwrap();
+        let mut lb = open_attached(&f);
         lb.set_service("198.18.0.10:80".parse().unwrap(), L4::Tcp, &[be])
             .unwrap();
         lb.set_service("198.18.0.11:80".parse().unwrap(), L4::Tcp, &[be])
@@ -264,64 +169,39 @@ fn pinned_state_outlives_the_loader_is_adopted_and_uninstall_detaches() {
         assert_eq!(lb.adopted_links(), 0);
     }
     // The loader is gone (as if the agent died): connects are still translated.
-    let r = probe(&cg, &ns, &tcp("198.18.0.10:80"));
+    let r = f.probe(&tcp("198.18.0.10:80"));
     assert_eq!(r.reply, format!("backend {} got hi", be.port()), "{r:?}");
 
     // A new loader adopts maps and links; its first (full) diff drops what is gone.
-    let mut lb = SocketLb::open(&pins.0).unwrap();
-    lb.attach(cg.path()).unwrap();
+    let mut lb = open_attached(&f);
     assert_eq!(lb.adopted_links(), mcs_proxy::ebpf::PROGRAMS.len());
     let mut diff = mcs_model::TableDiff::default();
-    let f = mcs_model::Frontend {
-        vip: "198.18.0.10".parse().unwrap(),
-        port: 80,
-        protocol: mcs_model::Protocol::Tcp,
-    };
-    diff.upsert.insert(
-        f,
-        std::sync::Arc::new(mcs_model::Service {
-            service: "ns/web".into(),
-            affinity: None,
-            backends: vec![mcs_model::Backend {
-                address: be.ip(),
-                port: be.port(),
-                cluster: "c1".into(),
-                zone: None,
-                ready: true,
-                serving: true,
-                terminating: false,
-                selected: true,
-            }],
-        }),
-    );
+    diff.upsert
+        .insert(frontend("198.18.0.10:80"), service("web", &[be]).into());
     mcs_model::Dataplane::apply(&mut lb, &diff).unwrap();
     assert_eq!(
         lb.frontends_in_map(),
         1,
         "the frontend missing from the full table stays"
     );
-    let r = probe(&cg, &ns, &tcp("198.18.0.10:80"));
+    let r = f.probe(&tcp("198.18.0.10:80"));
     assert_eq!(r.reply, format!("backend {} got hi", be.port()));
     drop(lb);
 
     // Uninstall: links unpinned (programs detached), maps gone.
-    SocketLb::uninstall(&pins.0).unwrap();
-    assert!(!pins.0.exists());
-    let r = probe(&cg, &ns, &tcp("198.18.0.10:80"));
+    SocketLb::uninstall(f.pins.path()).unwrap();
+    assert!(!f.pins.path().exists());
+    let r = f.probe(&tcp("198.18.0.10:80"));
     assert!(r.error.is_some(), "still translated after uninstall: {r:?}");
 }
 
 #[test]
 fn client_ip_affinity_holds_per_client() {
-    if !prerequisites() {
+    let Some(f) = Fixture::new("bpf") else {
         return;
-    }
-    let pins = PinDir::new();
-    let ns = Netns::new("bpf").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
-    let backends: Vec<SocketAddr> = (0..4).map(|_| tcp_backend(&ns, "127.0.0.1:0")).collect();
-    let mut lb = SocketLb::open(&pins.0).unwrap();
-    lb.attach(cg.path()).unwrap();
+    };
+    let backends: Vec<SocketAddr> = (0..4).map(|_| f.tcp_backend("127.0.0.1:0")).collect();
+    let mut lb = open_attached(&f);
     lb.set_service_with(
         "198.18.0.12:80".parse().unwrap(),
         L4::Tcp,
@@ -331,34 +211,30 @@ fn client_ip_affinity_holds_per_client() {
     .unwrap();
     // Every connection of this client (its network namespace) lands on one backend.
     let seen: BTreeSet<String> = (0..12)
-        .map(|_| probe(&cg, &ns, &tcp("198.18.0.12:80")).reply)
+        .map(|_| f.probe(&tcp("198.18.0.12:80")).reply)
         .collect();
     assert_eq!(seen.len(), 1, "affinity broken: {seen:?}");
     // Without affinity the same client is spread.
     lb.set_service("198.18.0.12:80".parse().unwrap(), L4::Tcp, &backends)
         .unwrap();
     let seen: BTreeSet<String> = (0..16)
-        .map(|_| probe(&cg, &ns, &tcp("198.18.0.12:80")).reply)
+        .map(|_| f.probe(&tcp("198.18.0.12:80")).reply)
         .collect();
     assert!(seen.len() > 1, "no spread without affinity: {seen:?}");
 }
 
 #[test]
 fn maglev_selection_is_consistent_per_client_across_reprogramming() {
-    if !prerequisites() {
+    let Some(f) = Fixture::new("bpf") else {
         return;
-    }
-    let pins = PinDir::new();
-    let ns = Netns::new("bpf").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
-    let backends: Vec<SocketAddr> = (0..5).map(|_| tcp_backend(&ns, "127.0.0.1:0")).collect();
-    let mut lb = SocketLb::open(&pins.0).unwrap();
-    lb.attach(cg.path()).unwrap();
+    };
+    let backends: Vec<SocketAddr> = (0..5).map(|_| f.tcp_backend("127.0.0.1:0")).collect();
+    let mut lb = open_attached(&f);
     lb.set_maglev(true);
     let vip: SocketAddr = "198.18.0.13:80".parse().unwrap();
     lb.set_service(vip, L4::Tcp, &backends).unwrap();
     let seen: BTreeSet<String> = (0..12)
-        .map(|_| probe(&cg, &ns, &tcp("198.18.0.13:80")).reply)
+        .map(|_| f.probe(&tcp("198.18.0.13:80")).reply)
         .collect();
     assert_eq!(
         seen.len(),
@@ -367,7 +243,7 @@ fn maglev_selection_is_consistent_per_client_across_reprogramming() {
     );
     // Reprogramming the same backends (new ids) keeps the client where it was.
     lb.set_service(vip, L4::Tcp, &backends).unwrap();
-    let again = probe(&cg, &ns, &tcp("198.18.0.13:80")).reply;
+    let again = f.probe(&tcp("198.18.0.13:80")).reply;
     assert_eq!(Some(&again), seen.iter().next());
     // Removing the frontend removes its table; the maps hold nothing for it.
     lb.remove_service(vip, L4::Tcp);
@@ -379,41 +255,33 @@ fn maglev_selection_is_consistent_per_client_across_reprogramming() {
 /// getpeername/recvfrom show the mapped VIP it asked for.
 #[test]
 fn a_dual_stack_socket_to_a_v4_mapped_vip_uses_the_ipv4_frontend() {
-    if !prerequisites() {
+    let Some(f) = Fixture::new("bpf") else {
         return;
-    }
-    let pins = PinDir::new();
-    let ns = Netns::new("bpf").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
-    let be = tcp_backend(&ns, "127.0.0.1:0");
-    let ube = udp_backend(&ns, "127.0.0.1:0");
-    let mut lb = SocketLb::open(&pins.0).expect("load eBPF programs");
-    lb.attach(cg.path()).expect("attach");
+    };
+    let be = f.tcp_backend("127.0.0.1:0");
+    let ube = f.udp_backend("127.0.0.1:0");
+    let mut lb = open_attached(&f);
     lb.set_service("198.18.0.10:80".parse().unwrap(), L4::Tcp, &[be])
         .unwrap();
     lb.set_service("198.18.0.10:53".parse().unwrap(), L4::Udp, &[ube])
         .unwrap();
 
-    let r = probe(&cg, &ns, &tcp("[::ffff:198.18.0.10]:80"));
+    let r = f.probe(&tcp("[::ffff:198.18.0.10]:80"));
     assert_eq!(r.error, None, "{r:?}");
     assert_eq!(r.reply, format!("backend {} got hi", be.port()));
     assert_eq!(r.peer, Some("[::ffff:198.18.0.10]:80".parse().unwrap()));
 
-    let r = probe(
-        &cg,
-        &ns,
-        &Probe::Udp {
-            to: "[::ffff:198.18.0.10]:53".parse().unwrap(),
-            send: "m".into(),
-        },
-    );
+    let r = f.probe(&Probe::Udp {
+        to: "[::ffff:198.18.0.10]:53".parse().unwrap(),
+        send: "m".into(),
+    });
     assert_eq!(r.error, None, "{r:?}");
     assert_eq!(r.reply, format!("backend {} got m", ube.port()));
     assert_eq!(r.peer, Some("[::ffff:198.18.0.10]:53".parse().unwrap()));
 
     // A mapped address that is no IPv4 frontend is untouched (the backend itself).
     let mapped_be: SocketAddr = format!("[::ffff:127.0.0.1]:{}", be.port()).parse().unwrap();
-    let r = probe(&cg, &ns, &tcp(&mapped_be.to_string()));
+    let r = f.probe(&tcp(&mapped_be.to_string()));
     assert_eq!((r.error.as_deref(), r.peer), (None, Some(mapped_be)));
 }
 
@@ -453,15 +321,11 @@ fn service(name: &str, backends: &[SocketAddr]) -> mcs_model::Service {
 #[test]
 fn a_frontend_that_does_not_fit_is_rejected_alone_and_nothing_leaks() {
     use mcs_model::{Dataplane as _, TableDiff};
-    if !prerequisites() {
+    let Some(f) = Fixture::new("bpf") else {
         return;
-    }
-    let pins = PinDir::new();
-    let ns = Netns::new("bpf").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
-    let good = tcp_backend(&ns, "127.0.0.1:0");
-    let mut lb = SocketLb::open(&pins.0).unwrap();
-    lb.attach(cg.path()).unwrap();
+    };
+    let good = f.tcp_backend("127.0.0.1:0");
+    let mut lb = open_attached(&f);
     lb.limit_backend_ids(3);
     let many: Vec<SocketAddr> = (0..1100)
         .map(|i| SocketAddr::from(([127, 0, 1, (i % 250) as u8 + 1], 1000 + i as u16)))
@@ -497,9 +361,9 @@ fn a_frontend_that_does_not_fit_is_rejected_alone_and_nothing_leaks() {
             ]
         );
     }
-    let read = read_pinned(&pins.0).unwrap();
+    let read = read_pinned(f.pins.path()).unwrap();
     assert_eq!(read.frontends.len(), 1, "{read:?}");
-    let r = probe(&cg, &ns, &tcp("198.18.0.10:80"));
+    let r = f.probe(&tcp("198.18.0.10:80"));
     assert_eq!(r.reply, format!("backend {} got hi", good.port()), "{r:?}");
     // Room frees (the good frontend goes): the one that did not fit is programmed.
     let mut diff = TableDiff::default();
@@ -509,7 +373,7 @@ fn a_frontend_that_does_not_fit_is_rejected_alone_and_nothing_leaks() {
     assert_eq!(failed, ["ServiceImport ns/huge"]);
     assert_eq!(lb.backend_ids(), 3);
     assert_eq!(
-        read_pinned(&pins.0).unwrap().frontends["198.18.0.12:80/TCP"].len(),
+        read_pinned(f.pins.path()).unwrap().frontends["198.18.0.12:80/TCP"].len(),
         3
     );
 }
@@ -521,19 +385,16 @@ fn a_frontend_that_does_not_fit_is_rejected_alone_and_nothing_leaks() {
 #[test]
 fn maps_are_sized_as_asked_and_a_pinned_size_is_kept() {
     use mcs_model::{Dataplane as _, TableDiff};
-    if !prerequisites() {
+    let Some(f) = Fixture::new("bpf") else {
         return;
-    }
-    let pins = PinDir::new();
-    let ns = Netns::new("bpf").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
+    };
     let small = MapSizes {
         services: 10,
         backends: 64,
         members: 16,
         maglev: 251,
     };
-    let mut lb = SocketLb::open_sized(&pins.0, small).unwrap();
+    let mut lb = SocketLb::open_sized(f.pins.path(), small).unwrap();
     assert_eq!(lb.capacity(), small);
     for (map, entries) in [
         ("MCS_SVC4_V1", 10),
@@ -542,12 +403,15 @@ fn maps_are_sized_as_asked_and_a_pinned_size_is_kept() {
         ("MCS_MEMBER_V1", 16),
         ("MCS_MAGLEV_V1", 251),
     ] {
-        let info = MapData::from_pin(pins.0.join(map)).unwrap().info().unwrap();
+        let info = MapData::from_pin(f.pins.path().join(map))
+            .unwrap()
+            .info()
+            .unwrap();
         assert_eq!(info.max_entries(), entries, "{map}");
         assert_eq!(info.map_flags() & 1, 1, "{map} is not BPF_F_NO_PREALLOC");
     }
-    lb.attach(cg.path()).unwrap();
-    let good = tcp_backend(&ns, "127.0.0.1:0");
+    lb.attach(f.cg.path()).unwrap();
+    let good = f.tcp_backend("127.0.0.1:0");
     let three = |n: u8| -> Vec<SocketAddr> {
         (0..3)
             .map(|i| SocketAddr::from(([127, 0, 3, n], 3000 + i)))
@@ -575,7 +439,7 @@ fn maps_are_sized_as_asked_and_a_pinned_size_is_kept() {
     assert_eq!(failed, ["ServiceImport ns/d"]);
     assert_eq!(lb.frontends_in_map(), 3);
     assert_eq!(lb.backend_ids(), 7, "backend ids leaked");
-    let r = probe(&cg, &ns, &tcp("198.18.0.21:80"));
+    let r = f.probe(&tcp("198.18.0.21:80"));
     assert_eq!(r.reply, format!("backend {} got hi", good.port()), "{r:?}");
     let v1 = lb.unprogrammed_version();
     lb.apply(&TableDiff::default()).unwrap();
@@ -593,10 +457,10 @@ fn maps_are_sized_as_asked_and_a_pinned_size_is_kept() {
     assert_eq!(lb.frontends_in_map(), 3);
     drop(lb);
     // A restarted agent asking for more adopts the maps as they are.
-    let lb = SocketLb::open_sized(&pins.0, MapSizes::default()).unwrap();
+    let lb = SocketLb::open_sized(f.pins.path(), MapSizes::default()).unwrap();
     assert_eq!(lb.capacity(), small);
     assert_eq!(lb.frontends_in_map(), 3);
-    let r = probe(&cg, &ns, &tcp("198.18.0.21:80"));
+    let r = f.probe(&tcp("198.18.0.21:80"));
     assert_eq!(r.reply, format!("backend {} got hi", good.port()), "{r:?}");
 }
 
@@ -604,24 +468,20 @@ fn maps_are_sized_as_asked_and_a_pinned_size_is_kept() {
 /// scale-up from one backend to eight.
 #[test]
 fn affinity_survives_a_scale_up() {
-    if !prerequisites() {
+    let Some(f) = Fixture::new("bpf") else {
         return;
-    }
-    let pins = PinDir::new();
-    let ns = Netns::new("bpf").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
-    let backends: Vec<SocketAddr> = (0..8).map(|_| tcp_backend(&ns, "127.0.0.1:0")).collect();
-    let mut lb = SocketLb::open(&pins.0).unwrap();
-    lb.attach(cg.path()).unwrap();
+    };
+    let backends: Vec<SocketAddr> = (0..8).map(|_| f.tcp_backend("127.0.0.1:0")).collect();
+    let mut lb = open_attached(&f);
     let vip: SocketAddr = "198.18.0.13:80".parse().unwrap();
     lb.set_service_with(vip, L4::Tcp, &backends[..1], Some(600))
         .unwrap();
-    let first = probe(&cg, &ns, &tcp("198.18.0.13:80")).reply;
+    let first = f.probe(&tcp("198.18.0.13:80")).reply;
     assert_eq!(first, format!("backend {} got hi", backends[0].port()));
     for n in 2..=8 {
         lb.set_service_with(vip, L4::Tcp, &backends[..n], Some(600))
             .unwrap();
-        let r = probe(&cg, &ns, &tcp("198.18.0.13:80"));
+        let r = f.probe(&tcp("198.18.0.13:80"));
         assert_eq!(r.reply, first, "affinity lost when scaling to {n} backends");
     }
     assert_eq!(lb.backend_ids(), 8);
@@ -631,16 +491,12 @@ fn affinity_survives_a_scale_up() {
 /// on one of its own backends, never on the other's.
 #[test]
 fn racing_connects_never_land_on_another_services_backend() {
-    if !prerequisites() {
+    let Some(f) = Fixture::new("bpf") else {
         return;
-    }
-    let pins = PinDir::new();
-    let ns = Netns::new("bpf").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
-    let a: Vec<SocketAddr> = (0..3).map(|_| tcp_backend(&ns, "127.0.0.1:0")).collect();
-    let b: Vec<SocketAddr> = (0..3).map(|_| tcp_backend(&ns, "127.0.0.1:0")).collect();
-    let mut lb = SocketLb::open(&pins.0).unwrap();
-    lb.attach(cg.path()).unwrap();
+    };
+    let a: Vec<SocketAddr> = (0..3).map(|_| f.tcp_backend("127.0.0.1:0")).collect();
+    let b: Vec<SocketAddr> = (0..3).map(|_| f.tcp_backend("127.0.0.1:0")).collect();
+    let mut lb = open_attached(&f);
     let (va, vb): (SocketAddr, SocketAddr) = (
         "198.18.0.14:80".parse().unwrap(),
         "198.18.0.15:80".parse().unwrap(),
@@ -668,7 +524,7 @@ fn racing_connects_never_land_on_another_services_backend() {
         .collect();
     let mut served = 0;
     for _ in 0..60 {
-        let r = probe(&cg, &ns, &tcp("198.18.0.14:80"));
+        let r = f.probe(&tcp("198.18.0.14:80"));
         assert_eq!(r.error, None, "a connect failed during updates: {r:?}");
         assert!(own.contains(&r.reply), "landed elsewhere: {r:?}");
         served += 1;
@@ -686,15 +542,11 @@ fn racing_connects_never_land_on_another_services_backend() {
 /// moves, once, to another and stays there.
 #[test]
 fn unconnected_udp_keeps_its_backend_while_it_is_selected() {
-    if !prerequisites() {
+    let Some(f) = Fixture::new("bpf") else {
         return;
-    }
-    let pins = PinDir::new();
-    let ns = Netns::new("bpf").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
-    let backends: Vec<SocketAddr> = (0..8).map(|_| udp_backend(&ns, "127.0.0.1:0")).collect();
-    let mut lb = SocketLb::open(&pins.0).unwrap();
-    lb.attach(cg.path()).unwrap();
+    };
+    let backends: Vec<SocketAddr> = (0..8).map(|_| f.udp_backend("127.0.0.1:0")).collect();
+    let mut lb = open_attached(&f);
     let vip: SocketAddr = "198.18.0.16:53".parse().unwrap();
     lb.set_service(vip, L4::Udp, &backends[..4]).unwrap();
     let sync = tempfile::tempdir().unwrap();
@@ -704,7 +556,7 @@ fn unconnected_udp_keeps_its_backend_while_it_is_selected() {
         segments: 3,
         sync_dir: sync.path().to_path_buf(),
     };
-    let mut cmd = cg.command(Some(&ns), &Probe::program());
+    let mut cmd = f.cg.command(Some(&f.ns), &Probe::program());
     p.configure(&mut cmd);
     let child = cmd
         .stdout(std::process::Stdio::piped())
@@ -759,18 +611,15 @@ fn unconnected_udp_keeps_its_backend_while_it_is_selected() {
 /// second they took, and another pod's socket still sees replies from the VIP.
 #[test]
 fn one_pod_cannot_flush_the_reverse_translations_of_others() {
-    if !prerequisites() {
+    // The fixture's namespace is the victim's; the attacker has one of its own.
+    let Some(f) = Fixture::new("bpfv") else {
         return;
-    }
-    let pins = PinDir::new();
-    let victim_ns = Netns::new("bpfv").unwrap();
+    };
     let attacker_ns = Netns::new("bpfa").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
-    let be = udp_backend(&victim_ns, "127.0.0.1:0");
+    let be = f.udp_backend("127.0.0.1:0");
     // The same backend address answers in the attacker's namespace too.
     let _sink = udp_backend(&attacker_ns, &be.to_string());
-    let mut lb = SocketLb::open(&pins.0).unwrap();
-    lb.attach(cg.path()).unwrap();
+    let mut lb = open_attached(&f);
     let vip: SocketAddr = "198.18.0.17:53".parse().unwrap();
     lb.set_service(vip, L4::Udp, &[be]).unwrap();
     let sync = tempfile::tempdir().unwrap();
@@ -780,7 +629,7 @@ fn one_pod_cannot_flush_the_reverse_translations_of_others() {
         segments: 2,
         sync_dir: sync.path().to_path_buf(),
     };
-    let mut cmd = cg.command(Some(&victim_ns), &Probe::program());
+    let mut cmd = f.cg.command(Some(&f.ns), &Probe::program());
     victim.configure(&mut cmd);
     let child = cmd
         .stdout(std::process::Stdio::piped())
@@ -795,10 +644,10 @@ fn one_pod_cannot_flush_the_reverse_translations_of_others() {
         );
         thread::sleep(std::time::Duration::from_millis(10));
     }
-    let before = mcs_proxy::ebpf::reverse_entries(&pins.0).unwrap().0;
+    let before = mcs_proxy::ebpf::reverse_entries(f.pins.path()).unwrap().0;
     let started = std::time::Instant::now();
-    let flood = probe(
-        &cg,
+    let flood = probe_in(
+        &f.cg,
         &attacker_ns,
         &Probe::UdpFlood {
             to: vip,
@@ -809,7 +658,7 @@ fn one_pod_cannot_flush_the_reverse_translations_of_others() {
     // either end.
     let windows = started.elapsed().as_secs() as usize + 2;
     assert!(flood.ok > 19_000, "{flood:?}");
-    let added = mcs_proxy::ebpf::reverse_entries(&pins.0).unwrap().0 - before;
+    let added = mcs_proxy::ebpf::reverse_entries(f.pins.path()).unwrap().0 - before;
     let bound = windows * mcs_ebpf_common::NETNS_QUOTA_PER_WINDOW as usize;
     assert!(
         added <= bound,
@@ -823,21 +672,6 @@ fn one_pod_cannot_flush_the_reverse_translations_of_others() {
         [vip, vip],
         "the victim's reverse translation was flushed"
     );
-}
-
-/// A TCP backend in `ns` that runs `serve` on each connection.
-fn special_tcp_backend(ns: &Netns, serve: fn(std::net::TcpStream)) -> SocketAddr {
-    let l = ns
-        .run(|| TcpListener::bind("127.0.0.1:0"))
-        .unwrap()
-        .expect("bind backend");
-    let local = l.local_addr().unwrap();
-    thread::spawn(move || {
-        for s in l.incoming().flatten() {
-            thread::spawn(move || serve(s));
-        }
-    });
-    local
 }
 
 fn abort(s: std::net::TcpStream) {
@@ -854,13 +688,10 @@ fn abort(s: std::net::TcpStream) {
 /// the backend as a reset, and clean closes are EOF after every byte.
 #[test]
 fn resets_and_clean_closes_pass_through_the_socket_lb() {
-    if !prerequisites() {
+    let Some(f) = Fixture::new("bpf") else {
         return;
-    }
-    let pins = PinDir::new();
-    let ns = Netns::new("bpf").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
-    let resetting = special_tcp_backend(&ns, |mut s| {
+    };
+    let resetting = f.special_tcp_backend(|mut s| {
         let mut buf = [0u8; 64];
         let _ = s.read(&mut buf);
         let _ = s.write_all(b"partial-");
@@ -868,7 +699,7 @@ fn resets_and_clean_closes_pass_through_the_socket_lb() {
         abort(s);
     });
     static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
-    let observing = special_tcp_backend(&ns, |mut s| {
+    let observing = f.special_tcp_backend(|mut s| {
         let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(5)));
         let mut got = Vec::new();
         let how = match s.read_to_end(&mut got) {
@@ -879,9 +710,8 @@ fn resets_and_clean_closes_pass_through_the_socket_lb() {
             .unwrap()
             .push(format!("{} {how}", String::from_utf8_lossy(&got)));
     });
-    let echo = tcp_backend(&ns, "127.0.0.1:0");
-    let mut lb = SocketLb::open(&pins.0).unwrap();
-    lb.attach(cg.path()).unwrap();
+    let echo = f.tcp_backend("127.0.0.1:0");
+    let mut lb = open_attached(&f);
     lb.set_service("198.18.0.20:80".parse().unwrap(), L4::Tcp, &[resetting])
         .unwrap();
     lb.set_service("198.18.0.21:80".parse().unwrap(), L4::Tcp, &[observing])
@@ -889,21 +719,17 @@ fn resets_and_clean_closes_pass_through_the_socket_lb() {
     lb.set_service("198.18.0.22:80".parse().unwrap(), L4::Tcp, &[echo])
         .unwrap();
 
-    let r = probe(&cg, &ns, &tcp("198.18.0.20:80"));
+    let r = f.probe(&tcp("198.18.0.20:80"));
     assert_eq!(r.reply, "partial-", "{r:?}");
     assert!(
         r.error.as_deref().is_some_and(|e| e.contains("reset")),
         "a backend's reset did not reach the client: {r:?}"
     );
 
-    let r = probe(
-        &cg,
-        &ns,
-        &Probe::TcpReset {
-            to: "198.18.0.21:80".parse().unwrap(),
-            send: "hello".into(),
-        },
-    );
+    let r = f.probe(&Probe::TcpReset {
+        to: "198.18.0.21:80".parse().unwrap(),
+        send: "hello".into(),
+    });
     assert_eq!(r.error, None, "{r:?}");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     while SEEN.lock().unwrap().is_empty() {
@@ -913,7 +739,7 @@ fn resets_and_clean_closes_pass_through_the_socket_lb() {
     assert_eq!(SEEN.lock().unwrap()[0], "hello ConnectionReset");
 
     // Clean: the request half-closed, the whole answer, then EOF.
-    let r = probe(&cg, &ns, &tcp("198.18.0.22:80"));
+    let r = f.probe(&tcp("198.18.0.22:80"));
     assert_eq!(r.error, None, "{r:?}");
     assert_eq!(r.reply, format!("backend {} got hi", echo.port()));
 }
@@ -922,27 +748,19 @@ fn resets_and_clean_closes_pass_through_the_socket_lb() {
 /// back byte for byte: the kernel's own connection carries them, the LB only chose its peer.
 #[test]
 fn random_payloads_arrive_byte_exact_both_ways_through_the_socket_lb() {
-    if !prerequisites() {
+    let Some(f) = Fixture::new("bpf") else {
         return;
-    }
-    let pins = PinDir::new();
-    let ns = Netns::new("bpf").unwrap();
-    let cg = TestCgroup::new("bpf").unwrap();
-    let echo = special_tcp_backend(&ns, mcs_test_support::probe::echo_until_eof);
-    let mut lb = SocketLb::open(&pins.0).unwrap();
-    lb.attach(cg.path()).unwrap();
+    };
+    let echo = f.special_tcp_backend(mcs_test_support::probe::echo_until_eof);
+    let mut lb = open_attached(&f);
     lb.set_service("198.18.0.30:80".parse().unwrap(), L4::Tcp, &[echo])
         .unwrap();
     let sizes = mcs_test_support::probe::PAYLOAD_SIZES.to_vec();
     let n = sizes.len() as u32;
-    let r = probe(
-        &cg,
-        &ns,
-        &Probe::TcpEchoPayloads {
-            to: "198.18.0.30:80".parse().unwrap(),
-            sizes,
-            seed: 7,
-        },
-    );
+    let r = f.probe(&Probe::TcpEchoPayloads {
+        to: "198.18.0.30:80".parse().unwrap(),
+        sizes,
+        seed: 7,
+    });
     assert_eq!((r.ok, r.failed), (n, 0), "{:?}", r.error);
 }

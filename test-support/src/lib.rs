@@ -14,15 +14,19 @@
 //!   from 198.18.0.0/15 and 2001:2::/48 only, cgroups; removed on drop).
 //! - [`probe`]: a client that runs as a child process (inside a netns and a cgroup) and
 //!   reports what the kernel did with its connect().
+//! - [`socket_lb`]: the eBPF socket LB's fixture (pins, cgroup, namespace, echo backends).
+//! - [`kubectl`]: commands with standard input, and `kubectl` against a test API server.
 //!
 //! Every resource a helper creates carries the test process id in its name
 //! (`mcst<pid>-...`); [`sweep_stale`] removes those left by a test process that was killed.
 #![forbid(unsafe_code)]
 
 pub mod apiserver;
+pub mod kubectl;
 pub mod node;
 pub mod prereq;
 pub mod probe;
+pub mod socket_lb;
 mod supervise;
 
 pub(crate) use mcs_sandbox::pid_alive;

@@ -62,3 +62,22 @@ pub fn all(checks: impl IntoIterator<Item = Result<(), String>>) -> Result<(), S
         Err(missing.join("; "))
     }
 }
+
+/// bpffs mounted at `/sys/fs/bpf`.
+pub fn bpffs() -> Result<(), String> {
+    if std::path::Path::new("/sys/fs/bpf").is_dir() {
+        Ok(())
+    } else {
+        Err("bpffs not mounted at /sys/fs/bpf".into())
+    }
+}
+
+/// What a test of the eBPF socket LB needs: root, cgroup v2, `ip`, bpffs.
+pub fn socket_lb() -> Result<(), String> {
+    all([
+        root(),
+        crate::cgroup::prerequisite(),
+        program("ip"),
+        bpffs(),
+    ])
+}

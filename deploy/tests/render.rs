@@ -5,7 +5,7 @@
 
 use std::{
     path::{Path, PathBuf},
-    process::{Command, Stdio},
+    process::Command,
 };
 
 use mcs_test_support::{
@@ -13,41 +13,13 @@ use mcs_test_support::{
     prereq, require,
 };
 
-fn deploy() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy")
-}
-
 fn kubectl() -> PathBuf {
     apiserver::find_kube_binary("kubectl").expect("kubectl")
 }
 
+/// Runs `cmd` with `stdin`; its output, insisting on success.
 fn run(cmd: &mut Command, stdin: Option<&str>) -> String {
-    use std::io::Write as _;
-    let mut child = cmd
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    if let Some(text) = stdin {
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(text.as_bytes())
-            .unwrap();
-    }
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    mcs_test_support::kubectl::stdout_of(cmd, stdin).unwrap()
 }
 
 /// Helm's pod templates carry `checksum/config` (the ConfigMap's hash, so that a changed
@@ -121,7 +93,10 @@ fn helm_template(extra: &[&str]) -> String {
             .args([
                 "template",
                 "mcs",
-                &deploy().join("helm/mcs-dataplane").display().to_string(),
+                &mcs_deploy::dir()
+                    .join("helm/mcs-dataplane")
+                    .display()
+                    .to_string(),
                 "--set",
                 "clustersetIPCIDRs={198.18.100.0/24,2001:2::100:0/112}",
             ])
@@ -138,14 +113,14 @@ fn kustomize_base_and_helm_chart_render_the_same_objects() {
     let kustomized = run(
         Command::new(kubectl())
             .arg("kustomize")
-            .arg(deploy().join("kustomize/base")),
+            .arg(mcs_deploy::dir().join("kustomize/base")),
         None,
     );
     // The ClusterSetIP range is required: the base leaves it empty (the agent refuses to
     // start so) and the chart refuses to render without it.
     let out = Command::new("helm")
         .args(["template", "mcs"])
-        .arg(deploy().join("helm/mcs-dataplane"))
+        .arg(mcs_deploy::dir().join("helm/mcs-dataplane"))
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -206,7 +181,7 @@ fn admin_kubectl() -> (PathBuf, impl Fn(&[&str], Option<&str>) -> String) {
     // Once per test binary: two tests applying it at once race to create it.
     static NAMESPACE: std::sync::Once = std::sync::Once::new();
     NAMESPACE.call_once(|| {
-        let ns = deploy().join("kustomize/base/namespace.yaml");
+        let ns = mcs_deploy::dir().join("kustomize/base/namespace.yaml");
         k(&["apply", "-f", &ns.display().to_string()], None);
     });
     (kc, k)
@@ -223,7 +198,7 @@ fn the_apiserver_accepts_crds_base_and_chart() {
             "apply",
             "--dry-run=server",
             "-k",
-            &deploy().join("crds").display().to_string(),
+            &mcs_deploy::dir().join("crds").display().to_string(),
         ],
         None,
     );
@@ -233,7 +208,10 @@ fn the_apiserver_accepts_crds_base_and_chart() {
             "apply",
             "--dry-run=server",
             "-k",
-            &deploy().join("kustomize/base").display().to_string(),
+            &mcs_deploy::dir()
+                .join("kustomize/base")
+                .display()
+                .to_string(),
         ],
         None,
     );
@@ -324,7 +302,7 @@ fn with_the_controller_kustomize_and_helm_agree_and_its_roles_are_least_privileg
     let kustomized = run(
         Command::new(kubectl())
             .arg("kustomize")
-            .arg(deploy().join("kustomize/with-controller")),
+            .arg(mcs_deploy::dir().join("kustomize/with-controller")),
         None,
     );
     let helmed = helm_template(&["--set", "controller.enabled=true"]);
@@ -362,7 +340,7 @@ fn with_the_controller_kustomize_and_helm_agree_and_its_roles_are_least_privileg
             &[
                 "apply",
                 "-f",
-                &deploy()
+                &mcs_deploy::dir()
                     .join("kustomize/with-controller")
                     .join(f)
                     .display()
@@ -510,7 +488,7 @@ fn dns_service_and_the_aks_coredns_custom_snippet() {
 
     let out = Command::new("helm")
         .args(["template", "mcs"])
-        .arg(deploy().join("helm/mcs-dataplane"))
+        .arg(mcs_deploy::dir().join("helm/mcs-dataplane"))
         .args([
             "--set",
             "clustersetIPCIDRs={198.18.100.0/24}",
@@ -533,7 +511,7 @@ fn dns_service_and_the_aks_coredns_custom_snippet() {
         .into_iter()
         .find(|o| o["metadata"]["name"] == "coredns-custom")
         .expect("the coredns-custom ConfigMap");
-    let shipped = std::fs::read_to_string(deploy().join("dns/aks-coredns-custom.yaml"))
+    let shipped = std::fs::read_to_string(mcs_deploy::dir().join("dns/aks-coredns-custom.yaml"))
         .unwrap()
         .replace("MCS_DNS_IP", ip);
     assert_eq!(

@@ -8,52 +8,30 @@
 //! namespace controller's clean-up pass.
 
 use std::{
-    io::Write as _,
-    path::{Path, PathBuf},
-    process::{Command, Output, Stdio},
+    path::Path,
+    process::Output,
     time::{Duration, Instant},
 };
 
-use mcs_test_support::apiserver::{self, ApiServer, User};
+use mcs_test_support::{
+    apiserver::{self, ApiServer, User},
+    kubectl::Kubectl,
+};
 
 const NS: &str = "shop";
 const CONTROLLER: &str = "system:serviceaccount:mcs-system:mcs-controller";
 
-fn deploy() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy")
-}
+/// The admin's kubectl, with what this test asks of it.
+struct Admin(Kubectl);
 
-struct Kubectl {
-    bin: PathBuf,
-    kubeconfig: PathBuf,
-}
-
-impl Kubectl {
+impl Admin {
     fn run(&self, args: &[&str], stdin: Option<&str>) -> Output {
-        let mut child = Command::new(&self.bin)
-            .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut input = child.stdin.take().unwrap();
-        input.write_all(stdin.unwrap_or("").as_bytes()).unwrap();
-        drop(input);
-        child.wait_with_output().unwrap()
+        self.0.run(args, stdin).expect("kubectl")
     }
 
     /// Runs and insists on success.
     fn ok(&self, args: &[&str], stdin: Option<&str>) -> String {
-        let out = self.run(args, stdin);
-        assert!(
-            out.status.success(),
-            "kubectl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).to_string()
+        self.0.ok(args, stdin).unwrap()
     }
 
     fn apply_file(&self, path: &Path) {
@@ -120,14 +98,11 @@ fn roles_let_editors_export_and_viewers_read_and_only_the_controller_writes_impo
     let mut api = ApiServer::start().expect("API server");
     api.start_controller_manager()
         .expect("kube-controller-manager");
-    let k = Kubectl {
-        bin: apiserver::find_kube_binary("kubectl").unwrap(),
-        kubeconfig: api.kubeconfig(User::Admin),
-    };
+    let k = Admin(Kubectl::new(&api.kubeconfig(User::Admin)).unwrap());
     k.ok(&["create", "namespace", NS], None);
-    k.apply_file(&deploy().join("kustomize/base/namespace.yaml"));
-    k.apply_file(&deploy().join("kustomize/base/user-roles.yaml"));
-    k.apply_file(&deploy().join("kustomize/with-controller/controller-rbac.yaml"));
+    k.apply_file(&mcs_deploy::dir().join("kustomize/base/namespace.yaml"));
+    k.apply_file(&mcs_deploy::dir().join("kustomize/base/user-roles.yaml"));
+    k.apply_file(&mcs_deploy::dir().join("kustomize/with-controller/controller-rbac.yaml"));
     for (user, role) in [("alice", "admin"), ("bob", "edit"), ("carol", "view")] {
         k.ok(
             &[
@@ -207,7 +182,7 @@ fn roles_let_editors_export_and_viewers_read_and_only_the_controller_writes_impo
         ],
         None,
     );
-    k.apply_file(&deploy().join("kustomize/with-controller/admission-policy.yaml"));
+    k.apply_file(&mcs_deploy::dir().join("kustomize/with-controller/admission-policy.yaml"));
     // The policy takes effect when the API server has compiled it: poll with a probe.
     let mut probe = 0;
     until("the admission policy to refuse an MCS slice", || {
