@@ -51,7 +51,8 @@ pub struct SourceArgs {
     pub source: SourceSpec,
     /// This cluster's id; when absent (or empty), read from the `cluster.clusterset.k8s.io`
     /// ClusterProperty. Local endpoints are preferred over remote ones.
-    #[arg(long, env = "MCS_CLUSTER_ID", value_parser = non_empty)]
+    /// Lowercase DNS labels joined by dots, at most 63 bytes (the MCS controller's rule).
+    #[arg(long, env = "MCS_CLUSTER_ID", value_parser = parse_cluster_id)]
     pub cluster_id: Option<String>,
     /// This node's zone, for `trafficDistribution: PreferClose`.
     #[arg(long, env = "MCS_ZONE")]
@@ -394,6 +395,18 @@ fn non_empty(s: &str) -> Result<String, String> {
         Err("must not be empty".into())
     } else {
         Ok(s.trim().to_string())
+    }
+}
+
+fn parse_cluster_id(s: &str) -> Result<String, String> {
+    let id = non_empty(s)?;
+    if mcs_runtime::cluster_id::valid(&id) {
+        Ok(id)
+    } else {
+        Err(format!(
+            "{id:?} is not a cluster id: lowercase DNS labels (a-z, 0-9, '-') joined by dots, \
+             at most 63 bytes, as the source-cluster label of every MCS EndpointSlice must be"
+        ))
     }
 }
 

@@ -15,15 +15,11 @@ use std::{
     net::{SocketAddr, TcpStream, UdpSocket},
     path::Path,
     process::{Child, Stdio},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail};
-use mcs_sandbox::netns::Netns;
+use mcs_sandbox::{backend::Backend, netns::Netns};
 
 use crate::cli::{DataplaneKind, DemoArgs};
 
@@ -53,7 +49,6 @@ const WEB_VIP6: &str = "[2001:2::100:10]:80";
 const DNS_VIP: &str = "198.18.100.12:53";
 const METRICS_PORT: u16 = 9464;
 /// Largest request a demo backend reads.
-const MAX_REQUEST_BYTES: u64 = 4096;
 const IO_TIMEOUT: Duration = Duration::from_secs(3);
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -66,68 +61,11 @@ impl Step {
     }
 }
 
-/// A backend: answers TCP and UDP with `cluster <c> backend <addr>`; stops when dropped.
-struct Backend {
-    stop: Arc<AtomicBool>,
-    addr: SocketAddr,
-}
-
-impl Drop for Backend {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-    }
-}
-
+/// A backend: answers TCP and UDP with `cluster <c> backend <addr> got <request>`; stops when
+/// dropped.
 fn start_backend(ns: &Netns, cluster: &'static str, addr: SocketAddr) -> anyhow::Result<Backend> {
-    let tcp = ns.run(|| std::net::TcpListener::bind(addr))??;
-    let udp = ns.run(|| UdpSocket::bind(addr))??;
-    udp.set_read_timeout(Some(Duration::from_millis(50)))?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let s = stop.clone();
-    std::thread::spawn(move || {
-        use std::os::fd::AsFd as _;
-        // poll(2) with a timeout: accept at once when a connection waits, and notice a stop
-        // within 50 ms (then the listener closes and connects are refused).
-        while !s.load(Ordering::Acquire) {
-            let mut fds = [nix::poll::PollFd::new(
-                tcp.as_fd(),
-                nix::poll::PollFlags::POLLIN,
-            )];
-            if !matches!(nix::poll::poll(&mut fds, 50u16), Ok(n) if n > 0) {
-                continue;
-            }
-            match tcp.accept() {
-                Ok((c, _)) => {
-                    let _ = c.set_read_timeout(Some(IO_TIMEOUT));
-                    // The whole request (the client half-closes after it), then the whole
-                    // reply in one write: closing with unread bytes would send a reset.
-                    let mut req = Vec::new();
-                    if (&c).take(MAX_REQUEST_BYTES).read_to_end(&mut req).is_ok() {
-                        let reply = format!(
-                            "cluster {cluster} backend {addr} got {}\n",
-                            String::from_utf8_lossy(&req)
-                        );
-                        let _ = (&c).write_all(reply.as_bytes());
-                    }
-                }
-                Err(_) => continue,
-            }
-        }
-    });
-    let s = stop.clone();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 512];
-        while !s.load(Ordering::Acquire) {
-            if let Ok((n, from)) = udp.recv_from(&mut buf) {
-                let reply = format!(
-                    "cluster {cluster} backend {addr} got {}\n",
-                    String::from_utf8_lossy(&buf[..n])
-                );
-                let _ = udp.send_to(reply.as_bytes(), from);
-            }
-        }
-    });
-    Ok(Backend { stop, addr })
+    let prefix = format!("cluster {cluster} backend {addr} got ");
+    Backend::start(ns, addr, prefix, true, IO_TIMEOUT)
 }
 
 /// The eBPF part of the sandbox: the client cgroup and the pin directory.
@@ -643,7 +581,7 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
     println!("    Only cluster c1 serves: it is the local cluster and has ready endpoints.");
 
     step.say("stopping the local cluster's backends (c1)");
-    backends.retain(|b| !b.addr.to_string().starts_with("198.18.1."));
+    backends.retain(|b| !b.addr().to_string().starts_with("198.18.1."));
     std::thread::sleep(Duration::from_millis(50));
     let mut during = tcp_requests(&sb.cli, WEB_VIP, 10)?;
     during.print("right after the stop, before c1's endpoints are marked not ready");

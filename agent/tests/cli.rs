@@ -188,6 +188,22 @@ fn missing_source_directory_is_a_clear_error() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("use `kube` or `file:DIR`"));
 }
 
+#[test]
+fn a_cluster_id_no_slice_label_could_carry_is_refused_with_the_rule() {
+    for bad in ["C1", "c1.", "a_b", &"a".repeat(64)] {
+        let out = agent()
+            .args(["table", "--cluster-id", bad, "--source"])
+            .arg(format!("file:{}", examples().display()))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bad} was taken");
+        assert!(
+            err.contains("is not a cluster id") && err.contains("at most 63 bytes"),
+            "{bad}: {err}"
+        );
+    }
+}
 fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.write_all(format!("GET {path} HTTP/1.1\r\n\r\n").as_bytes())

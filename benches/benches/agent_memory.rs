@@ -29,7 +29,7 @@ use mcs_sandbox::{cgroup::TestCgroup, netns::Netns};
 
 use mcs_bench::{
     harness::{
-        bed::{http_get, metric},
+        agent::{http_get, metric},
         procs::status_mib,
     },
     scale::{MAX_IMPORTS, VIP_CIDRS, env_count, import_json, slice_json},

@@ -35,7 +35,7 @@ use mcs_test_support::apiserver::{self, ApiServer, User};
 use crate::{
     faults::{LoadResult, load_result, start_backend},
     harness::{
-        bed::http_get,
+        agent::http_get,
         procs::{Proc, catch_signals, interrupted, sibling, tail},
         tools::resolve_a,
     },
@@ -313,7 +313,7 @@ fn story(
     }))?;
     let (_, took_dp) = rt.block_on(poll("the VIP unprogrammed", || async {
         let m = http_get(metrics, "/metrics").ok()?;
-        (crate::harness::bed::metric(&m, "mcs_frontends") == Some(0.0)).then_some(())
+        (crate::harness::agent::metric(&m, "mcs_frontends") == Some(0.0)).then_some(())
     }))?;
     println!(
         "      import deleted {:.0} ms after the unexport; VIP unprogrammed {:.0} ms after that",

@@ -19,15 +19,11 @@ use std::{
     net::{SocketAddr, TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail};
-use mcs_sandbox::{cgroup::TestCgroup, netns::Netns, topology::TwoClusters};
+use mcs_sandbox::{backend::Backend, cgroup::TestCgroup, netns::Netns, topology::TwoClusters};
 use serde::{Deserialize, Serialize};
 
 use mcs_test_support::{
@@ -35,7 +31,7 @@ use mcs_test_support::{
     kubectl::Kubectl,
 };
 
-use crate::harness::bed::{http_get, metric};
+use crate::harness::agent::{AgentArgs, AgentHttp};
 
 /// The ClusterSetIP of the measured service.
 pub const VIP: &str = "198.18.100.10:80";
@@ -136,45 +132,9 @@ pub fn crr_loop(to: SocketAddr, seconds: f64, max: u64) -> LoadResult {
     r
 }
 
-/// A backend: reads the whole request, answers `backend ADDR REQUEST\n`; stops when told.
-pub(crate) struct Backend {
-    addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-}
-
-impl Drop for Backend {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-    }
-}
-
+/// A backend: reads the whole request, answers `backend ADDR REQUEST\n`; stops when dropped.
 pub(crate) fn start_backend(ns: &Netns, addr: SocketAddr) -> anyhow::Result<Backend> {
-    let l = ns.run(|| TcpListener::bind(addr))??;
-    l.set_nonblocking(true)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let s = stop.clone();
-    std::thread::spawn(move || {
-        // Polls accept every millisecond so that a stop closes the listener promptly
-        // (connections are then refused, as from a dead pod).
-        while !s.load(Ordering::Acquire) {
-            match l.accept() {
-                Ok((c, _)) => {
-                    std::thread::spawn(move || {
-                        let _ = c.set_nonblocking(false);
-                        let _ = c.set_read_timeout(Some(IO_TIMEOUT));
-                        let mut req = Vec::new();
-                        if (&c).take(4096).read_to_end(&mut req).is_ok() {
-                            let reply =
-                                format!("backend {addr} {}\n", String::from_utf8_lossy(&req));
-                            let _ = (&c).write_all(reply.as_bytes());
-                        }
-                    });
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(1)),
-            }
-        }
-    });
-    Ok(Backend { addr, stop })
+    Backend::start(ns, addr, format!("backend {addr} "), false, IO_TIMEOUT)
 }
 
 /// The ClusterSet as the agent's file source: the import and one slice per cluster, with the
@@ -374,39 +334,33 @@ impl Bed {
                 .node
                 .command(self.agent_bin.to_str().context("agent path")?),
         };
-        cmd.args(["run", "--dataplane", self.dataplane.name()])
-            .args(["--cluster-id", "c1", "--file-poll-ms", "50"])
+        let source = match &self.kube {
+            Some(_) => "kube".to_string(),
+            None => format!("file:{}", self.dir.path().display()),
+        };
+        let ebpf = self.dataplane == Dataplane::Ebpf;
+        let no_pins = self.dir.path().join("no-pins");
+        let args = AgentArgs {
+            dataplane: self.dataplane.name(),
+            cluster_id: "c1",
+            source,
             // Room for the burst's 10,000 VIPs (198.18.64.0/18) beside the measured one.
-            .args(["--clusterset-ip-cidr", "198.18.64.0/18"])
-            .args(["--max-frontends", "20000"])
-            .args([
-                "--metrics-addr",
-                &format!("127.0.0.1:{}", self.metrics_port),
-            ])
-            .stdout(Stdio::null())
-            .stderr(if std::env::var_os("MCS_FAULTS_AGENT_LOG").is_some() {
+            clusterset_ip_cidr: "198.18.64.0/18",
+            max_frontends: 20000,
+            metrics_port: self.metrics_port,
+            file_poll_ms: 50,
+            pins: if ebpf { &self.pins } else { &no_pins },
+            cgroup: ebpf.then(|| self.cg.path()),
+        };
+        cmd.args(args.to_args()).stdout(Stdio::null()).stderr(
+            if std::env::var_os("MCS_FAULTS_AGENT_LOG").is_some() {
                 Stdio::inherit()
             } else {
                 Stdio::null()
-            });
-        match &self.kube {
-            Some(cp) => cmd
-                .args(["--source", "kube", "--kubeconfig"])
-                .arg(cp.api.kubeconfig(User::Admin)),
-            None => cmd
-                .arg("--source")
-                .arg(format!("file:{}", self.dir.path().display())),
-        };
-        if self.dataplane == Dataplane::Ebpf {
-            cmd.arg("--cgroup-root")
-                .arg(self.cg.path())
-                .arg("--bpf-pin-dir")
-                .arg(&self.pins);
-        } else {
-            // A userspace agent removes an eBPF socket LB pinned in its --bpf-pin-dir: its
-            // own empty one, never a node's.
-            cmd.arg("--bpf-pin-dir")
-                .arg(self.dir.path().join("no-pins"));
+            },
+        );
+        if let Some(cp) = &self.kube {
+            cmd.arg("--kubeconfig").arg(cp.api.kubeconfig(User::Admin));
         }
         self.agent = Some(cmd.spawn().context("starting the agent")?);
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -421,19 +375,16 @@ impl Bed {
         }
     }
 
-    /// The body of the agent's HTTP endpoint `path` when it answers 200 (from the node's
-    /// namespace for the userspace agent).
-    fn http(&self, path: &str) -> Option<String> {
-        let addr = SocketAddr::from(([127, 0, 0, 1], self.metrics_port));
-        let get = move || http_get(addr, path).ok();
-        match self.dataplane {
-            Dataplane::Ebpf => get(),
-            Dataplane::Userspace => self.topo.node.run(get).ok().flatten(),
+    /// The agent's HTTP endpoint (in the node's namespace for the userspace agent).
+    fn http(&self) -> AgentHttp<'_> {
+        AgentHttp {
+            port: self.metrics_port,
+            node: (self.dataplane == Dataplane::Userspace).then_some(&self.topo.node),
         }
     }
 
     fn ready(&self) -> bool {
-        self.http("/readyz").is_some()
+        self.http().get("/readyz").is_ok()
     }
 
     /// Waits (up to `limit`) until the agent reports `frontends` frontends programmed; how
@@ -441,10 +392,7 @@ impl Bed {
     fn wait_frontends(&self, frontends: u64, limit: Duration) -> Option<Duration> {
         let t = Instant::now();
         while t.elapsed() < limit {
-            let n = self
-                .http("/metrics")
-                .and_then(|m| metric(&m, "mcs_frontends"));
-            if n == Some(frontends as f64) {
+            if self.http().frontends().ok().flatten() == Some(frontends as f64) {
                 return Some(t.elapsed());
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -610,7 +558,7 @@ pub fn run(
         Scenario::BackendKill => {
             std::thread::sleep(third);
             let dead = SocketAddr::new("198.18.1.2".parse()?, PORT);
-            bed.backends.retain(|b| b.addr != dead);
+            bed.backends.retain(|b| b.addr() != dead);
             std::thread::sleep(third);
             write_objects(bed.dir.path(), &|a| a != "198.18.1.2")?;
             "killed at 1/3, marked not ready at 2/3".to_string()

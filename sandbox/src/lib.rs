@@ -2,6 +2,8 @@
 //!
 //! # Layout
 //!
+//! - [`backend`]: a request/reply backend (one request per connection, TCP and UDP) that
+//!   stops when dropped.
 //! - [`netns`]: network namespaces, veth pairs, addresses and routes (198.18.0.0/15 and
 //!   2001:2::/48 only), run a closure or a command inside; removed on drop.
 //! - [`cgroup`]: a cgroup under the cgroup v2 root and commands started inside it.
@@ -11,6 +13,7 @@
 //! [`sweep_stale`] removes those whose process is gone (killed before it could clean up).
 #![forbid(unsafe_code)]
 
+pub mod backend;
 pub mod cgroup;
 pub mod netns;
 pub mod topology;

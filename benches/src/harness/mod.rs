@@ -2,6 +2,7 @@
 //! its own addresses, workloads run interleaved (A B C A B C ...), reported as medians with
 //! min–max and ratios to `direct` of the same run.
 
+pub mod agent;
 pub mod bed;
 pub mod load;
 pub mod procs;

@@ -25,9 +25,10 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use mcs_sandbox::{cgroup::TestCgroup, topology::TwoClusters};
 
+use super::agent::{AgentArgs, AgentHttp};
 use super::procs::{Proc, deathsig, run_ok, wait_for};
 
 mod kernel;
@@ -448,34 +449,23 @@ impl Bed {
         self.ebpf_metrics = Some(SocketAddr::from(([127, 0, 0, 1], port)));
         let wrapped = deathsig(&self.agent.to_string_lossy());
         let mut cmd = Command::new(&wrapped[0]);
-        cmd.args(&wrapped[1..])
-            .args([
-                "run",
-                "--dataplane",
-                "ebpf",
-                "--cluster-id",
-                "bench",
-                "--log-level",
-                "warn",
-                "--clusterset-ip-cidr",
-                "198.19.192.0/18",
-                "--max-frontends",
-                "65536",
-                "--max-backends",
-                "262144",
-            ])
-            .arg("--cgroup-root")
-            .arg(cg.path())
-            .arg("--bpf-pin-dir")
-            .arg(&self.pins)
-            .args([
-                "--metrics-addr",
-                &format!("127.0.0.1:{port}"),
-                "--file-poll-ms",
-                "100",
-            ])
-            .arg("--source")
-            .arg(format!("file:{}", dir.display()));
+        let args = AgentArgs {
+            dataplane: "ebpf",
+            cluster_id: "bench",
+            source: format!("file:{}", dir.display()),
+            clusterset_ip_cidr: "198.19.192.0/18",
+            max_frontends: 65536,
+            metrics_port: port,
+            file_poll_ms: 100,
+            pins: &self.pins,
+            cgroup: Some(cg.path()),
+        };
+        cmd.args(&wrapped[1..]).args(args.to_args()).args([
+            "--log-level",
+            "warn",
+            "--max-backends",
+            "262144",
+        ]);
         self.client_cg = Some(cg);
         let proc = Proc::spawn("mcs-ebpf", cmd, &self.work.join("mcs-ebpf.log"))?;
         self.agents.insert(Mode::McsEbpf, proc.pid());
@@ -492,43 +482,30 @@ impl Bed {
         let dir = self.work.join(format!("objects-{}", mode.name()));
         std::fs::create_dir_all(&dir)?;
         write_objects(&dir, mode, 0, self.web)?;
-        let dir_arg = format!("file:{}", dir.display());
-        // Its own (empty) pin directory: a userspace agent removes an eBPF socket LB
-        // pinned in its --bpf-pin-dir, and must not find the eBPF mode's or a node's.
-        let no_pins = self.work.join("no-pins").display().to_string();
+        let no_pins = self.work.join("no-pins");
         let (agent, extra) = match (&self.agent_b, b) {
             (Some(ab), true) => (ab.agent.clone(), ab.args.clone()),
             _ => (self.agent.clone(), vec![]),
         };
         let agent = agent.to_string_lossy().into_owned();
         let cidr = format!("{}/{}", mode.vip_base(), if b { 24 } else { 18 });
-        let metrics = format!("127.0.0.1:{}", userspace_metrics_port(mode));
-        let mut args: Vec<String> = [
-            "run",
-            "--dataplane",
-            "userspace",
-            "--cluster-id",
-            "bench",
-            "--log-level",
-            "warn",
-            "--metrics-addr",
-            &metrics,
-            "--file-poll-ms",
-            "100",
-            "--clusterset-ip-cidr",
-            &cidr,
+        let mut args: Vec<String> = AgentArgs {
+            dataplane: "userspace",
+            cluster_id: "bench",
+            source: format!("file:{}", dir.display()),
+            clusterset_ip_cidr: &cidr,
             // The scaling step holds 10k fillers plus the measured services.
-            "--max-frontends",
-            "65536",
-            "--max-backends",
-            "262144",
-            "--source",
-            &dir_arg,
-            "--bpf-pin-dir",
-            &no_pins,
-        ]
-        .map(String::from)
-        .into();
+            max_frontends: 65536,
+            metrics_port: userspace_metrics_port(mode),
+            file_poll_ms: 100,
+            pins: &no_pins,
+            cgroup: None,
+        }
+        .to_args()
+        .into_iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+        args.extend(["--log-level", "warn", "--max-backends", "262144"].map(String::from));
         if b {
             // Its own interception, beside mcs-userspace's.
             args.extend(
@@ -556,12 +533,14 @@ impl Bed {
     /// Waits until the agent of `mode` reports `n` frontends programmed.
     fn wait_frontends(&mut self, mode: Mode, n: usize) -> anyhow::Result<()> {
         let limit = Duration::from_secs(30 + n as u64 / 200);
-        let addr = match mode {
-            Mode::McsEbpf => self.ebpf_metrics.context("no eBPF agent")?,
-            _ => SocketAddr::from(([127, 0, 0, 1], userspace_metrics_port(mode))),
+        let http = AgentHttp {
+            port: match mode {
+                Mode::McsEbpf => self.ebpf_metrics.context("no eBPF agent")?.port(),
+                _ => userspace_metrics_port(mode),
+            },
+            node: (mode != Mode::McsEbpf).then_some(&self.topo.node),
         };
         let procs = &mut self.procs;
-        let node = &self.topo.node;
         wait_for(
             &format!("{} to program {n} frontends", mode.name()),
             limit,
@@ -569,12 +548,7 @@ impl Bed {
                 for p in procs.iter_mut() {
                     p.check_alive()?;
                 }
-                let body = if mode == Mode::McsEbpf {
-                    http_get(addr, "/metrics")?
-                } else {
-                    node.run(|| http_get(addr, "/metrics"))??
-                };
-                Ok(metric(&body, "mcs_frontends") == Some(n as f64))
+                Ok(http.frontends()? == Some(n as f64))
             },
         )
     }
@@ -730,33 +704,6 @@ fn free_port() -> anyhow::Result<u16> {
         .port())
 }
 
-/// A minimal HTTP/1.0 GET; returns the body.
-pub fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: bench\r\n\r\n")?;
-    let mut text = String::new();
-    s.read_to_string(&mut text)?;
-    match text.split_once("\r\n\r\n") {
-        Some((head, body))
-            if head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200") =>
-        {
-            Ok(body.to_string())
-        }
-        _ => bail!(
-            "GET {path} from {addr}: {}",
-            text.lines().next().unwrap_or("")
-        ),
-    }
-}
-
-/// The value of an unlabelled metric in a Prometheus text exposition.
-pub fn metric(body: &str, name: &str) -> Option<f64> {
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
 /// Unpins the maps of eBPF agents of earlier runs that were killed before cleaning up.
 fn sweep_stale_pins(agent: &Path) {
     let Ok(dir) = std::fs::read_dir("/sys/fs/bpf") else {
@@ -812,13 +759,6 @@ mod tests {
                 .windows(2)
                 .all(|w| w[1] - w[0] >= 256 + MAX_SERVICES as u32)
         );
-    }
-
-    #[test]
-    fn metric_reads_unlabelled_values() {
-        let body = "# HELP x\nmcs_frontends 12\nmcs_frontends_total 3\n";
-        assert_eq!(metric(body, "mcs_frontends"), Some(12.0));
-        assert_eq!(metric(body, "mcs_backends"), None);
     }
 
     #[test]
