@@ -4,7 +4,11 @@
 //! the time to create them and for every cluster to hold every import and slice; then, one at
 //! a time, the time from a ServiceExport create to its ServiceImport in every cluster, and
 //! from an endpoint change in the exporting cluster to the MCS slice in another (p50, p99);
-//! and each controller's RSS. A bench: it asserts nothing about speed.
+//! and each controller's RSS and CPU time; and what loaded the API servers while the exports
+//! were written and imported (requests by verb and resource, with the time the API servers
+//! spent in them, from their own `apiserver_request_*` metrics). With `--no-controller` the
+//! same writes run with no controller: the baseline of the write time. A bench: it asserts
+//! nothing about speed.
 
 use std::{
     path::PathBuf,
@@ -26,7 +30,7 @@ use mcs_api::{ServiceExport, ServiceImport};
 use mcs_test_support::apiserver::{self, ApiServer, User};
 use serde::Serialize;
 
-use crate::harness::procs::{Proc, catch_signals, interrupted, rss_mib, sibling};
+use crate::harness::procs::{Proc, catch_signals, cpu_seconds, interrupted, rss_mib, sibling};
 
 const NS: &str = "scale";
 const RANGE: &str = "198.18.64.0/18";
@@ -49,6 +53,93 @@ pub struct Report {
     pub endpoint_ms: (f64, f64, usize),
     /// Each controller's RSS at the end, MiB.
     pub rss_mib: Vec<f64>,
+    /// Whether controllers ran (false: the baseline, writes only).
+    pub controllers: bool,
+    /// CPU seconds of all controllers from the first write to convergence.
+    pub controller_cpu_s: f64,
+    /// CPU seconds of all controllers per 1,000 endpoint changes (the one-at-a-time phase).
+    pub controller_cpu_per_1000_changes_s: f64,
+    /// CPU seconds of all API servers from the first write to convergence
+    /// (`process_cpu_seconds_total`).
+    pub apiserver_cpu_s: f64,
+    /// Requests the API servers served from the first write to convergence, all clusters:
+    /// (verb, resource, count, seconds spent), most time first.
+    pub requests: Vec<(String, String, f64, f64)>,
+}
+
+/// What the API servers' metrics say: requests (count, seconds) by (verb, resource), and CPU.
+#[derive(Debug, Default, Clone)]
+struct Load {
+    requests: std::collections::BTreeMap<(String, String), (f64, f64)>,
+    cpu_s: f64,
+}
+
+impl Load {
+    /// Adds one API server's `/metrics` text.
+    fn add(&mut self, text: &str) {
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some((series, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let Ok(v) = value.parse::<f64>() else {
+                continue;
+            };
+            if series == "process_cpu_seconds_total" {
+                self.cpu_s += v;
+                continue;
+            }
+            let (count, name) = if let Some(l) = series.strip_prefix("apiserver_request_total{") {
+                (true, l)
+            } else if let Some(l) = series.strip_prefix("apiserver_request_duration_seconds_sum{") {
+                (false, l)
+            } else {
+                continue;
+            };
+            let label = |k: &str| {
+                name.split(',')
+                    .find_map(|kv| kv.strip_prefix(&format!("{k}=\"")))
+                    .map(|v| v.trim_end_matches('}').trim_end_matches('"').to_string())
+                    .unwrap_or_default()
+            };
+            let e = self
+                .requests
+                .entry((label("verb"), label("resource")))
+                .or_default();
+            if count {
+                e.0 += v;
+            } else {
+                e.1 += v;
+            }
+        }
+    }
+
+    /// What happened between `before` and `self`, most time first.
+    fn since(&self, before: &Load) -> (f64, Vec<(String, String, f64, f64)>) {
+        let mut v: Vec<(String, String, f64, f64)> = self
+            .requests
+            .iter()
+            .map(|((verb, res), (n, s))| {
+                let (n0, s0) = before
+                    .requests
+                    .get(&(verb.clone(), res.clone()))
+                    .copied()
+                    .unwrap_or_default();
+                (verb.clone(), res.clone(), n - n0, s - s0)
+            })
+            .filter(|r| r.2 > 0.0)
+            .collect();
+        v.sort_by(|a, b| b.3.total_cmp(&a.3));
+        (self.cpu_s - before.cpu_s, v)
+    }
+}
+
+async fn load(clients: &[Client]) -> anyhow::Result<Load> {
+    let mut l = Load::default();
+    for k in clients {
+        let req = http::Request::get("/metrics").body(Vec::new())?;
+        l.add(&k.request_text(req).await?);
+    }
+    Ok(l)
 }
 
 fn obj<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
@@ -121,6 +212,7 @@ pub fn run(
     exports: usize,
     samples: usize,
     controller: Option<PathBuf>,
+    with_controllers: bool,
 ) -> anyhow::Result<Report> {
     apiserver::prerequisites().map_err(anyhow::Error::msg)?;
     anyhow::ensure!(clusters >= 2, "--clusters must be at least 2");
@@ -161,7 +253,7 @@ pub fn run(
         anyhow::Ok(())
     })?;
     let mut procs = Vec::new();
-    for id in &ids {
+    for id in ids.iter().filter(|_| with_controllers) {
         let mut cmd = Command::new(&controller);
         cmd.args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
             .args(["--metrics-addr", "127.0.0.1:0", "--no-leader-election"])
@@ -173,6 +265,9 @@ pub fn run(
         procs.push(Proc::spawn(&format!("mcs-controller {id}"), cmd, &log)?);
     }
 
+    let cpu = |procs: &[Proc]| procs.iter().map(|p| cpu_seconds(p.pid())).sum::<f64>();
+    let load0 = rt.block_on(load(&clients))?;
+    let cpu0 = cpu(&procs);
     // Bulk: every export, 32 writes in flight.
     let t0 = Instant::now();
     rt.block_on(async {
@@ -188,6 +283,23 @@ pub fn run(
     })?;
     let create_s = t0.elapsed().as_secs_f64();
     eprintln!("controller-scale: {exports} exports written in {create_s:.1} s");
+    if !with_controllers {
+        let (apiserver_cpu_s, requests) = rt.block_on(load(&clients))?.since(&load0);
+        return Ok(Report {
+            clusters,
+            exports,
+            create_s,
+            converge_s: f64::NAN,
+            export_ms: (f64::NAN, f64::NAN, 0),
+            endpoint_ms: (f64::NAN, f64::NAN, 0),
+            rss_mib: Vec::new(),
+            controllers: false,
+            controller_cpu_s: 0.0,
+            controller_cpu_per_1000_changes_s: 0.0,
+            apiserver_cpu_s,
+            requests,
+        });
+    }
     rt.block_on(async {
         loop {
             let mut all = true;
@@ -206,6 +318,8 @@ pub fn run(
         }
     })?;
     let converge_s = t0.elapsed().as_secs_f64();
+    let controller_cpu_s = cpu(&procs) - cpu0;
+    let (apiserver_cpu_s, requests) = rt.block_on(load(&clients))?.since(&load0);
     eprintln!(
         "controller-scale: every cluster holds every import and slice after {converge_s:.1} s"
     );
@@ -242,6 +356,7 @@ pub fn run(
 
     // One at a time: an endpoint goes not ready in the exporting cluster; seen in another.
     let mut endpoint_ms = Vec::new();
+    let cpu1 = cpu(&procs);
     for j in 0..samples.min(exports) {
         let from = j % clients.len();
         let to = (from + 1) % clients.len();
@@ -285,6 +400,7 @@ pub fn run(
         })?;
         endpoint_ms.push(ms);
     }
+    let changes_cpu = cpu(&procs) - cpu1;
     let rss: Vec<f64> = procs
         .iter()
         .map(|p| rss_mib(p.pid()).unwrap_or(0.0))
@@ -300,29 +416,103 @@ pub fn run(
         export_ms: (pct(&mut export_ms, 0.5), pct(&mut export_ms, 0.99), n_e),
         endpoint_ms: (pct(&mut endpoint_ms, 0.5), pct(&mut endpoint_ms, 0.99), n_p),
         rss_mib: rss,
+        controllers: true,
+        controller_cpu_s,
+        controller_cpu_per_1000_changes_s: if n_p == 0 {
+            0.0
+        } else {
+            changes_cpu / n_p as f64 * 1000.0
+        },
+        apiserver_cpu_s,
+        requests,
     })
 }
 
-/// The report as a markdown table row (with a header).
+/// The report as a markdown table row (with a header), and what loaded the API servers.
 pub fn markdown(r: &Report, command: &str) -> String {
-    format!(
-        "| clusters | exports | written in | converged (every import and slice everywhere) | export → imported everywhere p50 / p99 | endpoint change → other cluster p50 / p99 | controller RSS |\n\
-         |---|---|---|---|---|---|---|\n\
-         | {} | {} | {:.1} s | {:.1} s | {:.0} / {:.0} ms ({} samples) | {:.0} / {:.0} ms ({} samples) | {} MiB |\n\nCommand: `{command}`\n",
+    let mut out = String::from(
+        "| clusters | exports | controllers | written in | converged (every import and slice everywhere) | export → imported everywhere p50 / p99 | endpoint change → other cluster p50 / p99 | controller RSS | controller CPU (writes + converge) | controller CPU per 1,000 endpoint changes | API server CPU (writes + converge) |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    let ms = |(p50, p99, n): (f64, f64, usize)| {
+        if n == 0 {
+            "–".to_string()
+        } else {
+            format!("{p50:.0} / {p99:.0} ms ({n} samples)")
+        }
+    };
+    out.push_str(&format!(
+        "| {} | {} | {} | {:.1} s | {} | {} | {} | {} | {} | {} | {:.0} s |\n\n",
         r.clusters,
         r.exports,
+        if r.controllers {
+            "yes"
+        } else {
+            "none (baseline)"
+        },
         r.create_s,
-        r.converge_s,
-        r.export_ms.0,
-        r.export_ms.1,
-        r.export_ms.2,
-        r.endpoint_ms.0,
-        r.endpoint_ms.1,
-        r.endpoint_ms.2,
-        r.rss_mib
-            .iter()
-            .map(|m| format!("{m:.0}"))
-            .collect::<Vec<_>>()
-            .join(" / ")
-    )
+        if r.controllers {
+            format!("{:.1} s", r.converge_s)
+        } else {
+            "–".into()
+        },
+        ms(r.export_ms),
+        ms(r.endpoint_ms),
+        if r.controllers {
+            r.rss_mib
+                .iter()
+                .map(|m| format!("{m:.0}"))
+                .collect::<Vec<_>>()
+                .join(" / ")
+                + " MiB"
+        } else {
+            "–".into()
+        },
+        if r.controllers {
+            format!("{:.0} s", r.controller_cpu_s)
+        } else {
+            "–".into()
+        },
+        if r.controllers {
+            format!("{:.1} s", r.controller_cpu_per_1000_changes_s)
+        } else {
+            "–".into()
+        },
+        r.apiserver_cpu_s,
+    ));
+    out.push_str("API server requests from the first write to convergence (all clusters; time spent in them):\n\n| verb | resource | requests | seconds |\n|---|---|---|---|\n");
+    for (verb, res, n, secs) in r.requests.iter().take(10) {
+        out.push_str(&format!("| {verb} | {res} | {n:.0} | {secs:.1} |\n"));
+    }
+    out.push_str(&format!("\nCommand: `{command}`\n"));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn api_server_load_is_read_by_verb_and_resource() {
+        let mut before = super::Load::default();
+        before.add(
+            "process_cpu_seconds_total 10\n\
+             apiserver_request_total{code=\"201\",component=\"apiserver\",group=\"\",resource=\"services\",scope=\"resource\",verb=\"POST\",version=\"v1\"} 5\n",
+        );
+        let mut after = super::Load::default();
+        after.add(
+            "# HELP x\nprocess_cpu_seconds_total 12.5\n\
+             apiserver_request_total{code=\"201\",component=\"apiserver\",group=\"\",resource=\"services\",scope=\"resource\",verb=\"POST\",version=\"v1\"} 9\n\
+             apiserver_request_total{code=\"200\",resource=\"serviceimports\",verb=\"APPLY\"} 3\n\
+             apiserver_request_total{code=\"409\",resource=\"serviceimports\",verb=\"APPLY\"} 1\n\
+             apiserver_request_duration_seconds_sum{resource=\"serviceimports\",verb=\"APPLY\"} 0.5\n",
+        );
+        let (cpu, reqs) = after.since(&before);
+        assert_eq!(cpu, 2.5);
+        assert_eq!(
+            reqs,
+            [
+                ("APPLY".into(), "serviceimports".into(), 4.0, 0.5),
+                ("POST".into(), "services".into(), 4.0, 0.0),
+            ]
+        );
+    }
 }

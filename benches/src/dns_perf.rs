@@ -25,7 +25,7 @@ use anyhow::{Context as _, bail};
 use serde::Serialize;
 
 use crate::harness::{
-    procs::{Proc, interrupted},
+    procs::{Proc, cpu_seconds, interrupted},
     stats::Spread,
     tools::resolve_a,
 };
@@ -172,19 +172,6 @@ fn wait_answer(server: SocketAddr, name: &str, want: Ipv4Addr, p: &mut Proc) -> 
             bail!("{server} never answered {name} with {want}");
         }
     }
-}
-
-/// User + system CPU seconds of `pid` so far.
-fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    // Fields after the command name (which is in parentheses and may hold spaces).
-    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // utime and stime are fields 14 and 15 of the whole line: 11 and 12 after the name.
-    (ticks(11) + ticks(12)) / 100.0
 }
 
 /// What one dnsperf run printed, and the server's CPU time meanwhile.

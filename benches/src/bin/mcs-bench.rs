@@ -141,6 +141,10 @@ enum Tool {
         /// The mcs-controller binary (default: next to this one).
         #[arg(long)]
         controller: Option<PathBuf>,
+        /// Run the same writes with no controller (the baseline of the write time and of
+        /// the API servers' load).
+        #[arg(long)]
+        no_controller: bool,
         /// Output directory.
         #[arg(long, default_value = "target/mcs-bench")]
         out: PathBuf,
@@ -254,20 +258,22 @@ fn main() -> ExitCode {
             exports,
             samples,
             controller,
+            no_controller,
             out,
         }) => {
-            mcs_bench::controller_scale::run(clusters, exports, samples, controller).and_then(|r| {
-                let command = std::env::args().collect::<Vec<_>>().join(" ");
-                let md = mcs_bench::controller_scale::markdown(&r, &command);
-                println!("{md}");
-                std::fs::create_dir_all(&out)?;
-                std::fs::write(out.join("controller-scale.md"), &md)?;
-                std::fs::write(
-                    out.join("controller-scale.json"),
-                    serde_json::to_string_pretty(&r)?,
-                )?;
-                Ok(())
-            })
+            mcs_bench::controller_scale::run(clusters, exports, samples, controller, !no_controller)
+                .and_then(|r| {
+                    let command = std::env::args().collect::<Vec<_>>().join(" ");
+                    let md = mcs_bench::controller_scale::markdown(&r, &command);
+                    println!("{md}");
+                    std::fs::create_dir_all(&out)?;
+                    std::fs::write(out.join("controller-scale.md"), &md)?;
+                    std::fs::write(
+                        out.join("controller-scale.json"),
+                        serde_json::to_string_pretty(&r)?,
+                    )?;
+                    Ok(())
+                })
         }
         Some(Tool::Dns {
             services,

@@ -124,6 +124,19 @@ pub fn sibling(name: &str) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(name))
 }
 
+/// User + system CPU seconds of `pid` so far (0 when it is gone).
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime are fields 14 and 15 of the whole line: 11 and 12 after the name.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
 /// Resident memory of process `pid` (MiB), from `/proc/<pid>/status`.
 pub fn rss_mib(pid: u32) -> Option<f64> {
     status_mib(pid, "VmRSS")

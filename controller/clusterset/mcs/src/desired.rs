@@ -2,9 +2,16 @@
 //! their ClusterSetIPs), the MCS EndpointSlices and the conditions of the local
 //! ServiceExports. A function of its inputs (including "now" for condition times), so it is
 //! tested without a cluster; the merge itself is `mcs-merge`'s.
+//!
+//! The [`Reconciler`] keeps the desired state of every service between passes, and the
+//! ClusterSetIP allocator with it: a pass computes again only the services whose objects
+//! changed ([`Dirty`]), so its cost follows the change, not the ClusterSet. A full pass
+//! ([`Dirty::all`]) starts from nothing; [`desired`] is one, and the property test in
+//! `tests` checks that any sequence of changes leaves the same state as a full pass over the
+//! same objects.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
     sync::Arc,
 };
@@ -22,44 +29,36 @@ use mcs_api::{
     ServiceImportStatus, ServiceImportType, ServicePort, SessionAffinityConfig,
 };
 use mcs_merge::{
-    ClusterSetExports, Export, ExportConditions, ImportShape, ServiceKey, ServiceShape,
-    alloc::Allocator, meta::Refusal,
+    Export, ExportConditions, ImportShape, Merged, ServiceKey, ServiceShape, alloc::Allocator,
+    meta::Refusal,
 };
+use mcs_model::guard::IpCidr;
 
-use crate::objects::{LABEL_K8S_SERVICE_NAME, LeanExport};
+use crate::members::{Dirty, Objects, Touch};
+use crate::objects::LeanExport;
 use crate::{MANAGED_LABEL, MANAGER, objects::ObjKey};
 
 /// One member's objects, as the reconciler sees them.
-#[derive(Debug, Default)]
-pub struct MemberView {
+#[derive(Debug)]
+pub struct MemberView<'a> {
     /// Its cluster id.
     pub id: String,
     /// False when it has been unreachable past the member timeout: its endpoints are
     /// withdrawn (its exports still count, from their last known state).
     pub endpoints_count: bool,
     /// ServiceExports.
-    pub exports: HashMap<ObjKey, Arc<LeanExport>>,
+    pub exports: &'a HashMap<ObjKey, Arc<LeanExport>>,
     /// Services.
-    pub services: HashMap<ObjKey, Arc<ServiceShape>>,
-    /// Service EndpointSlices.
-    pub slices: HashMap<ObjKey, Arc<EndpointSlice>>,
+    pub services: &'a HashMap<ObjKey, Arc<ServiceShape>>,
+    /// Service EndpointSlices, indexed by service.
+    pub slices: &'a Objects<EndpointSlice>,
 }
 
-/// Everything the reconciler reads.
-#[derive(Debug)]
-pub struct Snapshot {
-    /// This cluster's id.
-    pub local: String,
-    /// Every member, this cluster included.
-    pub members: Vec<MemberView>,
-    /// Local namespaces.
-    pub namespaces: HashMap<ObjKey, Arc<Namespace>>,
-    /// Local ServiceImports (all, ours and others').
-    pub imports: HashMap<ObjKey, Arc<ServiceImport>>,
-    /// Now, for condition transition times.
-    pub now: Time,
+/// What the controller is told to refuse or bound (the same in every pass).
+#[derive(Clone, Debug, Default)]
+pub struct Policy {
     /// Namespaces whose exports are refused (not merged, never imported).
-    pub refused_namespaces: std::collections::BTreeSet<String>,
+    pub refused_namespaces: BTreeSet<String>,
     /// The most ClusterSetIPs the imports of one namespace hold (`None`: no bound). Imports
     /// that already have theirs keep them; new ones past it get none.
     pub ip_quota: Option<usize>,
@@ -72,6 +71,23 @@ pub struct Snapshot {
     /// Service's selector (mirrored from Endpoints, written by hand). Off: they are withheld
     /// and reported.
     pub export_selectorless: bool,
+}
+
+/// Everything the reconciler reads.
+#[derive(Debug)]
+pub struct Snapshot<'a> {
+    /// This cluster's id.
+    pub local: String,
+    /// Every member, this cluster included.
+    pub members: Vec<MemberView<'a>>,
+    /// Local namespaces.
+    pub namespaces: &'a HashMap<ObjKey, Arc<Namespace>>,
+    /// Local ServiceImports (all, ours and others').
+    pub imports: &'a HashMap<ObjKey, Arc<ServiceImport>>,
+    /// Now, for condition transition times.
+    pub now: Time,
+    /// What to refuse or bound.
+    pub policy: &'a Policy,
 }
 
 /// The `Ready=False` reason of an import that got no ClusterSetIP because its namespace holds
@@ -92,11 +108,7 @@ pub const SERVICE_NOT_ALLOWED: &str = "ServiceNotAllowed";
 
 /// Why an export of `ns/name` is refused whatever it holds, if it is: its namespace is
 /// refused, or it is `default/kubernetes` (whose endpoints are a member's API servers).
-pub fn refusal(
-    ns: &str,
-    name: &str,
-    refused_namespaces: &std::collections::BTreeSet<String>,
-) -> Option<Refusal> {
+pub fn refusal(ns: &str, name: &str, refused_namespaces: &BTreeSet<String>) -> Option<Refusal> {
     if refused_namespaces.contains(ns) {
         Some(Refusal::new(
             NAMESPACE_NOT_ALLOWED,
@@ -119,23 +131,28 @@ pub fn refusal(
 pub const EXPORT_LIMIT_EXCEEDED: &str = "ExportLimitExceeded";
 
 /// The exports of `m` past the limits, and why: oldest first (by creation, then namespace
-/// and name), each namespace keeps at most `s.exports_per_namespace` and the member at most
-/// `s.exports_per_member`. Exports refused for their namespace or Service do not count.
-fn over_limits(m: &MemberView, s: &Snapshot) -> HashMap<ObjKey, Refusal> {
+/// and name), each namespace keeps at most `exports_per_namespace` and the member at most
+/// `exports_per_member`. Exports refused for their namespace or Service do not count. Costs
+/// nothing while the member holds fewer exports than the smaller limit.
+fn over_limits(m: &MemberView<'_>, p: &Policy) -> HashMap<ObjKey, Refusal> {
     let mut over = HashMap::new();
-    if s.exports_per_namespace.is_none() && s.exports_per_member.is_none() {
+    let smallest = match (p.exports_per_namespace, p.exports_per_member) {
+        (None, None) => return over,
+        (a, b) => a.unwrap_or(usize::MAX).min(b.unwrap_or(usize::MAX)),
+    };
+    if m.exports.len() <= smallest {
         return over;
     }
     let mut live: Vec<(i64, &ObjKey)> = m
         .exports
         .iter()
         .filter(|((ns, name), se)| {
-            !se.deleting && refusal(ns, name, &s.refused_namespaces).is_none()
+            !se.deleting && refusal(ns, name, &p.refused_namespaces).is_none()
         })
         .map(|(k, se)| (se.created, k))
         .collect();
-    if s.exports_per_namespace.is_none_or(|n| live.len() <= n)
-        && s.exports_per_member.is_none_or(|n| live.len() <= n)
+    if p.exports_per_namespace.is_none_or(|n| live.len() <= n)
+        && p.exports_per_member.is_none_or(|n| live.len() <= n)
     {
         return over;
     }
@@ -143,12 +160,12 @@ fn over_limits(m: &MemberView, s: &Snapshot) -> HashMap<ObjKey, Refusal> {
     let (mut total, mut per_ns) = (0usize, HashMap::<&str, usize>::new());
     for (_, k) in live {
         let in_ns = per_ns.entry(k.0.as_str()).or_default();
-        let why = if s.exports_per_namespace.is_some_and(|n| *in_ns >= n) {
+        let why = if p.exports_per_namespace.is_some_and(|n| *in_ns >= n) {
             format!(
                 "namespace {} of cluster {} already exports {} older services (mcs-controller --exports-per-namespace)",
                 k.0, m.id, *in_ns
             )
-        } else if s.exports_per_member.is_some_and(|n| total >= n) {
+        } else if p.exports_per_member.is_some_and(|n| total >= n) {
             format!(
                 "cluster {} already exports {total} older services (mcs-controller --exports-per-member)",
                 m.id
@@ -164,7 +181,7 @@ fn over_limits(m: &MemberView, s: &Snapshot) -> HashMap<ObjKey, Refusal> {
 }
 
 /// What the local cluster should hold.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Desired {
     /// ServiceImports by (namespace, name), with status.
     pub imports: BTreeMap<ObjKey, ServiceImport>,
@@ -172,176 +189,387 @@ pub struct Desired {
     pub slices: BTreeMap<ObjKey, EndpointSlice>,
     /// Conditions of the local ServiceExports.
     pub export_conditions: BTreeMap<ObjKey, Vec<Condition>>,
-    /// Why something is not as asked (logged by the reconciler).
-    pub problems: Vec<String>,
-    /// Source slices not exported because no selector computed them.
-    pub withheld: usize,
+    /// Why something is not as asked, per service (logged by the reconciler when the
+    /// service is computed).
+    pub problems: BTreeMap<ObjKey, Vec<String>>,
+    /// Source slices not exported because no selector computed them, per service.
+    pub withheld: BTreeMap<ObjKey, usize>,
+    /// The MCS slices of each service (keys into `slices`).
+    pub slices_of: BTreeMap<ObjKey, BTreeSet<ObjKey>>,
 }
 
-/// Computes the desired local state; `alloc`: a fresh allocator over the ClusterSetIP ranges.
-pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
-    let mut out = Desired::default();
-    let mut all: ClusterSetExports = BTreeMap::new();
-    for m in &s.members {
-        let over = over_limits(m, s);
-        for ((ns, name), se) in &m.exports {
-            if se.deleting {
+impl Desired {
+    /// How many problems there are.
+    pub fn problem_count(&self) -> usize {
+        self.problems.values().map(Vec::len).sum()
+    }
+
+    /// How many source slices are withheld.
+    pub fn withheld_count(&self) -> usize {
+        self.withheld.values().sum()
+    }
+
+    /// Forgets what was wanted for service `k`.
+    fn clear(&mut self, k: &ObjKey) {
+        self.imports.remove(k);
+        self.export_conditions.remove(k);
+        self.problems.remove(k);
+        self.withheld.remove(k);
+        for sk in self.slices_of.remove(k).into_iter().flatten() {
+            self.slices.remove(&sk);
+        }
+    }
+
+    fn problem(&mut self, k: &ObjKey, p: String) {
+        self.problems.entry(k.clone()).or_default().push(p);
+    }
+}
+
+/// What a service holds in the allocator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Hold {
+    ips: Vec<IpAddr>,
+    /// Ours and counted in its namespace's quota (kept or allocated); false: another
+    /// manager's import, or ours going away.
+    ours: bool,
+}
+
+/// The desired state of every service and the ClusterSetIPs held, kept between passes.
+#[derive(Debug)]
+pub struct Reconciler {
+    ranges: Vec<IpCidr>,
+    alloc: Allocator,
+    /// What each service holds in `alloc`.
+    holds: HashMap<ObjKey, Hold>,
+    /// How many services hold each address (another manager's imports may share one).
+    holders: HashMap<IpAddr, u32>,
+    /// The service whose import of ours holds each address.
+    owner: HashMap<IpAddr, ObjKey>,
+    /// ClusterSetIPs held by our imports per namespace (the quota).
+    per_namespace: HashMap<String, usize>,
+    /// Services wanting a ClusterSetIP that got none (a full range, a quota): computed again
+    /// when an address is freed.
+    starved: BTreeSet<ObjKey>,
+    /// Each member's exports past the limits.
+    over: HashMap<String, HashMap<ObjKey, Refusal>>,
+    /// The desired state.
+    pub want: Desired,
+}
+
+/// Computes the desired local state in one full pass over `s`.
+pub fn desired(s: &Snapshot<'_>, ranges: Vec<IpCidr>) -> Desired {
+    let mut r = Reconciler::new(ranges);
+    r.pass(
+        s,
+        &Dirty {
+            all: true,
+            ..Dirty::default()
+        },
+    );
+    r.want
+}
+
+/// The services a pass computed: every one, or these.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Computed {
+    /// A full pass.
+    All,
+    /// These services.
+    Some(BTreeSet<ObjKey>),
+}
+
+impl Reconciler {
+    /// Nothing wanted, nothing held, allocating from `ranges`.
+    pub fn new(ranges: Vec<IpCidr>) -> Self {
+        Self {
+            alloc: Allocator::new(ranges.clone()),
+            ranges,
+            holds: HashMap::new(),
+            holders: HashMap::new(),
+            owner: HashMap::new(),
+            per_namespace: HashMap::new(),
+            starved: BTreeSet::new(),
+            over: HashMap::new(),
+            want: Desired::default(),
+        }
+    }
+
+    /// Computes again the services `dirty` names (every one when `dirty.all`: the state is
+    /// rebuilt from nothing); returns which it computed.
+    pub fn pass(&mut self, s: &Snapshot<'_>, dirty: &Dirty) -> Computed {
+        let mut keys: BTreeSet<ObjKey> = BTreeSet::new();
+        if dirty.all {
+            *self = Self::new(std::mem::take(&mut self.ranges));
+            for m in &s.members {
+                keys.extend(m.exports.keys().cloned());
+            }
+            keys.extend(s.imports.keys().cloned());
+        } else {
+            for t in &dirty.touched {
+                match t {
+                    Touch::Service(k) => {
+                        keys.insert(k.clone());
+                    }
+                    Touch::Namespace(ns) => self.namespace_keys(s, ns, &mut keys),
+                }
+            }
+        }
+        // Exports past the limits: a change of who is past them changes those services.
+        for m in &s.members {
+            let over = over_limits(m, s.policy);
+            let old = self.over.remove(&m.id).unwrap_or_default();
+            for (k, r) in &over {
+                if old.get(k) != Some(r) {
+                    keys.insert(k.clone());
+                }
+            }
+            keys.extend(old.into_keys().filter(|k| !over.contains_key(k)));
+            if !over.is_empty() {
+                self.over.insert(m.id.clone(), over);
+            }
+        }
+        // A foreign import in the batch that claims an address of ours takes it from that
+        // service, which is computed again.
+        let contested: Vec<ObjKey> = keys
+            .iter()
+            .filter_map(|k| s.imports.get(k).filter(|si| !ours(si)))
+            .flat_map(|si| si.spec.ips.iter().filter_map(|i| i.parse::<IpAddr>().ok()))
+            .filter_map(|ip| self.owner.get(&ip))
+            .filter(|o| !keys.contains(*o))
+            .cloned()
+            .collect();
+        keys.extend(contested);
+        // A service of the batch that holds addresses may free some: those starved for one
+        // are computed again too.
+        if !self.starved.is_empty() && keys.iter().any(|k| self.holds.contains_key(k)) {
+            keys.extend(std::mem::take(&mut self.starved));
+        }
+        if keys.is_empty() {
+            return if dirty.all {
+                Computed::All
+            } else {
+                Computed::Some(keys)
+            };
+        }
+        let merged: BTreeMap<ObjKey, Merged> =
+            keys.iter().map(|k| (k.clone(), self.merge(s, k))).collect();
+
+        // Addresses: what the services' imports hold now; another manager's first (an address
+        // it claims is not ours to keep), then ours.
+        for k in &keys {
+            self.release(k);
+        }
+        for k in &keys {
+            if let Some(si) = s.imports.get(k).filter(|si| !ours(si)) {
+                let ips = parsed(si);
+                for ip in &ips {
+                    self.hold_ip(*ip);
+                }
+                self.holds.insert(k.clone(), Hold { ips, ours: false });
+            }
+        }
+        let mut keep: HashMap<ObjKey, Vec<String>> = HashMap::new();
+        for k in &keys {
+            let Some(si) = s.imports.get(k).filter(|si| ours(si)) else {
+                continue;
+            };
+            let ips = parsed(si);
+            let Some(shape) = merged[k].import.as_ref() else {
+                // Going away: its addresses stay held until it is gone, so no new import gets
+                // one while the old one still holds it.
+                for ip in &ips {
+                    self.hold_ip(*ip);
+                }
+                self.holds.insert(k.clone(), Hold { ips, ours: false });
+                continue;
+            };
+            if shape.headless {
                 continue;
             }
-            let limit = over.get(&(ns.clone(), name.clone())).cloned();
-            let service = m
-                .services
-                .get(&(ns.clone(), name.clone()))
-                .map(|svc| (**svc).clone());
-            all.entry(ServiceKey {
-                namespace: ns.clone(),
-                name: name.clone(),
-            })
-            .or_default()
-            .insert(
+            let fits = ips.len() == si.spec.ips.len()
+                && ips.len() == shape.ip_families.len()
+                && ips
+                    .iter()
+                    .zip(&shape.ip_families)
+                    .all(|(ip, f)| family(*ip) == f && self.alloc.allowed(*ip))
+                && ips.iter().all(|ip| !self.holders.contains_key(ip))
+                && distinct(&ips);
+            if fits {
+                self.hold_ours(k, ips);
+                keep.insert(k.clone(), si.spec.ips.clone());
+            }
+        }
+
+        let local = s.members.iter().find(|m| m.id == s.local);
+        for k in &keys {
+            self.want.clear(k);
+            self.starved.remove(k);
+            let m = &merged[k];
+            let here = self.compute(s, k, m, keep.get(k));
+            if let Some(me) = local {
+                self.export_conditions(s, me, k, m, &here);
+            }
+        }
+        if dirty.all {
+            Computed::All
+        } else {
+            Computed::Some(keys)
+        }
+    }
+
+    /// Every service of namespace `ns` that may want something.
+    fn namespace_keys(&self, s: &Snapshot<'_>, ns: &str, keys: &mut BTreeSet<ObjKey>) {
+        for m in &s.members {
+            keys.extend(m.exports.keys().filter(|k| k.0 == ns).cloned());
+        }
+        keys.extend(s.imports.keys().filter(|k| k.0 == ns).cloned());
+        keys.extend(self.want.imports.keys().filter(|k| k.0 == ns).cloned());
+    }
+
+    /// The merge of service `k`'s exports in every member.
+    fn merge(&self, s: &Snapshot<'_>, k: &ObjKey) -> Merged {
+        let mut exports = BTreeMap::new();
+        for m in &s.members {
+            let Some(se) = m.exports.get(k).filter(|se| !se.deleting) else {
+                continue;
+            };
+            let limit = self.over.get(&m.id).and_then(|o| o.get(k)).cloned();
+            exports.insert(
                 m.id.clone(),
                 Export {
                     created: se.created,
-                    service,
+                    service: m.services.get(k).map(|svc| (**svc).clone()),
                     labels: se.labels.clone(),
                     annotations: se.annotations.clone(),
-                    refused: refusal(ns, name, &s.refused_namespaces)
+                    refused: refusal(&k.0, &k.1, &s.policy.refused_namespaces)
                         .or(limit)
                         .or_else(|| se.refused.clone()),
                 },
             );
         }
+        let key = ServiceKey {
+            namespace: k.0.clone(),
+            name: k.1.clone(),
+        };
+        mcs_merge::merge(&key, &exports)
     }
-    let merged = mcs_merge::merge_all(&all);
 
-    // Imports where the namespace exists (and is not going away).
-    let wanted: Vec<(&ServiceKey, &ImportShape)> = merged
-        .iter()
-        .filter_map(|(k, m)| m.import.as_ref().map(|i| (k, i)))
-        .filter(|(k, _)| {
-            s.namespaces
-                .get(&(String::new(), k.namespace.clone()))
-                .is_some_and(|n| n.metadata.deletion_timestamp.is_none())
-        })
-        .collect();
+    fn hold_ip(&mut self, ip: IpAddr) {
+        let n = self.holders.entry(ip).or_default();
+        if *n == 0 {
+            self.alloc.reserve(ip);
+        }
+        *n += 1;
+    }
 
-    // ClusterSetIPs: reserve what imports hold (ours kept if still valid), then allocate.
-    let mut keep: HashMap<ObjKey, Vec<String>> = HashMap::new();
-    let mut existing: Vec<(&ObjKey, &Arc<ServiceImport>)> = s.imports.iter().collect();
-    existing.sort_by(|a, b| a.0.cmp(b.0));
-    for (_, si) in &existing {
-        if !ours(si) {
-            for ip in si.spec.ips.iter().filter_map(|i| i.parse::<IpAddr>().ok()) {
-                alloc.reserve(ip);
+    fn hold_ours(&mut self, k: &ObjKey, ips: Vec<IpAddr>) {
+        for ip in &ips {
+            self.hold_ip(*ip);
+            self.owner.insert(*ip, k.clone());
+        }
+        *self.per_namespace.entry(k.0.clone()).or_default() += ips.len();
+        self.holds.insert(k.clone(), Hold { ips, ours: true });
+    }
+
+    /// Lets go of what `k` holds.
+    fn release(&mut self, k: &ObjKey) {
+        let Some(h) = self.holds.remove(k) else {
+            return;
+        };
+        for ip in &h.ips {
+            if h.ours {
+                self.owner.remove(ip);
+            }
+            if let Some(n) = self.holders.get_mut(ip) {
+                *n -= 1;
+                if *n == 0 {
+                    self.holders.remove(ip);
+                    self.alloc.release(*ip);
+                }
             }
         }
+        if h.ours
+            && let Some(n) = self.per_namespace.get_mut(&k.0)
+        {
+            *n = n.saturating_sub(h.ips.len());
+        }
     }
-    for (k, si) in &existing {
-        if !ours(si) {
-            continue;
+
+    /// The import and slices of service `k`, given its merge and the addresses it keeps.
+    fn compute(
+        &mut self,
+        s: &Snapshot<'_>,
+        k: &ObjKey,
+        merged: &Merged,
+        keep: Option<&Vec<String>>,
+    ) -> Here {
+        let mut here = Here::default();
+        let Some(shape) = merged.import.as_ref() else {
+            return here;
+        };
+        // Imports where the namespace exists (and is not going away).
+        let namespace = s.namespaces.get(&(String::new(), k.0.clone()));
+        if namespace.is_none_or(|n| n.metadata.deletion_timestamp.is_some()) {
+            return here;
         }
         let key = ServiceKey {
             namespace: k.0.clone(),
             name: k.1.clone(),
         };
-        let Some(shape) = merged.get(&key).and_then(|m| m.import.as_ref()) else {
-            // Going away in this pass: its addresses stay reserved until it is gone, so no
-            // new import gets one while the old one still holds it.
-            for ip in si.spec.ips.iter().filter_map(|i| i.parse::<IpAddr>().ok()) {
-                alloc.reserve(ip);
-            }
-            continue;
-        };
-        if shape.headless {
-            continue;
-        }
-        let ips: Vec<IpAddr> = si.spec.ips.iter().filter_map(|i| i.parse().ok()).collect();
-        let fits = ips.len() == si.spec.ips.len()
-            && ips.len() == shape.ip_families.len()
-            && ips
-                .iter()
-                .zip(&shape.ip_families)
-                .all(|(ip, f)| family(*ip) == f && alloc.allowed(*ip));
-        if fits && ips.iter().all(|ip| alloc.reserve(*ip)) {
-            keep.insert((*k).clone(), si.spec.ips.clone());
-        }
-    }
-
-    // Each member's Service slices by (namespace, service), once per pass.
-    let mut by_service: HashMap<&str, HashMap<ObjKey, Vec<&EndpointSlice>>> = HashMap::new();
-    for m in &s.members {
-        let idx = by_service.entry(m.id.as_str()).or_default();
-        for es in m.slices.values() {
-            let labels = es.metadata.labels.as_ref();
-            let Some(svc) = labels.and_then(|l| l.get(LABEL_K8S_SERVICE_NAME)) else {
-                continue;
-            };
-            if labels
-                .and_then(|l| l.get(LABEL_MANAGED_BY))
-                .is_some_and(|v| v == MANAGER)
-            {
-                continue;
-            }
-            idx.entry((
-                es.metadata.namespace.clone().unwrap_or_default(),
-                svc.clone(),
-            ))
-            .or_default()
-            .push(es);
-        }
-    }
-
-    // ClusterSetIPs held per namespace (ours kept), for the quota.
-    let mut held: HashMap<&str, usize> = HashMap::new();
-    for (k, ips) in &keep {
-        *held.entry(k.0.as_str()).or_default() += ips.len();
-    }
-    // Imports of the local exports that got no ClusterSetIP, and why.
-    let mut no_ip: HashMap<ObjKey, String> = HashMap::new();
-    // Local exports of selectorless Services whose slices are withheld.
-    let mut selectorless: std::collections::HashSet<ObjKey> = Default::default();
-    for (key, shape) in wanted {
-        let k: ObjKey = (key.namespace.clone(), key.name.clone());
-        if let Some(si) = s.imports.get(&k)
+        if let Some(si) = s.imports.get(k)
             && !ours(si)
         {
-            out.problems.push(format!(
-                "ServiceImport {key} exists and is not managed by {MANAGER}; leaving it alone"
-            ));
-            continue;
+            self.want.problem(
+                k,
+                format!(
+                    "ServiceImport {key} exists and is not managed by {MANAGER}; leaving it alone"
+                ),
+            );
+            return here;
         }
         let mut over_quota = false;
         let (ips, families) = if shape.headless {
             // No ClusterSetIP, but the families of the exported Services: clients (and the
             // conformance suite) read them to know which address records to ask for.
             (Vec::new(), shape.ip_families.clone())
-        } else if let Some(ips) = keep.get(&k) {
+        } else if let Some(ips) = keep {
             (ips.clone(), shape.ip_families.clone())
-        } else if let Some(q) = s.ip_quota
-            && held.get(key.namespace.as_str()).copied().unwrap_or(0) + shape.ip_families.len() > q
+        } else if let Some(q) = s.policy.ip_quota
+            && self.per_namespace.get(&k.0).copied().unwrap_or(0) + shape.ip_families.len() > q
         {
-            out.problems.push(format!(
-                "no ClusterSetIP for {key}: namespace {} holds its quota of {q} (--clusterset-ips-per-namespace)",
-                key.namespace
-            ));
+            self.want.problem(
+                k,
+                format!(
+                    "no ClusterSetIP for {key}: namespace {} holds its quota of {q} (--clusterset-ips-per-namespace)",
+                    key.namespace
+                ),
+            );
             over_quota = true;
+            self.starved.insert(k.clone());
             (Vec::new(), Vec::new())
         } else {
             let mut ips = Vec::new();
             let mut families = Vec::new();
             for f in &shape.ip_families {
-                match alloc.allocate(f, &key.to_string()) {
+                match self.alloc.allocate(f, &key.to_string()) {
                     Some(ip) => {
-                        ips.push(ip.to_string());
+                        ips.push(ip);
                         families.push(f.clone());
                     }
-                    None => out.problems.push(format!(
-                        "no free {f} ClusterSetIP for {key} (none of --clusterset-ip-cidr is {f}, or it is full)"
-                    )),
+                    None => {
+                        self.starved.insert(k.clone());
+                        self.want.problem(
+                            k,
+                            format!(
+                                "no free {f} ClusterSetIP for {key} (none of --clusterset-ip-cidr is {f}, or it is full)"
+                            ),
+                        );
+                    }
                 }
             }
-            *held.entry(key.namespace.as_str()).or_default() += ips.len();
-            (ips, families)
+            let text = ips.iter().map(ToString::to_string).collect();
+            self.hold_ours(k, ips);
+            (text, families)
         };
         let missing: Vec<&String> = shape
             .ip_families
@@ -373,12 +601,12 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
             )
         };
         if !shape.headless && ips.is_empty() {
-            no_ip.insert(k.clone(), format!("has no ClusterSetIP: {}", ready.2));
+            here.no_ip = Some(format!("has no ClusterSetIP: {}", ready.2));
         }
-        let mut si = import(key, shape, ips, families);
+        let mut si = import(&key, shape, ips, families);
         let since = s
             .imports
-            .get(&k)
+            .get(k)
             .and_then(|old| old.status.as_ref())
             .and_then(|st| {
                 st.conditions
@@ -396,15 +624,17 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
                 observed_generation: None,
             }];
         }
-        out.imports.insert(k.clone(), si);
+        self.want.imports.insert(k.clone(), si);
 
         // Slices from every exporting cluster whose endpoints count.
+        let mut withheld = 0;
+        let mut slices = BTreeSet::new();
         for m in s
             .members
             .iter()
             .filter(|m| m.endpoints_count && shape.clusters.contains(&m.id))
         {
-            let svc = m.services.get(&k);
+            let svc = m.services.get(k);
             // This cluster's ports that the import carries as it defines them (a port it
             // defines differently gets no traffic from here), once per service.
             let served: Vec<String> = svc
@@ -418,15 +648,15 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
                 .map(|sp| sp.name.clone())
                 .collect();
             let selector = svc.is_some_and(|svc| svc.selector);
-            let Some(of_service) = by_service.get(m.id.as_str()).and_then(|b| b.get(&k)) else {
+            let Some(of_service) = m.slices.by_service.get(k) else {
                 continue;
             };
-            for es in of_service {
+            for es in of_service.iter().filter_map(|sk| m.slices.map.get(sk)) {
                 let source = source_manager(es);
                 let computed = selector && source == DEFAULT_SLICE_CONTROLLER;
-                if !computed && !s.export_selectorless {
-                    out.withheld += 1;
-                    out.problems.push(format!(
+                if !computed && !s.policy.export_selectorless {
+                    withheld += 1;
+                    self.want.problem(k, format!(
                         "EndpointSlice {}/{} of cluster {} is not exported: {}; such slices are exported only with --export-selectorless-slices",
                         key.namespace,
                         es.metadata.name.as_deref().unwrap_or_default(),
@@ -438,56 +668,83 @@ pub fn desired(s: &Snapshot, mut alloc: Allocator) -> Desired {
                         }
                     ));
                     if m.id == s.local && !selector {
-                        selectorless.insert(k.clone());
+                        here.selectorless = true;
                     }
                     continue;
                 }
-                if let Some(mcs) = mcs_slice(key, &m.id, es, &served, computed) {
-                    out.slices.insert(
-                        (
-                            key.namespace.clone(),
-                            mcs.metadata.name.clone().unwrap_or_default(),
-                        ),
-                        mcs,
+                if let Some(mcs) = mcs_slice(&key, &m.id, es, &served, computed) {
+                    let sk = (
+                        key.namespace.clone(),
+                        mcs.metadata.name.clone().unwrap_or_default(),
                     );
+                    self.want.slices.insert(sk.clone(), mcs);
+                    slices.insert(sk);
                 }
             }
         }
+        if withheld > 0 {
+            self.want.withheld.insert(k.clone(), withheld);
+        }
+        if !slices.is_empty() {
+            self.want.slices_of.insert(k.clone(), slices);
+        }
+        here
     }
-    // Local export conditions; an export whose import here got no ClusterSetIP is not
-    // Ready.
-    if let Some(me) = s.members.iter().find(|m| m.id == s.local) {
-        for (k, se) in &me.exports {
-            if se.deleting {
-                continue;
-            }
-            let key = ServiceKey {
-                namespace: k.0.clone(),
-                name: k.1.clone(),
+
+    /// The conditions of the local export of `k`, if there is one; an export whose import
+    /// here got no ClusterSetIP is not Ready, nor one of a selectorless Service whose slices
+    /// are withheld.
+    fn export_conditions(
+        &mut self,
+        s: &Snapshot<'_>,
+        me: &MemberView<'_>,
+        k: &ObjKey,
+        merged: &Merged,
+        here: &Here,
+    ) {
+        let Some(se) = me.exports.get(k).filter(|se| !se.deleting) else {
+            return;
+        };
+        let Some(c) = merged.exports.get(&s.local) else {
+            return;
+        };
+        let mut c = c.clone();
+        if let Some(why) = &here.no_ip
+            && c.ready.status
+        {
+            c.ready = mcs_merge::Condition {
+                status: false,
+                reason: NO_CLUSTERSET_IP.into(),
+                message: format!("the ServiceImport in cluster {} {why}", s.local),
             };
-            if let Some(c) = merged.get(&key).and_then(|m| m.exports.get(&s.local)) {
-                let mut c = c.clone();
-                if let Some(why) = no_ip.get(k)
-                    && c.ready.status
-                {
-                    c.ready = mcs_merge::Condition {
-                        status: false,
-                        reason: NO_CLUSTERSET_IP.into(),
-                        message: format!("the ServiceImport in cluster {} {why}", s.local),
-                    };
-                } else if selectorless.contains(k) && c.ready.status {
-                    c.ready = mcs_merge::Condition {
-                        status: false,
-                        reason: SELECTORLESS_SERVICE.into(),
-                        message: "the Service has no selector: its EndpointSlices (mirrored from Endpoints, or written by hand) are not exported unless every cluster's mcs-controller runs with --export-selectorless-slices".into(),
-                    };
-                }
-                out.export_conditions
-                    .insert(k.clone(), conditions(&c, se, &s.now));
-            }
+        } else if here.selectorless && c.ready.status {
+            c.ready = mcs_merge::Condition {
+                status: false,
+                reason: SELECTORLESS_SERVICE.into(),
+                message: "the Service has no selector: its EndpointSlices (mirrored from Endpoints, or written by hand) are not exported unless every cluster's mcs-controller runs with --export-selectorless-slices".into(),
+            };
         }
+        self.want
+            .export_conditions
+            .insert(k.clone(), conditions(&c, se, &s.now));
     }
-    out
+}
+
+/// What computing a service found that its local export's conditions say.
+#[derive(Debug, Default)]
+struct Here {
+    /// Its import here got no ClusterSetIP, and why.
+    no_ip: Option<String>,
+    /// Its local Service has no selector and its slices are withheld.
+    selectorless: bool,
+}
+
+fn parsed(si: &ServiceImport) -> Vec<IpAddr> {
+    si.spec.ips.iter().filter_map(|i| i.parse().ok()).collect()
+}
+
+fn distinct(ips: &[IpAddr]) -> bool {
+    ips.iter().enumerate().all(|(i, ip)| !ips[..i].contains(ip))
 }
 
 /// Whether this controller manages `si`.
@@ -682,4 +939,479 @@ fn conditions(c: &ExportConditions, se: &LeanExport, now: &Time) -> Vec<Conditio
         v.push(make("Conflict", k));
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    //! The O(change) passes against a full pass: any sequence of changes to the stores,
+    //! each followed by a pass whose writes land in the local imports, leaves the
+    //! reconciler's desired state equal to a full pass over the same objects.
+
+    use std::collections::BTreeMap;
+
+    use k8s_openapi::{
+        api::{
+            core::v1::Namespace,
+            discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+        },
+        apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time},
+        jiff::Timestamp,
+    };
+    use mcs_api::{ServiceImport, ServiceImportSpec};
+    use mcs_merge::{Port, ServiceKind, ServiceShape};
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::members::{Changes, Store, member_slice_service};
+
+    const MEMBERS: [&str; 3] = ["c1", "c2", "c3"];
+    const NAMESPACES: [&str; 2] = ["a", "b"];
+    const NAMES: [&str; 4] = ["w", "x", "y", "z"];
+
+    #[derive(Clone, Debug)]
+    enum Change {
+        Export {
+            m: usize,
+            k: (usize, usize),
+            created: i64,
+            labels: u8,
+            deleting: bool,
+        },
+        Unexport {
+            m: usize,
+            k: (usize, usize),
+        },
+        Service {
+            m: usize,
+            k: (usize, usize),
+            ports: u8,
+            headless: bool,
+            families: u8,
+            selector: bool,
+        },
+        NoService {
+            m: usize,
+            k: (usize, usize),
+        },
+        Slice {
+            m: usize,
+            k: (usize, usize),
+            i: u8,
+            ready: bool,
+            computed: bool,
+        },
+        NoSlice {
+            m: usize,
+            k: (usize, usize),
+            i: u8,
+        },
+        Namespace {
+            ns: usize,
+            state: u8,
+        },
+        ForeignImport {
+            k: (usize, usize),
+            ip: u8,
+        },
+        ImportGone {
+            k: (usize, usize),
+        },
+        MemberGone {
+            m: usize,
+            gone: bool,
+        },
+    }
+
+    fn key() -> impl Strategy<Value = (usize, usize)> {
+        (0..NAMESPACES.len(), 0..NAMES.len())
+    }
+
+    fn change() -> impl Strategy<Value = Change> {
+        let m = 0..MEMBERS.len();
+        prop_oneof![
+            4 => (m.clone(), key(), 0..4i64, 0..3u8, prop::bool::weighted(0.1)).prop_map(
+                |(m, k, created, labels, deleting)| Change::Export { m, k, created, labels, deleting }
+            ),
+            2 => (m.clone(), key()).prop_map(|(m, k)| Change::Unexport { m, k }),
+            4 => (m.clone(), key(), 0..3u8, prop::bool::weighted(0.15), 0..3u8, prop::bool::weighted(0.85))
+                .prop_map(|(m, k, ports, headless, families, selector)| Change::Service {
+                    m, k, ports, headless, families, selector
+                }),
+            1 => (m.clone(), key()).prop_map(|(m, k)| Change::NoService { m, k }),
+            4 => (m.clone(), key(), 0..2u8, any::<bool>(), prop::bool::weighted(0.85))
+                .prop_map(|(m, k, i, ready, computed)| Change::Slice { m, k, i, ready, computed }),
+            1 => (m.clone(), key(), 0..2u8).prop_map(|(m, k, i)| Change::NoSlice { m, k, i }),
+            1 => (0..NAMESPACES.len(), 0..4u8).prop_map(|(ns, state)| Change::Namespace { ns, state }),
+            2 => (key(), 0..8u8).prop_map(|(k, ip)| Change::ForeignImport { k, ip }),
+            1 => key().prop_map(|k| Change::ImportGone { k }),
+            1 => (m, prop::bool::weighted(0.5)).prop_map(|(m, gone)| Change::MemberGone { m, gone }),
+        ]
+    }
+
+    fn ok((ns, name): (usize, usize)) -> ObjKey {
+        (NAMESPACES[ns].to_string(), NAMES[name].to_string())
+    }
+
+    struct World {
+        changes: Arc<Changes>,
+        exports: Vec<Store<LeanExport>>,
+        services: Vec<Store<ServiceShape>>,
+        slices: Vec<Store<EndpointSlice>>,
+        namespaces: Store<Namespace>,
+        imports: Store<ServiceImport>,
+        gone: [bool; 3],
+        policy: Policy,
+    }
+
+    impl World {
+        fn new(policy: Policy) -> Self {
+            let changes = Arc::new(Changes::default());
+            let w = World {
+                exports: MEMBERS
+                    .iter()
+                    .map(|_| Store::new(changes.clone(), None))
+                    .collect(),
+                services: MEMBERS
+                    .iter()
+                    .map(|_| Store::new(changes.clone(), None))
+                    .collect(),
+                slices: MEMBERS
+                    .iter()
+                    .map(|_| Store::new(changes.clone(), Some(member_slice_service)))
+                    .collect(),
+                namespaces: Store::new(changes.clone(), None),
+                imports: Store::new(changes.clone(), None),
+                changes,
+                gone: [false; 3],
+                policy,
+            };
+            w.namespace(0, 0);
+            w.namespace(1, 0);
+            w
+        }
+
+        fn namespace(&self, ns: usize, state: u8) {
+            let key = (String::new(), NAMESPACES[ns].to_string());
+            match state {
+                0 | 1 => self.namespaces.apply(
+                    key.clone(),
+                    Arc::new(Namespace {
+                        metadata: ObjectMeta {
+                            name: Some(key.1.clone()),
+                            deletion_timestamp: (state == 1).then_some(Time(Timestamp::UNIX_EPOCH)),
+                            ..Default::default()
+                        },
+                        ..Default::default()
+                    }),
+                ),
+                2 => self.namespaces.remove(&key),
+                _ => {}
+            }
+        }
+
+        fn apply(&mut self, c: &Change) {
+            match c.clone() {
+                Change::Export {
+                    m,
+                    k,
+                    created,
+                    labels,
+                    deleting,
+                } => self.exports[m].apply(
+                    ok(k),
+                    Arc::new(LeanExport {
+                        created,
+                        deleting,
+                        generation: Some(1),
+                        labels: (0..labels)
+                            .map(|i| (format!("l{i}"), MEMBERS[m].to_string()))
+                            .collect(),
+                        ..Default::default()
+                    }),
+                ),
+                Change::Unexport { m, k } => self.exports[m].remove(&ok(k)),
+                Change::Service {
+                    m,
+                    k,
+                    ports,
+                    headless,
+                    families,
+                    selector,
+                } => self.services[m].apply(
+                    ok(k),
+                    Arc::new(ServiceShape {
+                        kind: Some(ServiceKind::ClusterIp),
+                        headless,
+                        ports: (0..=ports)
+                            .map(|i| Port {
+                                name: format!("p{i}"),
+                                protocol: "TCP".into(),
+                                port: 80 + i32::from(i) + i32::from(m == 2 && ports == 2),
+                                app_protocol: None,
+                            })
+                            .collect(),
+                        ip_families: match families {
+                            0 => vec!["IPv4".into()],
+                            1 => vec!["IPv6".into()],
+                            _ => vec!["IPv4".into(), "IPv6".into()],
+                        },
+                        selector,
+                        ..Default::default()
+                    }),
+                ),
+                Change::NoService { m, k } => self.services[m].remove(&ok(k)),
+                Change::Slice {
+                    m,
+                    k,
+                    i,
+                    ready,
+                    computed,
+                } => {
+                    let (ns, name) = ok(k);
+                    let slice = format!("{name}-{i}");
+                    let manager = if computed {
+                        DEFAULT_SLICE_CONTROLLER
+                    } else {
+                        "someone"
+                    };
+                    self.slices[m].apply(
+                        (ns.clone(), slice.clone()),
+                        Arc::new(EndpointSlice {
+                            metadata: ObjectMeta {
+                                name: Some(slice),
+                                namespace: Some(ns),
+                                labels: Some(BTreeMap::from([
+                                    (crate::objects::LABEL_K8S_SERVICE_NAME.into(), name),
+                                    (LABEL_MANAGED_BY.into(), manager.into()),
+                                ])),
+                                ..Default::default()
+                            },
+                            address_type: "IPv4".into(),
+                            endpoints: Some(vec![Endpoint {
+                                addresses: vec![format!("198.18.{m}.{}", 10 + i)],
+                                conditions: Some(EndpointConditions {
+                                    ready: Some(ready),
+                                    ..Default::default()
+                                }),
+                                ..Default::default()
+                            }]),
+                            ports: Some(vec![EndpointPort {
+                                name: Some("p0".into()),
+                                port: Some(8080),
+                                protocol: Some("TCP".into()),
+                                ..Default::default()
+                            }]),
+                        }),
+                    );
+                }
+                Change::NoSlice { m, k, i } => {
+                    let (ns, name) = ok(k);
+                    self.slices[m].remove(&(ns, format!("{name}-{i}")));
+                }
+                Change::Namespace { ns, state } => self.namespace(ns, state),
+                Change::ForeignImport { k, ip } => {
+                    let (ns, name) = ok(k);
+                    let mut si = ServiceImport::new(
+                        &name,
+                        ServiceImportSpec {
+                            ips: if ip < 7 {
+                                vec![format!("198.18.100.{ip}")]
+                            } else {
+                                vec![]
+                            },
+                            ..Default::default()
+                        },
+                    );
+                    si.metadata.namespace = Some(ns.clone());
+                    si.metadata.labels =
+                        Some(BTreeMap::from([(MANAGED_LABEL.into(), "someone".into())]));
+                    self.imports.apply((ns, name), Arc::new(si));
+                }
+                Change::ImportGone { k } => self.imports.remove(&ok(k)),
+                Change::MemberGone { m, gone } => self.gone[m] = gone,
+            }
+        }
+
+        /// `f` of a snapshot of the stores (read-locked meanwhile).
+        fn with_snapshot<R>(&self, f: impl FnOnce(&Snapshot<'_>) -> R) -> R {
+            let g: Vec<_> = (0..MEMBERS.len())
+                .map(|m| {
+                    (
+                        self.exports[m].read(),
+                        self.services[m].read(),
+                        self.slices[m].read(),
+                    )
+                })
+                .collect();
+            let (ns, imports) = (self.namespaces.read(), self.imports.read());
+            f(&Snapshot {
+                local: "c1".into(),
+                members: MEMBERS
+                    .iter()
+                    .zip(&g)
+                    .zip(self.gone)
+                    .map(|((id, g), gone)| MemberView {
+                        id: (*id).into(),
+                        endpoints_count: !gone,
+                        exports: &g.0.map,
+                        services: &g.1.map,
+                        slices: &g.2,
+                    })
+                    .collect(),
+                namespaces: &ns.map,
+                imports: &imports.map,
+                now: Time(Timestamp::UNIX_EPOCH),
+                policy: &self.policy,
+            })
+        }
+
+        /// A pass of `r` over what changed, its imports then written as the writer would.
+        fn pass(&self, r: &mut Reconciler, all: bool) -> Computed {
+            let mut dirty = self.changes.take();
+            dirty.all |= all;
+            let computed = self.with_snapshot(|s| r.pass(s, &dirty));
+            let have = self.imports.snapshot();
+            let keys: Vec<ObjKey> = match &computed {
+                Computed::All => have.keys().chain(r.want.imports.keys()).cloned().collect(),
+                Computed::Some(k) => k.iter().cloned().collect(),
+            };
+            for k in keys {
+                match (r.want.imports.get(&k), have.get(&k)) {
+                    (Some(si), h) if h.is_none_or(|h| json(h) != json(si)) => {
+                        self.imports.apply(k, Arc::new(si.clone()));
+                    }
+                    (None, Some(h)) if ours(h) => self.imports.remove(&k),
+                    _ => {}
+                }
+            }
+            computed
+        }
+
+        fn full(&self) -> Desired {
+            self.with_snapshot(|s| desired(s, ranges()))
+        }
+    }
+
+    fn json(si: &ServiceImport) -> serde_json::Value {
+        serde_json::to_value(si).unwrap()
+    }
+
+    fn imports(d: &Desired) -> BTreeMap<ObjKey, serde_json::Value> {
+        d.imports
+            .iter()
+            .map(|(k, si)| (k.clone(), json(si)))
+            .collect()
+    }
+
+    fn ranges() -> Vec<IpCidr> {
+        vec![
+            "198.18.100.0/29".parse().unwrap(),
+            "2001:2::100:0/126".parse().unwrap(),
+        ]
+    }
+
+    fn policy() -> impl Strategy<Value = Policy> {
+        (
+            prop::option::of(2..5usize),
+            prop::option::of(1..3usize),
+            prop::option::of(2..5usize),
+            any::<bool>(),
+            prop::bool::weighted(0.2),
+        )
+            .prop_map(
+                |(ip_quota, per_ns, per_member, selectorless, refuse)| Policy {
+                    refused_namespaces: if refuse {
+                        ["b".to_string()].into()
+                    } else {
+                        Default::default()
+                    },
+                    ip_quota,
+                    exports_per_namespace: per_ns,
+                    exports_per_member: per_member,
+                    export_selectorless: selectorless,
+                },
+            )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+        #[test]
+        fn any_changes_leave_what_a_full_pass_computes(
+            policy in policy(),
+            steps in prop::collection::vec(prop::collection::vec(change(), 1..4), 1..25),
+        ) {
+            let mut world = World::new(policy);
+            let mut r = Reconciler::new(ranges());
+            let mut gone = world.gone;
+            world.pass(&mut r, true);
+            for batch in &steps {
+                for c in batch {
+                    world.apply(c);
+                }
+                // A member coming or going is a full pass, as in the controller's loop.
+                let all = gone != world.gone;
+                gone = world.gone;
+                world.pass(&mut r, all);
+            }
+            // The writes of the last pass, seen by the watchers, are one more pass.
+            for _ in 0..3 {
+                world.pass(&mut r, false);
+            }
+            let full = world.full();
+            prop_assert_eq!(imports(&r.want), imports(&full));
+            prop_assert_eq!(&r.want.slices, &full.slices);
+            prop_assert_eq!(&r.want.slices_of, &full.slices_of);
+            prop_assert_eq!(&r.want.export_conditions, &full.export_conditions);
+            prop_assert_eq!(&r.want.withheld, &full.withheld);
+            prop_assert_eq!(&r.want.problems, &full.problems);
+        }
+    }
+
+    #[test]
+    fn a_pass_after_one_change_computes_that_service_only() {
+        let mut world = World::new(Policy::default());
+        let mut r = Reconciler::new(ranges());
+        for m in 0..2 {
+            for name in 0..NAMES.len() {
+                world.apply(&Change::Service {
+                    m,
+                    k: (0, name),
+                    ports: 0,
+                    headless: false,
+                    families: 0,
+                    selector: true,
+                });
+                world.apply(&Change::Export {
+                    m,
+                    k: (0, name),
+                    created: 1,
+                    labels: 0,
+                    deleting: false,
+                });
+            }
+        }
+        assert_eq!(world.pass(&mut r, true), Computed::All);
+        assert_eq!(r.want.imports.len(), NAMES.len());
+        // Its own writes come back as changes of those services: nothing differs then.
+        let before = r.want.clone();
+        world.pass(&mut r, false);
+        assert_eq!(format!("{:?}", r.want), format!("{before:?}"));
+        world.apply(&Change::Slice {
+            m: 1,
+            k: (0, 2),
+            i: 0,
+            ready: true,
+            computed: true,
+        });
+        assert_eq!(
+            world.pass(&mut r, false),
+            Computed::Some([ok((0, 2))].into()),
+        );
+        assert_eq!(r.want.slices_of[&ok((0, 2))].len(), 1);
+        assert_eq!(
+            imports(&r.want),
+            imports(&before),
+            "the other imports are as they were"
+        );
+    }
 }

@@ -32,7 +32,6 @@ use std::{
 
 use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
 use kube::Client;
-use mcs_merge::alloc::Allocator;
 use mcs_model::guard::IpCidr;
 use mcs_runtime::http::Health;
 use prometheus_client::{
@@ -43,8 +42,8 @@ use prometheus_client::{
 use tokio::sync::{Notify, watch};
 
 use crate::{
-    desired::{MemberView, Snapshot},
-    members::{Local, Member, MemberState},
+    desired::{Computed, MemberView, Policy, Reconciler, Snapshot},
+    members::{Changes, Dirty, Local, Member, MemberState, Touch},
 };
 
 /// `endpointslice.kubernetes.io/managed-by` of our slices, and the value of
@@ -121,6 +120,8 @@ struct KindLabel {
 #[derive(Debug, Clone)]
 pub struct Metrics {
     passes: Counter,
+    full_passes: Counter,
+    services_computed: Counter,
     pass_seconds: Histogram,
     writes: Family<KindLabel, Counter>,
     write_errors: Counter,
@@ -141,6 +142,8 @@ impl Metrics {
     pub fn new(r: &mut Registry) -> Self {
         let m = Self {
             passes: Counter::default(),
+            full_passes: Counter::default(),
+            services_computed: Counter::default(),
             pass_seconds: Histogram::new([0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0]),
             writes: Family::default(),
             write_errors: Counter::default(),
@@ -157,6 +160,16 @@ impl Metrics {
         };
         let r = r.sub_registry_with_prefix("mcs_controller");
         r.register("passes", "Reconcile passes", m.passes.clone());
+        r.register(
+            "full_passes",
+            "Passes that computed every service (the first as leader, a re-list, a member coming or going, the resync)",
+            m.full_passes.clone(),
+        );
+        r.register(
+            "services_computed",
+            "Services computed again by passes (a pass computes the services whose objects changed)",
+            m.services_computed.clone(),
+        );
         r.register(
             "pass_seconds",
             "Time of a reconcile pass (snapshot, merge, writes)",
@@ -225,7 +238,8 @@ impl Metrics {
 /// Runs the controller until the process ends.
 pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Result<()> {
     let wake = Arc::new(Notify::new());
-    let local = Arc::new(Local::default());
+    let changes = Arc::new(Changes::default());
+    let local = Arc::new(Local::new(&changes));
     let local_client = cfg
         .members
         .iter()
@@ -240,6 +254,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
                 id.clone(),
                 client.clone(),
                 (*id == cfg.cluster_id).then(|| local.clone()),
+                &changes,
                 wake.clone(),
                 cfg.retry_max,
             )
@@ -262,6 +277,20 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
     let mut written_once = false;
     let mut backoff = writer::Backoff::default();
     let mut was_unauthorized = vec![false; members.len()];
+    let policy = Policy {
+        refused_namespaces: cfg.refused_namespaces.clone(),
+        ip_quota: cfg.ip_quota,
+        export_selectorless: cfg.export_selectorless,
+        exports_per_namespace: cfg.exports_per_namespace,
+        exports_per_member: cfg.exports_per_member,
+    };
+    let mut reconciler = Reconciler::new(cfg.ranges.clone());
+    // A full pass is due: at the first pass as leader, and at each resync.
+    let mut need_full = true;
+    let mut last_full = Instant::now();
+    // Whose endpoints counted in the last pass (a member coming or going changes every
+    // service it exports: a full pass).
+    let mut counted: Vec<bool> = Vec::new();
     loop {
         tokio::select! {
             () = wake.notified() => {}
@@ -341,37 +370,80 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
             }
             health.set_ready();
             written_once = false;
+            need_full = true;
+            // What changed is of no use to a follower: it starts with a full pass.
+            changes.take();
             continue;
         }
         let started = Instant::now();
-        let snapshot = Snapshot {
-            local: cfg.cluster_id.clone(),
-            members: members
-                .iter()
-                .zip(&states)
-                .map(|(m, s)| MemberView {
-                    id: m.id.clone(),
-                    endpoints_count: !matches!(s, MemberState::Gone(_)),
-                    exports: m.exports.snapshot(),
-                    services: m.services.snapshot(),
-                    slices: m.slices.snapshot(),
-                })
-                .collect(),
-            namespaces: local.namespaces.snapshot(),
-            imports: local.imports.snapshot(),
-            now: Time(Timestamp::now()),
-            refused_namespaces: cfg.refused_namespaces.clone(),
-            ip_quota: cfg.ip_quota,
-            export_selectorless: cfg.export_selectorless,
-            exports_per_namespace: cfg.exports_per_namespace,
-            exports_per_member: cfg.exports_per_member,
-        };
-        let want = desired::desired(&snapshot, Allocator::new(cfg.ranges.clone()));
-        let computed = started.elapsed();
-        for p in &want.problems {
-            tracing::warn!("{p}");
+        let mut dirty = changes.take();
+        let now_counted: Vec<bool> = states
+            .iter()
+            .map(|s| !matches!(s, MemberState::Gone(_)))
+            .collect();
+        if need_full || now_counted != counted || last_full.elapsed() >= cfg.resync {
+            dirty = Dirty {
+                all: true,
+                ..Dirty::default()
+            };
         }
-        let w = writer::sync(&local_client, &want, &local, &me, &mut backoff).await;
+        counted = now_counted;
+        if !dirty.all {
+            dirty.touched.extend(
+                backoff
+                    .due(Instant::now())
+                    .map(|k| Touch::Service(k.clone())),
+            );
+        }
+        let looked_at = {
+            // The stores, read-locked while the pass computes (not across the writes).
+            let guards: Vec<_> = members
+                .iter()
+                .map(|m| (m.exports.read(), m.services.read(), m.slices.read()))
+                .collect();
+            let namespaces = local.namespaces.read();
+            let imports = local.imports.read();
+            let snapshot = Snapshot {
+                local: cfg.cluster_id.clone(),
+                members: members
+                    .iter()
+                    .zip(&counted)
+                    .zip(&guards)
+                    .map(|((m, counts), g)| MemberView {
+                        id: m.id.clone(),
+                        endpoints_count: *counts,
+                        exports: &g.0.map,
+                        services: &g.1.map,
+                        slices: &g.2,
+                    })
+                    .collect(),
+                namespaces: &namespaces.map,
+                imports: &imports.map,
+                now: Time(Timestamp::now()),
+                policy: &policy,
+            };
+            reconciler.pass(&snapshot, &dirty)
+        };
+        let want = &reconciler.want;
+        let computed = started.elapsed();
+        match &looked_at {
+            Computed::All => {
+                need_full = false;
+                last_full = Instant::now();
+                metrics.full_passes.inc();
+                metrics.services_computed.inc_by(want.imports.len() as u64);
+                for p in want.problems.values().flatten() {
+                    tracing::warn!("{p}");
+                }
+            }
+            Computed::Some(keys) => {
+                metrics.services_computed.inc_by(keys.len() as u64);
+                for p in keys.iter().filter_map(|k| want.problems.get(k)).flatten() {
+                    tracing::warn!("{p}");
+                }
+            }
+        }
+        let w = writer::sync(&local_client, want, &looked_at, &local, &me, &mut backoff).await;
         last_pass = started.elapsed();
         metrics.passes.inc();
         metrics
@@ -379,8 +451,8 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
             .observe(started.elapsed().as_secs_f64());
         metrics.imports.set(want.imports.len() as i64);
         metrics.slices.set(want.slices.len() as i64);
-        metrics.problems.set(want.problems.len() as u64);
-        metrics.slices_withheld.set(want.withheld as i64);
+        metrics.problems.set(want.problem_count() as u64);
+        metrics.slices_withheld.set(want.withheld_count() as i64);
         metrics.retries_waiting.set(backoff.len() as i64);
         metrics.invalid_exports.set(
             want.export_conditions

@@ -11,7 +11,7 @@
 //! endpoints, ports and the labels read; no `managedFields`, annotations or owner references.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap},
     fmt::Debug,
     sync::{
         Arc, Mutex, RwLock,
@@ -38,36 +38,189 @@ use mcs_runtime::retry::WatchRetry;
 use serde::de::DeserializeOwned;
 use tokio::sync::Notify;
 
-/// A watched copy of one kind.
+/// The objects of one kind, and which service each belongs to.
 #[derive(Debug)]
-pub struct Store<K> {
-    map: RwLock<HashMap<ObjKey, Arc<K>>>,
-    /// Set once its watcher has completed a first list.
-    listed: AtomicBool,
+pub struct Objects<K> {
+    /// By (namespace, name).
+    pub map: HashMap<ObjKey, Arc<K>>,
+    /// (namespace, service) → the keys of its objects, for kinds with more than one object
+    /// per service (EndpointSlices, by their service-name label).
+    pub by_service: HashMap<ObjKey, BTreeSet<ObjKey>>,
 }
 
-impl<K> Default for Store<K> {
+impl<K> Default for Objects<K> {
     fn default() -> Self {
         Self {
-            map: RwLock::new(HashMap::new()),
-            listed: AtomicBool::new(false),
+            map: HashMap::new(),
+            by_service: HashMap::new(),
         }
     }
 }
 
+/// Which service an object belongs to, for the reconciler's dirty set.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Touch {
+    /// (namespace, service).
+    Service(ObjKey),
+    /// Every service of a namespace (a Namespace object).
+    Namespace(String),
+}
+
+/// A watched copy of one kind.
+#[derive(Debug)]
+pub struct Store<K> {
+    objects: RwLock<Objects<K>>,
+    /// Set once its watcher has completed a first list.
+    listed: AtomicBool,
+    /// The service an object belongs to (`None`: its own key is the service's).
+    service_of: Option<fn(&K) -> Option<ObjKey>>,
+    /// Where each change is recorded for the next pass.
+    changes: Arc<Changes>,
+}
+
 impl<K> Store<K> {
+    /// An empty store whose objects belong to the service of their own key (exports,
+    /// Services, imports), or to `service_of` (slices by label); Namespaces use
+    /// [`Store::namespaces`].
+    pub fn new(changes: Arc<Changes>, service_of: Option<fn(&K) -> Option<ObjKey>>) -> Self {
+        Self {
+            objects: RwLock::new(Objects::default()),
+            listed: AtomicBool::new(false),
+            service_of,
+            changes,
+        }
+    }
+
     /// Whether its watcher has listed once.
     pub fn listed(&self) -> bool {
         self.listed.load(Ordering::Acquire)
     }
 
-    /// Every object now.
+    /// Every object now (a copy of the map).
     pub fn snapshot(&self) -> HashMap<ObjKey, Arc<K>> {
-        self.map.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.read().map.clone()
     }
 
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<ObjKey, Arc<K>>> {
-        self.map.write().unwrap_or_else(|p| p.into_inner())
+    /// The objects, read-locked.
+    pub fn read(&self) -> std::sync::RwLockReadGuard<'_, Objects<K>> {
+        self.objects.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Objects<K>> {
+        self.objects.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn touch(&self, key: &ObjKey, o: &K) -> Option<Touch> {
+        match self.service_of {
+            None if key.0.is_empty() => Some(Touch::Namespace(key.1.clone())),
+            None => Some(Touch::Service(key.clone())),
+            Some(f) => f(o).map(Touch::Service),
+        }
+    }
+
+    /// Stores `o` under `key`; the services it leaves and joins are marked changed.
+    pub fn apply(&self, key: ObjKey, o: Arc<K>) {
+        let mut w = self.write();
+        let joins = self.touch(&key, &o);
+        let old = w.map.insert(key.clone(), o);
+        let leaves = old.as_ref().and_then(|old| self.touch(&key, old));
+        if leaves != joins {
+            if let Some(Touch::Service(svc)) = &leaves {
+                unindex(&mut w.by_service, svc, &key);
+            }
+            if let (Some(Touch::Service(svc)), Some(_)) = (&joins, self.service_of) {
+                w.by_service.entry(svc.clone()).or_default().insert(key);
+            }
+        }
+        drop(w);
+        self.changes.mark(leaves);
+        self.changes.mark(joins);
+    }
+
+    /// Removes `key`; its service is marked changed.
+    pub fn remove(&self, key: &ObjKey) {
+        let mut w = self.write();
+        let Some(old) = w.map.remove(key) else { return };
+        let leaves = self.touch(key, &old);
+        if let Some(Touch::Service(svc)) = &leaves {
+            unindex(&mut w.by_service, svc, key);
+        }
+        drop(w);
+        self.changes.mark(leaves);
+    }
+
+    /// Replaces every object (a completed list); the next pass is a full one.
+    pub fn replace(&self, fresh: HashMap<ObjKey, Arc<K>>) {
+        let mut by_service: HashMap<ObjKey, BTreeSet<ObjKey>> = HashMap::new();
+        if let Some(f) = self.service_of {
+            for (k, o) in &fresh {
+                if let Some(svc) = f(o) {
+                    by_service.entry(svc).or_default().insert(k.clone());
+                }
+            }
+        }
+        *self.write() = Objects {
+            map: fresh,
+            by_service,
+        };
+        self.changes.all();
+    }
+}
+
+fn unindex(by_service: &mut HashMap<ObjKey, BTreeSet<ObjKey>>, svc: &ObjKey, key: &ObjKey) {
+    if let Some(set) = by_service.get_mut(svc) {
+        set.remove(key);
+        if set.is_empty() {
+            by_service.remove(svc);
+        }
+    }
+}
+
+/// What changed since the last pass: the services to compute again, or everything.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Dirty {
+    /// Everything (a re-list, a member coming or going, a resync).
+    pub all: bool,
+    /// Services and namespaces whose objects changed.
+    pub touched: BTreeSet<Touch>,
+}
+
+impl Dirty {
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        !self.all && self.touched.is_empty()
+    }
+}
+
+/// Where the watchers record what changed; the reconciler takes it at each pass.
+#[derive(Debug, Default)]
+pub struct Changes(Mutex<Dirty>);
+
+impl Changes {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Dirty> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records that `t` changed.
+    pub fn mark(&self, t: Option<Touch>) {
+        if let Some(t) = t {
+            let mut d = self.lock();
+            if !d.all {
+                d.touched.insert(t);
+            }
+        }
+    }
+
+    /// Records that everything is to be computed again.
+    pub fn all(&self) {
+        let mut d = self.lock();
+        d.all = true;
+        d.touched.clear();
+    }
+
+    /// What changed since the last call.
+    pub fn take(&self) -> Dirty {
+        std::mem::take(&mut *self.lock())
     }
 }
 
@@ -99,7 +252,7 @@ pub struct Member {
 }
 
 /// The local cluster's extra stores.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Local {
     /// Namespaces: name and deletion timestamp.
     pub namespaces: Arc<Store<Namespace>>,
@@ -111,6 +264,15 @@ pub struct Local {
 }
 
 impl Local {
+    /// Empty stores recording their changes in `changes`.
+    pub fn new(changes: &Arc<Changes>) -> Self {
+        Self {
+            namespaces: Arc::new(Store::new(changes.clone(), None)),
+            imports: Arc::new(Store::new(changes.clone(), None)),
+            slices: Arc::new(Store::new(changes.clone(), Some(mcs_slice_service))),
+        }
+    }
+
     /// Whether every local watcher has listed.
     pub fn listed(&self) -> bool {
         self.namespaces.listed() && self.imports.listed() && self.slices.listed()
@@ -131,12 +293,13 @@ pub enum MemberState {
 }
 
 impl Member {
-    fn new(id: String) -> Self {
+    /// A member not listed yet whose stores record their changes in `changes`.
+    pub fn new(id: String, changes: &Arc<Changes>) -> Self {
         Self {
             id,
-            exports: Arc::default(),
-            services: Arc::default(),
-            slices: Arc::default(),
+            exports: Arc::new(Store::new(changes.clone(), None)),
+            services: Arc::new(Store::new(changes.clone(), None)),
+            slices: Arc::new(Store::new(changes.clone(), Some(member_slice_service))),
             health: Mutex::new(Health::default()),
             started: Instant::now(),
         }
@@ -212,10 +375,11 @@ pub fn start(
     id: String,
     client: Client,
     local: Option<Arc<Local>>,
+    changes: &Arc<Changes>,
     wake: Arc<Notify>,
     retry_max: Duration,
 ) -> Arc<Member> {
-    let m = Arc::new(Member::new(id));
+    let m = Arc::new(Member::new(id, changes));
     let ctx = || Ctx {
         member: m.clone(),
         wake: wake.clone(),
@@ -287,6 +451,36 @@ struct Ctx {
     member: Arc<Member>,
     wake: Arc<Notify>,
     retry_max: Duration,
+}
+
+/// The service a member's slice belongs to: its `kubernetes.io/service-name` (none for a
+/// slice that says it is ours: it is never copied).
+pub fn member_slice_service(es: &EndpointSlice) -> Option<ObjKey> {
+    let labels = es.metadata.labels.as_ref()?;
+    if labels
+        .get(mcs_api::LABEL_MANAGED_BY)
+        .is_some_and(|v| v == crate::MANAGER)
+    {
+        return None;
+    }
+    let svc = labels.get(LABEL_K8S_SERVICE_NAME)?;
+    Some((
+        es.metadata.namespace.clone().unwrap_or_default(),
+        svc.clone(),
+    ))
+}
+
+/// The service one of our MCS slices belongs to: its `multicluster.kubernetes.io/service-name`.
+pub fn mcs_slice_service(es: &EndpointSlice) -> Option<ObjKey> {
+    let svc = es
+        .metadata
+        .labels
+        .as_ref()?
+        .get(mcs_api::LABEL_SERVICE_NAME)?;
+    Some((
+        es.metadata.namespace.clone().unwrap_or_default(),
+        svc.clone(),
+    ))
 }
 
 /// What is kept of a member's Service EndpointSlice: name, namespace, the two labels read
@@ -378,18 +572,18 @@ async fn watch<K, V>(
             watcher::Event::InitDone => {
                 let fresh = pending.take().unwrap_or_default();
                 let objects = fresh.len();
-                *store.write() = fresh;
+                store.replace(fresh);
                 if !store.listed.swap(true, Ordering::AcqRel) {
                     tracing::info!(cluster = %ctx.member.id, kind, objects, "listed");
                 }
                 ctx.wake.notify_one();
             }
             watcher::Event::Apply(o) => {
-                store.write().insert(key(&o), Arc::new(lean(o)));
+                store.apply(key(&o), Arc::new(lean(o)));
                 ctx.wake.notify_one();
             }
             watcher::Event::Delete(o) => {
-                store.write().remove(&key(&o));
+                store.remove(&key(&o));
                 ctx.wake.notify_one();
             }
         }

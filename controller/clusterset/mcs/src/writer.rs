@@ -9,7 +9,7 @@
 //! succeeds or the object no longer differs.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     time::{Duration, Instant},
 };
 
@@ -25,7 +25,7 @@ use mcs_api::{ServiceExport, ServiceImport};
 use serde_json::json;
 
 use crate::{
-    desired::{Desired, ours},
+    desired::{Computed, Desired, ours},
     members::{Local, Member},
     objects::ObjKey,
 };
@@ -61,34 +61,45 @@ pub const RETRY_MAX: Duration = Duration::from_secs(60);
 /// status) and object.
 pub type Target = (&'static str, ObjKey);
 
-/// Writes that failed, each with its own exponential backoff: when it may be tried again and
-/// how long the next wait is.
+/// Writes that failed, each with its own exponential backoff: when it may be tried again, how
+/// long the next wait is, and the service it belongs to (computed again when it is due).
 #[derive(Debug, Default)]
 pub struct Backoff {
-    failed: HashMap<Target, (Instant, Duration)>,
+    failed: HashMap<Target, (Instant, Duration, ObjKey)>,
 }
 
 impl Backoff {
     /// Whether `t` failed and its wait has not passed at `now`.
     fn waiting(&self, t: &Target, now: Instant) -> bool {
-        self.failed.get(t).is_some_and(|(due, _)| *due > now)
+        self.failed.get(t).is_some_and(|(due, _, _)| *due > now)
     }
 
-    /// Records a failure of `t` at `now`: the wait doubles, from [`RETRY_FIRST`] to
-    /// [`RETRY_MAX`].
-    fn fail(&mut self, t: Target, now: Instant) {
-        let e = self.failed.entry(t).or_insert((now, Duration::ZERO));
+    /// Records a failure of `t` (of service `svc`) at `now`: the wait doubles, from
+    /// [`RETRY_FIRST`] to [`RETRY_MAX`].
+    fn fail(&mut self, t: Target, svc: ObjKey, now: Instant) {
+        let e = self
+            .failed
+            .entry(t)
+            .or_insert((now, Duration::ZERO, svc.clone()));
         let wait = if e.1.is_zero() {
             RETRY_FIRST
         } else {
             (e.1 * 2).min(RETRY_MAX)
         };
-        *e = (now + wait, wait);
+        *e = (now + wait, wait, svc);
     }
 
     /// When the earliest failed write may be tried again.
     pub fn next_due(&self) -> Option<Instant> {
-        self.failed.values().map(|(due, _)| *due).min()
+        self.failed.values().map(|(due, _, _)| *due).min()
+    }
+
+    /// The services with a failed write whose wait has passed at `now`.
+    pub fn due(&self, now: Instant) -> impl Iterator<Item = &ObjKey> {
+        self.failed
+            .values()
+            .filter(move |(due, _, _)| *due <= now)
+            .map(|(_, _, svc)| svc)
     }
 
     /// Failed writes waiting for a retry.
@@ -175,7 +186,8 @@ enum Outcome {
 struct Pass<'a> {
     w: Written,
     backoff: &'a mut Backoff,
-    /// Every target that differed in this pass (a failure of any other is forgotten).
+    /// Every target that differed in this pass (a failure of any other target of the
+    /// services looked at is forgotten).
     differing: HashSet<Target>,
     now: Instant,
 }
@@ -194,15 +206,15 @@ impl Pass<'_> {
     /// Runs `writes` with at most [`IN_FLIGHT`] in flight and counts their outcomes.
     async fn run_all<F>(&mut self, writes: Vec<F>)
     where
-        F: std::future::Future<Output = (Target, Outcome)>,
+        F: std::future::Future<Output = (Target, ObjKey, Outcome)>,
     {
         let mut s = futures::stream::iter(writes).buffer_unordered(IN_FLIGHT);
-        while let Some((t, o)) = s.next().await {
+        while let Some((t, svc, o)) = s.next().await {
             let w = &mut self.w;
             match o {
                 Outcome::Error => {
                     w.errors += 1;
-                    self.backoff.fail(t, Instant::now());
+                    self.backoff.fail(t, svc, Instant::now());
                     continue;
                 }
                 Outcome::Import => w.imports += 1,
@@ -216,10 +228,14 @@ impl Pass<'_> {
         }
     }
 
-    /// The pass's count; failures of targets that no longer differ are forgotten.
-    fn finish(self) -> Written {
+    /// The pass's count; failures of targets of the services looked at that no longer
+    /// differ are forgotten.
+    fn finish(self, looked_at: &Computed) -> Written {
         let differing = self.differing;
-        self.backoff.failed.retain(|t, _| differing.contains(t));
+        self.backoff.failed.retain(|t, (_, _, svc)| {
+            differing.contains(t)
+                || matches!(looked_at, Computed::Some(keys) if !keys.contains(svc))
+        });
         self.w
     }
 }
@@ -228,11 +244,13 @@ const IMPORT: &str = "ServiceImport";
 const SLICE: &str = "EndpointSlice";
 const EXPORT: &str = "ServiceExport";
 
-/// Writes the difference between `want` and what the local stores hold: imports first, then
-/// slices (created, then deleted), then imports no longer wanted, then export conditions.
+/// Writes the difference between `want` and what the local stores hold, for the services
+/// `looked_at` names (every one for a full pass): imports first, then slices (created, then
+/// deleted), then imports no longer wanted, then export conditions.
 pub async fn sync(
     client: &Client,
     want: &Desired,
+    looked_at: &Computed,
     local: &Local,
     me: &Member,
     backoff: &mut Backoff,
@@ -243,17 +261,66 @@ pub async fn sync(
         differing: HashSet::new(),
         now: Instant::now(),
     };
-    let have_imports = local.imports.snapshot();
-    let have_slices = local.slices.snapshot();
+    // What the local stores hold of the services looked at (a copy: the locks are not held
+    // across the writes).
+    let (have_imports, have_slices, slices_of) = {
+        let imports = local.imports.read();
+        let slices = local.slices.read();
+        match looked_at {
+            Computed::All => (
+                imports.map.clone(),
+                slices.map.clone(),
+                None::<HashMap<ObjKey, ObjKey>>,
+            ),
+            Computed::Some(keys) => {
+                let mut have_slices = HashMap::new();
+                let mut slices_of = HashMap::new();
+                for k in keys {
+                    for sk in slices.by_service.get(k).into_iter().flatten() {
+                        if let Some(es) = slices.map.get(sk) {
+                            have_slices.insert(sk.clone(), es.clone());
+                            slices_of.insert(sk.clone(), k.clone());
+                        }
+                    }
+                }
+                (
+                    keys.iter()
+                        .filter_map(|k| Some((k.clone(), imports.map.get(k)?.clone())))
+                        .collect(),
+                    have_slices,
+                    Some(slices_of),
+                )
+            }
+        }
+    };
+    // The entries of `map` for the services looked at: by lookup, not by a scan.
+    fn of<'m, V>(
+        map: &'m BTreeMap<ObjKey, V>,
+        looked_at: &'m Computed,
+    ) -> Vec<(&'m ObjKey, &'m V)> {
+        match looked_at {
+            Computed::All => map.iter().collect(),
+            Computed::Some(keys) => keys.iter().filter_map(|k| map.get_key_value(k)).collect(),
+        }
+    }
+    // The service a slice of ours belongs to.
+    let service_of = |sk: &ObjKey, es: &EndpointSlice| -> ObjKey {
+        slices_of
+            .as_ref()
+            .and_then(|m| m.get(sk).cloned())
+            .or_else(|| crate::members::mcs_slice_service(es))
+            .unwrap_or_else(|| sk.clone())
+    };
 
     // Imports: create or update.
     let mut writes = Vec::new();
-    for ((ns, name), si) in &want.imports {
-        let have = have_imports.get(&(ns.clone(), name.clone()));
+    for ((ns, name), si) in of(&want.imports, looked_at) {
+        let key = (ns.clone(), name.clone());
+        let have = have_imports.get(&key);
         if have.is_some_and(|h| import_same(h, si, true)) {
             continue;
         }
-        let target = (IMPORT, (ns.clone(), name.clone()));
+        let target = (IMPORT, key.clone());
         if !pass.due(target.clone()) {
             continue;
         }
@@ -264,7 +331,7 @@ pub async fn sync(
         writes.push(async move {
             if !spec_same && let Err(e) = api.patch(name, &apply(), &Patch::Apply(&body)).await {
                 tracing::warn!(import = %format!("{ns}/{name}"), error = %e, "writing ServiceImport");
-                return (target, Outcome::Error);
+                return (target, key, Outcome::Error);
             }
             let status = json!({
                 "apiVersion": "multicluster.x-k8s.io/v1beta1",
@@ -289,25 +356,31 @@ pub async fn sync(
                     Outcome::Error
                 }
             };
-            (target, outcome)
+            (target, key, outcome)
         });
     }
     pass.run_all(writes).await;
 
     // Slices: create or update.
     let mut writes = Vec::new();
-    for ((ns, name), es) in &want.slices {
-        if have_slices
-            .get(&(ns.clone(), name.clone()))
-            .is_some_and(|h| slice_same(h, es))
-        {
+    let wanted_slices: Vec<(&ObjKey, &ObjKey)> = of(&want.slices_of, looked_at)
+        .into_iter()
+        .flat_map(|(svc, sks)| sks.iter().map(move |sk| (svc, sk)))
+        .collect();
+    for (svc, sk) in wanted_slices {
+        let Some(es) = want.slices.get(sk) else {
+            continue;
+        };
+        if have_slices.get(sk).is_some_and(|h| slice_same(h, es)) {
             continue;
         }
-        let target = (SLICE, (ns.clone(), name.clone()));
+        let target = (SLICE, sk.clone());
         if !pass.due(target.clone()) {
             continue;
         }
+        let (ns, name) = sk;
         let api: Api<EndpointSlice> = Api::namespaced(client.clone(), ns);
+        let svc = svc.clone();
         writes.push(async move {
             let outcome = match api.patch(name, &apply(), &Patch::Apply(es)).await {
                 Ok(_) => Outcome::Slice,
@@ -316,21 +389,23 @@ pub async fn sync(
                     Outcome::Error
                 }
             };
-            (target, outcome)
+            (target, svc, outcome)
         });
     }
     pass.run_all(writes).await;
 
     // Slices of ours that are not wanted.
     let mut writes = Vec::new();
-    for (ns, name) in have_slices.keys() {
-        if want.slices.contains_key(&(ns.clone(), name.clone())) {
+    for (sk, es) in &have_slices {
+        if want.slices.contains_key(sk) {
             continue;
         }
-        let target = (SLICE, (ns.clone(), name.clone()));
+        let target = (SLICE, sk.clone());
         if !pass.due(target.clone()) {
             continue;
         }
+        let (ns, name) = sk;
+        let svc = service_of(sk, es);
         let api: Api<EndpointSlice> = Api::namespaced(client.clone(), ns);
         writes.push(async move {
             let outcome = match api.delete(name, &DeleteParams::default()).await {
@@ -341,21 +416,22 @@ pub async fn sync(
                     Outcome::Error
                 }
             };
-            (target, outcome)
+            (target, svc, outcome)
         });
     }
     pass.run_all(writes).await;
 
     // Imports of ours no longer wanted.
     let mut writes = Vec::new();
-    for ((ns, name), si) in &have_imports {
-        if !ours(si) || want.imports.contains_key(&(ns.clone(), name.clone())) {
+    for (key, si) in &have_imports {
+        if !ours(si) || want.imports.contains_key(key) {
             continue;
         }
-        let target = (IMPORT, (ns.clone(), name.clone()));
+        let target = (IMPORT, key.clone());
         if !pass.due(target.clone()) {
             continue;
         }
+        let (ns, name) = key;
         let api: Api<ServiceImport> = Api::namespaced(client.clone(), ns);
         writes.push(async move {
             let outcome = match api.delete(name, &DeleteParams::default()).await {
@@ -369,15 +445,21 @@ pub async fn sync(
                     Outcome::Error
                 }
             };
-            (target, outcome)
+            (target, key.clone(), outcome)
         });
     }
     pass.run_all(writes).await;
 
     // Conditions of the local exports.
-    let exports = me.exports.snapshot();
+    let exports: HashMap<ObjKey, std::sync::Arc<crate::objects::LeanExport>> = {
+        let all = me.exports.read();
+        of(&want.export_conditions, looked_at)
+            .into_iter()
+            .filter_map(|(k, _)| Some((k.clone(), all.map.get(k)?.clone())))
+            .collect()
+    };
     let mut writes = Vec::new();
-    for (key, conds) in &want.export_conditions {
+    for (key, conds) in of(&want.export_conditions, looked_at) {
         let Some(se) = exports.get(key) else { continue };
         if conditions_view(&se.conditions) == conditions_view(conds) {
             continue;
@@ -401,11 +483,11 @@ pub async fn sync(
                 Ok(false) => Outcome::Nothing,
                 Err(()) => Outcome::Error,
             };
-            (target, outcome)
+            (target, key.clone(), outcome)
         });
     }
     pass.run_all(writes).await;
-    pass.finish()
+    pass.finish(looked_at)
 }
 
 /// Ok(true): written; Ok(false): the export is gone; Err: failed (logged).
@@ -513,7 +595,7 @@ mod tests {
         assert!(!b.waiting(&web, t0) && b.next_due().is_none());
         let mut waits = Vec::new();
         for _ in 0..9 {
-            b.fail(web.clone(), t0);
+            b.fail(web.clone(), web.1.clone(), t0);
             waits.push(b.failed[&web].1.as_secs());
         }
         assert_eq!(waits, [1, 2, 4, 8, 16, 32, 60, 60, 60]);
@@ -522,5 +604,7 @@ mod tests {
         assert!(!b.waiting(&other, t0), "another object is not held back");
         assert_eq!(b.next_due(), Some(t0 + RETRY_MAX));
         assert_eq!(b.len(), 1);
+        assert_eq!(b.due(t0 + RETRY_MAX).collect::<Vec<_>>(), [&web.1]);
+        assert_eq!(b.due(t0).count(), 0);
     }
 }
