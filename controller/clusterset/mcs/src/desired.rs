@@ -344,13 +344,6 @@ impl Reconciler {
         if !self.starved.is_empty() && keys.iter().any(|k| self.holds.contains_key(k)) {
             keys.extend(std::mem::take(&mut self.starved));
         }
-        if keys.is_empty() {
-            return if dirty.all {
-                Computed::All
-            } else {
-                Computed::Some(keys)
-            };
-        }
         let merged: BTreeMap<ObjKey, Merged> =
             keys.iter().map(|k| (k.clone(), self.merge(s, k))).collect();
 
@@ -361,11 +354,7 @@ impl Reconciler {
         }
         for k in &keys {
             if let Some(si) = s.imports.get(k).filter(|si| !ours(si)) {
-                let ips = parsed(si);
-                for ip in &ips {
-                    self.hold_ip(*ip);
-                }
-                self.holds.insert(k.clone(), Hold { ips, ours: false });
+                self.hold_theirs(k, parsed(si));
             }
         }
         let mut keep: HashMap<ObjKey, Vec<String>> = HashMap::new();
@@ -377,10 +366,7 @@ impl Reconciler {
             let Some(shape) = merged[k].import.as_ref() else {
                 // Going away: its addresses stay held until it is gone, so no new import gets
                 // one while the old one still holds it.
-                for ip in &ips {
-                    self.hold_ip(*ip);
-                }
-                self.holds.insert(k.clone(), Hold { ips, ours: false });
+                self.hold_theirs(k, ips);
                 continue;
             };
             if shape.headless {
@@ -462,6 +448,17 @@ impl Reconciler {
         *n += 1;
     }
 
+    /// `k` holds `ips` outside its namespace's quota: another manager's import, or ours
+    /// going away.
+    fn hold_theirs(&mut self, k: &ObjKey, ips: Vec<IpAddr>) {
+        for ip in &ips {
+            self.hold_ip(*ip);
+        }
+        self.holds.insert(k.clone(), Hold { ips, ours: false });
+    }
+
+    /// `k`'s import of ours holds `ips` (kept, or just allocated: `hold_ip` then finds them
+    /// in use already), counted in its namespace's quota.
     fn hold_ours(&mut self, k: &ObjKey, ips: Vec<IpAddr>) {
         for ip in &ips {
             self.hold_ip(*ip);

@@ -80,8 +80,8 @@ pub struct Store<K> {
 
 impl<K> Store<K> {
     /// An empty store whose objects belong to the service of their own key (exports,
-    /// Services, imports), or to `service_of` (slices by label); Namespaces use
-    /// [`Store::namespaces`].
+    /// Services, imports; a cluster-scoped key, a Namespace, stands for all of its services),
+    /// or to `service_of` (slices by label).
     pub fn new(changes: Arc<Changes>, service_of: Option<fn(&K) -> Option<ObjKey>>) -> Self {
         Self {
             objects: RwLock::new(Objects::default()),
@@ -183,13 +183,6 @@ pub struct Dirty {
     pub all: bool,
     /// Services and namespaces whose objects changed.
     pub touched: BTreeSet<Touch>,
-}
-
-impl Dirty {
-    /// Whether nothing changed.
-    pub fn is_empty(&self) -> bool {
-        !self.all && self.touched.is_empty()
-    }
 }
 
 /// Where the watchers record what changed; the reconciler takes it at each pass.
@@ -294,7 +287,7 @@ pub enum MemberState {
 
 impl Member {
     /// A member not listed yet whose stores record their changes in `changes`.
-    pub fn new(id: String, changes: &Arc<Changes>) -> Self {
+    fn new(id: String, changes: &Arc<Changes>) -> Self {
         Self {
             id,
             exports: Arc::new(Store::new(changes.clone(), None)),
