@@ -43,9 +43,9 @@ use crate::{MANAGED_LABEL, MANAGER, objects::ObjKey};
 pub struct MemberView<'a> {
     /// Its cluster id.
     pub id: String,
-    /// False when it has been unreachable past the member timeout: its endpoints are
+    /// Whether it answers; past the member timeout ([`Reach::Gone`]) its endpoints are
     /// withdrawn (its exports still count, from their last known state).
-    pub endpoints_count: bool,
+    pub reach: Reach,
     /// ServiceExports.
     pub exports: &'a HashMap<ObjKey, Arc<LeanExport>>,
     /// Services.
@@ -53,6 +53,43 @@ pub struct MemberView<'a> {
     /// Service EndpointSlices, indexed by service.
     pub slices: &'a Objects<EndpointSlice>,
 }
+
+/// How a member answers, as the reconciler sees it (and the imports' [`CLUSTERS_REACHABLE`]
+/// condition tells).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Reach {
+    /// It answers (or has failed for less than the controller's short grace).
+    #[default]
+    Up,
+    /// It fails, within the member timeout: its last known endpoints still count.
+    /// `unauthorized`: it refuses our credentials (HTTP 401/403).
+    Failing {
+        /// It refuses our credentials.
+        unauthorized: bool,
+    },
+    /// It has failed past the member timeout: its endpoints are withdrawn.
+    Gone {
+        /// It refuses our credentials.
+        unauthorized: bool,
+    },
+}
+
+impl MemberView<'_> {
+    /// Whether its endpoints are imported (it has not failed past the member timeout).
+    pub fn endpoints_count(&self) -> bool {
+        !matches!(self.reach, Reach::Gone { .. })
+    }
+}
+
+/// The ServiceImport condition that says whether every cluster exporting the service answers
+/// this controller (`True`, reason `Reachable`), or which do not and what became of their
+/// endpoints (`False`, [`CLUSTER_UNAUTHORIZED`] when one of them refuses our credentials,
+/// else [`CLUSTER_UNREACHABLE`]).
+pub const CLUSTERS_REACHABLE: &str = "ClustersReachable";
+/// `ClustersReachable=False`: an exporting cluster refuses this controller's credentials.
+pub const CLUSTER_UNAUTHORIZED: &str = "ClusterUnauthorized";
+/// `ClustersReachable=False`: an exporting cluster does not answer.
+pub const CLUSTER_UNREACHABLE: &str = "ClusterUnreachable";
 
 /// What the controller is told to refuse or bound (the same in every pass).
 #[derive(Clone, Debug, Default)]
@@ -601,25 +638,30 @@ impl Reconciler {
             here.no_ip = Some(format!("has no ClusterSetIP: {}", ready.2));
         }
         let mut si = import(&key, shape, ips, families);
-        let since = s
-            .imports
-            .get(k)
-            .and_then(|old| old.status.as_ref())
-            .and_then(|st| {
-                st.conditions
-                    .iter()
-                    .find(|c| c.type_ == "Ready" && c.status == ready.0)
-            })
-            .map_or_else(|| s.now.clone(), |c| c.last_transition_time.clone());
-        if let Some(st) = si.status.as_mut() {
-            st.conditions = vec![Condition {
-                type_: "Ready".into(),
-                status: ready.0.into(),
-                reason: ready.1.into(),
-                message: ready.2,
+        let reach = reach_condition(s, &shape.clusters);
+        let old = s.imports.get(k).and_then(|old| old.status.as_ref());
+        let condition = |(type_, (status, reason, message)): (&str, (&str, &str, String))| {
+            let since = old
+                .and_then(|st| {
+                    st.conditions
+                        .iter()
+                        .find(|c| c.type_ == type_ && c.status == status)
+                })
+                .map_or_else(|| s.now.clone(), |c| c.last_transition_time.clone());
+            Condition {
+                type_: type_.into(),
+                status: status.into(),
+                reason: reason.into(),
+                message,
                 last_transition_time: since,
                 observed_generation: None,
-            }];
+            }
+        };
+        if let Some(st) = si.status.as_mut() {
+            st.conditions = [("Ready", ready), (CLUSTERS_REACHABLE, reach)]
+                .into_iter()
+                .map(condition)
+                .collect();
         }
         self.want.imports.insert(k.clone(), si);
 
@@ -629,7 +671,7 @@ impl Reconciler {
         for m in s
             .members
             .iter()
-            .filter(|m| m.endpoints_count && shape.clusters.contains(&m.id))
+            .filter(|m| m.endpoints_count() && shape.clusters.contains(&m.id))
         {
             let svc = m.services.get(k);
             // This cluster's ports that the import carries as it defines them (a port it
@@ -724,6 +766,48 @@ impl Reconciler {
         self.want
             .export_conditions
             .insert(k.clone(), conditions(&c, se, &s.now));
+    }
+}
+
+/// The [`CLUSTERS_REACHABLE`] condition of an import exported by `clusters`: status, reason,
+/// message (which clusters do not answer and what became of their endpoints; no times, so
+/// it changes only when their state does).
+fn reach_condition<'m>(s: &Snapshot<'_>, clusters: &[String]) -> (&'m str, &'m str, String) {
+    let mut unauthorized = false;
+    let troubles: Vec<String> = s
+        .members
+        .iter()
+        .filter(|m| clusters.contains(&m.id))
+        .filter_map(|m| {
+            let (refuses, gone) = match m.reach {
+                Reach::Up => return None,
+                Reach::Failing { unauthorized } => (unauthorized, false),
+                Reach::Gone { unauthorized } => (unauthorized, true),
+            };
+            unauthorized |= refuses;
+            let what = if refuses {
+                "refuses this controller's credentials (HTTP 401/403)"
+            } else {
+                "does not answer"
+            };
+            let endpoints = if gone {
+                "its endpoints are withdrawn (member timeout passed)"
+            } else {
+                "its last known endpoints are kept until the member timeout"
+            };
+            Some(format!("cluster {} {what}: {endpoints}", m.id))
+        })
+        .collect();
+    if troubles.is_empty() {
+        (
+            "True",
+            "Reachable",
+            "every exporting cluster answers".to_string(),
+        )
+    } else if unauthorized {
+        ("False", CLUSTER_UNAUTHORIZED, troubles.join("; "))
+    } else {
+        ("False", CLUSTER_UNREACHABLE, troubles.join("; "))
     }
 }
 
@@ -1013,9 +1097,9 @@ mod tests {
         ImportGone {
             k: (usize, usize),
         },
-        MemberGone {
+        MemberReach {
             m: usize,
-            gone: bool,
+            reach: u8,
         },
     }
 
@@ -1041,7 +1125,7 @@ mod tests {
             1 => (0..NAMESPACES.len(), 0..4u8).prop_map(|(ns, state)| Change::Namespace { ns, state }),
             2 => (key(), 0..8u8).prop_map(|(k, ip)| Change::ForeignImport { k, ip }),
             1 => key().prop_map(|k| Change::ImportGone { k }),
-            1 => (m, prop::bool::weighted(0.5)).prop_map(|(m, gone)| Change::MemberGone { m, gone }),
+            1 => (m, 0..6u8).prop_map(|(m, reach)| Change::MemberReach { m, reach }),
         ]
     }
 
@@ -1056,7 +1140,7 @@ mod tests {
         slices: Vec<Store<EndpointSlice>>,
         namespaces: Store<Namespace>,
         imports: Store<ServiceImport>,
-        gone: [bool; 3],
+        reach: [Reach; 3],
         policy: Policy,
     }
 
@@ -1079,7 +1163,7 @@ mod tests {
                 namespaces: Store::new(changes.clone(), None),
                 imports: Store::new(changes.clone(), None),
                 changes,
-                gone: [false; 3],
+                reach: [Reach::Up; 3],
                 policy,
             };
             w.namespace(0, 0);
@@ -1225,7 +1309,17 @@ mod tests {
                     self.imports.apply((ns, name), Arc::new(si));
                 }
                 Change::ImportGone { k } => self.imports.remove(&ok(k)),
-                Change::MemberGone { m, gone } => self.gone[m] = gone,
+                Change::MemberReach { m, reach } => {
+                    self.reach[m] = match reach {
+                        0 | 1 => Reach::Up,
+                        2 | 3 => Reach::Failing {
+                            unauthorized: reach == 3,
+                        },
+                        _ => Reach::Gone {
+                            unauthorized: reach == 5,
+                        },
+                    };
+                }
             }
         }
 
@@ -1246,10 +1340,10 @@ mod tests {
                 members: MEMBERS
                     .iter()
                     .zip(&g)
-                    .zip(self.gone)
-                    .map(|((id, g), gone)| MemberView {
+                    .zip(self.reach)
+                    .map(|((id, g), reach)| MemberView {
                         id: (*id).into(),
-                        endpoints_count: !gone,
+                        reach,
                         exports: &g.0.map,
                         services: &g.1.map,
                         slices: &g.2,
@@ -1339,15 +1433,16 @@ mod tests {
         ) {
             let mut world = World::new(policy);
             let mut r = Reconciler::new(ranges());
-            let mut gone = world.gone;
+            let mut reach = world.reach;
             world.pass(&mut r, true);
             for batch in &steps {
                 for c in batch {
                     world.apply(c);
                 }
-                // A member coming or going is a full pass, as in the controller's loop.
-                let all = gone != world.gone;
-                gone = world.gone;
+                // A member failing, coming or going is a full pass, as in the controller's
+                // loop.
+                let all = reach != world.reach;
+                reach = world.reach;
                 world.pass(&mut r, all);
             }
             // The writes of the last pass, seen by the watchers, are one more pass.
@@ -1410,5 +1505,73 @@ mod tests {
             imports(&before),
             "the other imports are as they were"
         );
+    }
+
+    #[test]
+    fn an_import_says_which_exporting_clusters_do_not_answer() {
+        let mut world = World::new(Policy::default());
+        let mut r = Reconciler::new(ranges());
+        for m in 0..3 {
+            world.apply(&Change::Service {
+                m,
+                k: (0, 0),
+                ports: 0,
+                headless: false,
+                families: 0,
+                selector: true,
+            });
+        }
+        for m in 1..3 {
+            world.apply(&Change::Export {
+                m,
+                k: (0, 0),
+                created: 1,
+                labels: 0,
+                deleting: false,
+            });
+        }
+        let reachable = |r: &Reconciler| {
+            let c = r.want.imports[&ok((0, 0))]
+                .status
+                .as_ref()
+                .unwrap()
+                .conditions
+                .iter()
+                .find(|c| c.type_ == CLUSTERS_REACHABLE)
+                .cloned()
+                .unwrap();
+            (c.status, c.reason, c.message)
+        };
+        world.pass(&mut r, true);
+        assert_eq!(reachable(&r).0, "True");
+        // c1 does not export it: its state is not the import's business.
+        world.apply(&Change::MemberReach { m: 0, reach: 4 });
+        world.pass(&mut r, true);
+        assert_eq!(reachable(&r).0, "True");
+        world.apply(&Change::MemberReach { m: 1, reach: 2 });
+        world.pass(&mut r, true);
+        assert_eq!(
+            reachable(&r),
+            (
+                "False".into(),
+                CLUSTER_UNREACHABLE.into(),
+                "cluster c2 does not answer: its last known endpoints are kept until the member timeout".into()
+            )
+        );
+        world.apply(&Change::MemberReach { m: 2, reach: 5 });
+        world.pass(&mut r, true);
+        let (status, reason, message) = reachable(&r);
+        assert_eq!(
+            (status.as_str(), reason.as_str()),
+            ("False", CLUSTER_UNAUTHORIZED)
+        );
+        assert!(
+            message.ends_with("; cluster c3 refuses this controller's credentials (HTTP 401/403): its endpoints are withdrawn (member timeout passed)"),
+            "{message}"
+        );
+        world.apply(&Change::MemberReach { m: 1, reach: 0 });
+        world.apply(&Change::MemberReach { m: 2, reach: 0 });
+        world.pass(&mut r, true);
+        assert_eq!(reachable(&r).0, "True");
     }
 }

@@ -42,7 +42,7 @@ use prometheus_client::{
 use tokio::sync::{Notify, watch};
 
 use crate::{
-    desired::{Computed, MemberView, Policy, Reconciler, Snapshot},
+    desired::{Computed, MemberView, Policy, Reach, Reconciler, Snapshot},
     members::{Changes, Dirty, Local, Member, MemberState, Touch},
 };
 
@@ -288,9 +288,9 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
     // A full pass is due: at the first pass as leader, and at each resync.
     let mut need_full = true;
     let mut last_full = Instant::now();
-    // Whose endpoints counted in the last pass (a member coming or going changes every
-    // service it exports: a full pass).
-    let mut counted: Vec<bool> = Vec::new();
+    // How each member answered in the last pass (a member failing, coming or going changes
+    // every service it exports, their endpoints or their conditions: a full pass).
+    let mut reached: Vec<Reach> = Vec::new();
     loop {
         tokio::select! {
             () = wake.notified() => {}
@@ -377,17 +377,18 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
         }
         let started = Instant::now();
         let mut dirty = changes.take();
-        let now_counted: Vec<bool> = states
+        let reach: Vec<Reach> = members
             .iter()
-            .map(|s| !matches!(s, MemberState::Gone(_)))
+            .zip(&states)
+            .map(|(m, s)| reach(m, s))
             .collect();
-        if need_full || now_counted != counted || last_full.elapsed() >= cfg.resync {
+        if need_full || reach != reached || last_full.elapsed() >= cfg.resync {
             dirty = Dirty {
                 all: true,
                 ..Dirty::default()
             };
         }
-        counted = now_counted;
+        reached = reach;
         if !dirty.all {
             dirty.touched.extend(
                 backoff
@@ -407,11 +408,11 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
                 local: cfg.cluster_id.clone(),
                 members: members
                     .iter()
-                    .zip(&counted)
+                    .zip(&reached)
                     .zip(&guards)
-                    .map(|((m, counts), g)| MemberView {
+                    .map(|((m, reach), g)| MemberView {
                         id: m.id.clone(),
-                        endpoints_count: *counts,
+                        reach: *reach,
                         exports: &g.0.map,
                         services: &g.1.map,
                         slices: &g.2,
@@ -499,5 +500,20 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
             );
             health.set_ready();
         }
+    }
+}
+
+/// How long a member fails before its imports say so (`ClustersReachable=False`): a watch
+/// that fails once and comes back at once does not rewrite every import it exports twice.
+const REACH_GRACE: Duration = Duration::from_secs(10);
+
+/// How member `m` in state `s` answers, for the pass.
+fn reach(m: &Member, s: &MemberState) -> Reach {
+    let unauthorized = m.unauthorized();
+    match s {
+        MemberState::Up => Reach::Up,
+        MemberState::Unsure(_) if m.failing_for().is_none_or(|d| d < REACH_GRACE) => Reach::Up,
+        MemberState::Unsure(_) => Reach::Failing { unauthorized },
+        MemberState::Gone(_) => Reach::Gone { unauthorized },
     }
 }

@@ -324,6 +324,15 @@ impl Member {
         self.exports.listed() && self.services.listed() && self.slices.listed()
     }
 
+    /// For how long it has failed without a success since (none: it answers).
+    pub fn failing_for(&self) -> Option<Duration> {
+        self.health
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .failing_since
+            .map(|t| t.elapsed())
+    }
+
     /// Whether the member's last answer was a refusal of our credentials (401/403).
     pub fn unauthorized(&self) -> bool {
         self.health

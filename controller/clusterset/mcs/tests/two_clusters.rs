@@ -391,6 +391,17 @@ fn leader_failover_and_a_member_down_past_the_timeout() {
             get_import(&k1, ns, "web").await.is_some(),
             "the import must stay while its exporter is unreachable"
         );
+        // And the import says why.
+        let (reason, message) = until("web says c2 does not answer", || async {
+            let c = reachable(&get_import(&k1, ns, "web").await?)?;
+            (c.status == "False").then_some((c.reason, c.message))
+        })
+        .await;
+        assert_eq!(reason, "ClusterUnreachable");
+        assert_eq!(
+            message,
+            "cluster c2 does not answer: its endpoints are withdrawn (member timeout passed)"
+        );
     });
     set.servers[1].restart().unwrap();
     set.rt.block_on(async {
@@ -398,6 +409,23 @@ fn leader_failover_and_a_member_down_past_the_timeout() {
             (mcs_slices(&k1, ns, "web").await.len() == 1).then_some(())
         })
         .await;
+        until("web says every exporting cluster answers", || async {
+            let c = reachable(&get_import(&k1, ns, "web").await?)?;
+            (c.status == "True").then_some(())
+        })
+        .await;
     });
     drop(replicas);
+}
+
+/// The import's `ClustersReachable` condition.
+fn reachable(
+    si: &mcs_api::ServiceImport,
+) -> Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    si.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "ClustersReachable")
+        .cloned()
 }
