@@ -16,6 +16,7 @@
 //! - [`run`]: the loop: wake on any change (or every resync), snapshot, compute, write.
 #![forbid(unsafe_code)]
 
+pub mod budget;
 pub mod desired;
 pub mod lease;
 pub mod members;
@@ -86,6 +87,9 @@ pub struct Config {
     pub exports_per_namespace: Option<usize>,
     /// The most exports merged per member (`None`: no bound).
     pub exports_per_member: Option<usize>,
+    /// The most bytes of exported labels and annotations kept per member namespace and per
+    /// member.
+    pub meta_limits: budget::MetaLimits,
     /// This replica's Pod (namespace, name), if known: member problems (a member refusing
     /// our credentials) are published as Events on it.
     pub pod: Option<(String, String)>,
@@ -129,6 +133,7 @@ pub struct Metrics {
     slices: Gauge,
     member_up: Family<ClusterLabel, Gauge>,
     member_unauthorized: Family<ClusterLabel, Gauge>,
+    exports_over_budget: Family<ClusterLabel, Gauge>,
     leader: Gauge,
     last_pass: Gauge<i64, AtomicI64>,
     problems: Gauge<u64, AtomicU64>,
@@ -151,6 +156,7 @@ impl Metrics {
             slices: Gauge::default(),
             member_up: Family::default(),
             member_unauthorized: Family::default(),
+            exports_over_budget: Family::default(),
             leader: Gauge::default(),
             last_pass: Gauge::default(),
             problems: Gauge::default(),
@@ -205,6 +211,11 @@ impl Metrics {
             "1 while the member cluster refuses our credentials (401/403), 0 otherwise",
             m.member_unauthorized.clone(),
         );
+        r.register(
+            "exports_over_budget",
+            "ServiceExports of the member kept without their exported labels and annotations, refused (ExportedMetadataOverBudget): past --exported-metadata-bytes-per-namespace or -per-member",
+            m.exports_over_budget.clone(),
+        );
         r.register("leader", "1 while this replica leads", m.leader.clone());
         r.register(
             "last_pass_timestamp_seconds",
@@ -257,6 +268,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
                 &changes,
                 wake.clone(),
                 cfg.retry_max,
+                cfg.meta_limits,
             )
         })
         .collect();
@@ -348,6 +360,12 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
                     cluster: m.id.clone(),
                 })
                 .set(i64::from(refused));
+            metrics
+                .exports_over_budget
+                .get_or_create(&ClusterLabel {
+                    cluster: m.id.clone(),
+                })
+                .set(m.budget.over_count() as i64);
         }
         // Never write from a partial view: the local cluster listed, and every member listed
         // once or given up on.

@@ -108,6 +108,18 @@ struct RunArgs {
     /// bound); past it, as past --exports-per-namespace.
     #[arg(long, env = "MCS_EXPORTS_PER_MEMBER", default_value_t = 20000)]
     exports_per_member: usize,
+    /// The most bytes of exported labels and annotations (keys, values and 64 bytes per
+    /// entry) this controller keeps of one namespace's ServiceExports in one member. An
+    /// export that does not fit is kept without them and refused (`Valid=False`,
+    /// `ExportedMetadataOverBudget`; mcs_controller_exports_over_budget) until others shrink
+    /// or go; the ones that came first are kept. Every cluster's controller should be given
+    /// the same value.
+    #[arg(long, env = "MCS_EXPORTED_METADATA_BYTES_PER_NAMESPACE", default_value_t = 2 << 20)]
+    exported_metadata_bytes_per_namespace: usize,
+    /// The same, over all of one member's namespaces: what one member's exports may make
+    /// this controller hold (with N members, up to N times this).
+    #[arg(long, env = "MCS_EXPORTED_METADATA_BYTES_PER_MEMBER", default_value_t = 16 << 20)]
+    exported_metadata_bytes_per_member: usize,
 }
 
 fn main() -> ExitCode {
@@ -255,6 +267,10 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         exports_per_namespace: (args.exports_per_namespace > 0)
             .then_some(args.exports_per_namespace),
         exports_per_member: (args.exports_per_member > 0).then_some(args.exports_per_member),
+        meta_limits: mcs_controller::budget::MetaLimits {
+            per_namespace: args.exported_metadata_bytes_per_namespace,
+            per_member: args.exported_metadata_bytes_per_member,
+        },
         pod: std::env::var("POD_NAMESPACE")
             .ok()
             .zip(std::env::var("POD_NAME").ok())

@@ -33,6 +33,7 @@ use kube::{
 use mcs_api::ServiceImport;
 use mcs_merge::ServiceShape;
 
+use crate::budget::{MetaBudget, MetaLimits};
 use crate::objects::{LABEL_K8S_SERVICE_NAME, LeanExport, ObjKey, WireExport, shape};
 use mcs_runtime::retry::WatchRetry;
 use serde::de::DeserializeOwned;
@@ -66,10 +67,40 @@ pub enum Touch {
     Namespace(String),
 }
 
+/// What a store may keep of each object it is given (a budget, [`crate::budget`]).
+pub trait Admission<K>: Debug + Send + Sync {
+    /// What is kept of `o` under `key` (`o`, or `o` trimmed); what `key` held before is
+    /// given back first. Called with the store write-locked.
+    fn admit(&self, key: &ObjKey, o: Arc<K>) -> Arc<K>;
+    /// `key` is gone.
+    fn release(&self, key: &ObjKey);
+    /// Everything is given back (a complete list is admitted again).
+    fn reset(&self);
+    /// The order a complete list is admitted in (lower first).
+    fn rank(&self, o: &K) -> i64;
+}
+
+impl Admission<LeanExport> for crate::budget::MetaBudget {
+    fn admit(&self, key: &ObjKey, o: Arc<LeanExport>) -> Arc<LeanExport> {
+        crate::budget::MetaBudget::admit(self, key, o)
+    }
+    fn release(&self, key: &ObjKey) {
+        crate::budget::MetaBudget::release(self, key);
+    }
+    fn reset(&self) {
+        crate::budget::MetaBudget::reset(self);
+    }
+    fn rank(&self, o: &LeanExport) -> i64 {
+        o.created
+    }
+}
+
 /// A watched copy of one kind.
 #[derive(Debug)]
 pub struct Store<K> {
     objects: RwLock<Objects<K>>,
+    /// What may be kept of each object (`None`: all of it).
+    admission: Option<Arc<dyn Admission<K>>>,
     /// Set once its watcher has completed a first list.
     listed: AtomicBool,
     /// The service an object belongs to (`None`: its own key is the service's).
@@ -85,10 +116,17 @@ impl<K> Store<K> {
     pub fn new(changes: Arc<Changes>, service_of: Option<fn(&K) -> Option<ObjKey>>) -> Self {
         Self {
             objects: RwLock::new(Objects::default()),
+            admission: None,
             listed: AtomicBool::new(false),
             service_of,
             changes,
         }
+    }
+
+    /// The same store, keeping of each object what `a` admits.
+    pub fn with_admission(mut self, a: Arc<dyn Admission<K>>) -> Self {
+        self.admission = Some(a);
+        self
     }
 
     /// Whether its watcher has listed once.
@@ -121,6 +159,10 @@ impl<K> Store<K> {
     /// Stores `o` under `key`; the services it leaves and joins are marked changed.
     pub fn apply(&self, key: ObjKey, o: Arc<K>) {
         let mut w = self.write();
+        let o = match &self.admission {
+            Some(a) => a.admit(&key, o),
+            None => o,
+        };
         let joins = self.touch(&key, &o);
         let old = w.map.insert(key.clone(), o);
         let leaves = old.as_ref().and_then(|old| self.touch(&key, old));
@@ -141,6 +183,9 @@ impl<K> Store<K> {
     pub fn remove(&self, key: &ObjKey) {
         let mut w = self.write();
         let Some(old) = w.map.remove(key) else { return };
+        if let Some(a) = &self.admission {
+            a.release(key);
+        }
         let leaves = self.touch(key, &old);
         if let Some(Touch::Service(svc)) = &leaves {
             unindex(&mut w.by_service, svc, key);
@@ -150,7 +195,20 @@ impl<K> Store<K> {
     }
 
     /// Replaces every object (a completed list); the next pass is a full one.
-    pub fn replace(&self, fresh: HashMap<ObjKey, Arc<K>>) {
+    pub fn replace(&self, mut fresh: HashMap<ObjKey, Arc<K>>) {
+        let mut w = self.write();
+        if let Some(a) = &self.admission {
+            a.reset();
+            let mut order: Vec<(i64, ObjKey)> =
+                fresh.iter().map(|(k, o)| (a.rank(o), k.clone())).collect();
+            order.sort_unstable();
+            for (_, k) in order {
+                if let Some(o) = fresh.remove(&k) {
+                    let kept = a.admit(&k, o);
+                    fresh.insert(k, kept);
+                }
+            }
+        }
         let mut by_service: HashMap<ObjKey, BTreeSet<ObjKey>> = HashMap::new();
         if let Some(f) = self.service_of {
             for (k, o) in &fresh {
@@ -159,10 +217,11 @@ impl<K> Store<K> {
                 }
             }
         }
-        *self.write() = Objects {
+        *w = Objects {
             map: fresh,
             by_service,
         };
+        drop(w);
         self.changes.all();
     }
 }
@@ -240,6 +299,8 @@ pub struct Member {
     /// EndpointSlices of Services (label `kubernetes.io/service-name`), lean
     /// ([`lean_member_slice`]).
     pub slices: Arc<Store<EndpointSlice>>,
+    /// What its exports' labels and annotations may take.
+    pub budget: Arc<MetaBudget>,
     health: Mutex<Health>,
     started: Instant,
 }
@@ -287,10 +348,12 @@ pub enum MemberState {
 
 impl Member {
     /// A member not listed yet whose stores record their changes in `changes`.
-    fn new(id: String, changes: &Arc<Changes>) -> Self {
+    fn new(id: String, changes: &Arc<Changes>, limits: MetaLimits) -> Self {
+        let budget = Arc::new(MetaBudget::new(limits));
         Self {
             id,
-            exports: Arc::new(Store::new(changes.clone(), None)),
+            exports: Arc::new(Store::new(changes.clone(), None).with_admission(budget.clone())),
+            budget,
             services: Arc::new(Store::new(changes.clone(), None)),
             slices: Arc::new(Store::new(changes.clone(), Some(member_slice_service))),
             health: Mutex::new(Health::default()),
@@ -371,8 +434,9 @@ impl Member {
     }
 }
 
-/// Starts the watchers of member `id` (and, with `local`, the local cluster's extra ones);
-/// every change notifies `wake`.
+/// Starts the watchers of member `id` (and, with `local`, the local cluster's extra ones),
+/// and the task that reads again exports refused for want of budget when room frees; every
+/// change notifies `wake`.
 pub fn start(
     id: String,
     client: Client,
@@ -380,8 +444,10 @@ pub fn start(
     changes: &Arc<Changes>,
     wake: Arc<Notify>,
     retry_max: Duration,
+    limits: MetaLimits,
 ) -> Arc<Member> {
-    let m = Arc::new(Member::new(id, changes));
+    let m = Arc::new(Member::new(id, changes, limits));
+    tokio::spawn(readmit(client.clone(), m.clone(), wake.clone(), retry_max));
     let ctx = || Ctx {
         member: m.clone(),
         wake: wake.clone(),
@@ -447,6 +513,48 @@ pub fn start(
         ));
     }
     m
+}
+
+/// Reads again, one by one, the exports of `m` that its budget refused and that would fit
+/// now ([`MetaBudget::readmit`]), and stores them as a watch event would (unless the store
+/// meanwhile holds a newer generation, or none: a delete came first).
+async fn readmit(client: Client, m: Arc<Member>, wake: Arc<Notify>, retry_max: Duration) {
+    let mut retry = WatchRetry::new(retry_max);
+    loop {
+        m.budget.wake.notified().await;
+        let keys = m.budget.readmit();
+        let mut failed = BTreeSet::new();
+        for key in keys {
+            let api = Api::<WireExport>::namespaced(client.clone(), &key.0);
+            match api.get_opt(&key.1).await {
+                Ok(Some(se)) => {
+                    let fresh = LeanExport::new(se);
+                    let newer = m
+                        .exports
+                        .read()
+                        .map
+                        .get(&key)
+                        .is_some_and(|held| held.generation <= fresh.generation);
+                    if newer {
+                        m.exports.apply(key, Arc::new(fresh));
+                        wake.notify_one();
+                    }
+                }
+                // Its delete event removes it.
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(cluster = %m.id, namespace = %key.0, name = %key.1, error = %e, "reading an export again (its metadata fits now) failed; trying again");
+                    failed.insert(key);
+                }
+            }
+        }
+        if failed.is_empty() {
+            retry.reset();
+        } else {
+            m.budget.requeue(failed);
+            tokio::time::sleep(retry.next().unwrap_or(retry_max)).await;
+        }
+    }
 }
 
 struct Ctx {

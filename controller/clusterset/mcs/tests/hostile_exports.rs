@@ -308,18 +308,8 @@ fn a_namespace_past_its_clusterset_ip_quota_gets_no_more() {
     if !mcs_test_support::require(apiserver::prerequisites()) {
         return;
     }
-    let set = ClusterSet::start(&["c1"], false);
-    let (kc, rt, ns) = (&set.kubeconfig, &set.rt, NS);
-    let k1 = &set.clients[0];
-    let _ctl = start_controller_with(
-        "c1",
-        kc,
-        &[
-            "--no-leader-election",
-            "--clusterset-ips-per-namespace",
-            "2",
-        ],
-    );
+    let (set, _ctl) = one_cluster(&["--clusterset-ips-per-namespace", "2"]);
+    let (rt, ns, k1) = (&set.rt, NS, &set.clients[0]);
     rt.block_on(async {
         for (namespace, name) in [(ns, "a"), (ns, "b"), (ns, "c"), ("default", "d")] {
             create(
@@ -375,11 +365,7 @@ fn a_namespace_past_its_clusterset_ip_quota_gets_no_more() {
                 .filter(|si| si.spec.ips.len() == 1)
         })
         .await;
-        until("c's export ready", || async {
-            let se = exports.get("c").await.ok()?;
-            (condition(&se, "Ready")?.0 == "True").then_some(())
-        })
-        .await;
+        until_true(&exports, "c", "Ready").await;
     });
 }
 
@@ -392,20 +378,8 @@ fn exports_past_the_per_namespace_and_per_member_limits_are_refused() {
     if !mcs_test_support::require(apiserver::prerequisites()) {
         return;
     }
-    let set = ClusterSet::start(&["c1"], false);
-    let (kc, rt, ns) = (&set.kubeconfig, &set.rt, NS);
-    let k1 = &set.clients[0];
-    let _ctl = start_controller_with(
-        "c1",
-        kc,
-        &[
-            "--no-leader-election",
-            "--exports-per-namespace",
-            "2",
-            "--exports-per-member",
-            "3",
-        ],
-    );
+    let (set, _ctl) = one_cluster(&["--exports-per-namespace", "2", "--exports-per-member", "3"]);
+    let (rt, ns, k1) = (&set.rt, NS, &set.clients[0]);
     rt.block_on(async {
         // Oldest first (one creation second: then by namespace and name): NS/a, NS/b kept,
         // NS/c past the namespace's 2; default/d kept (the member's third), then default/e
@@ -452,13 +426,151 @@ fn exports_past_the_per_namespace_and_per_member_limits_are_refused() {
         let exports: Api<ServiceExport> = Api::namespaced(k1.clone(), ns);
         exports.delete("a", &Default::default()).await.unwrap();
         until("c imported", || async { get_import(k1, ns, "c").await }).await;
-        until("c valid", || async {
-            let se = exports.get("c").await.ok()?;
-            (condition(&se, "Valid")?.0 == "True").then_some(())
-        })
-        .await;
+        until_true(&exports, "c", "Valid").await;
         let (valid, _, _) = conditions_of(k1, "default", "e").await;
         assert_eq!(valid.1, "ExportLimitExceeded");
         assert!(get_import(k1, "default", "e").await.is_none());
     });
+}
+
+/// One namespace's exported labels and annotations are kept up to
+/// `--exported-metadata-bytes-per-namespace`: an export past it is refused
+/// (`ExportedMetadataOverBudget`) while the others are imported with theirs, and it is read
+/// again and imported once another export of its namespace goes.
+#[test]
+fn exported_metadata_past_the_namespace_budget_is_refused_until_room_frees() {
+    if !mcs_test_support::require(apiserver::prerequisites()) {
+        return;
+    }
+    let (set, _ctl) = one_cluster(&["--exported-metadata-bytes-per-namespace", "300000"]);
+    let (rt, ns, k1) = (&set.rt, NS, &set.clients[0]);
+    let big = |name: &str| {
+        export_with(
+            name,
+            serde_json::json!({ "exportedAnnotations": { "note": "n".repeat(200_000) } }),
+        )
+    };
+    rt.block_on(async {
+        for name in ["a", "b"] {
+            create(k1, ns, service(name, serde_json::json!([{ "port": 80 }]))).await;
+        }
+        create(k1, ns, big("a")).await;
+        until("a imported", || async { get_import(k1, ns, "a").await }).await;
+        create(k1, ns, big("b")).await;
+        let (valid, _, _) = conditions_of(k1, ns, "b").await;
+        assert_eq!(valid, ("False".into(), "ExportedMetadataOverBudget".into()));
+        assert!(get_import(k1, ns, "b").await.is_none());
+        let a = get_import(k1, ns, "a").await.unwrap();
+        assert_eq!(
+            a.metadata.annotations.unwrap_or_default()["note"].len(),
+            200_000,
+            "the export that fits keeps its annotations"
+        );
+
+        // a goes: b fits now, is read again and imported with its annotations.
+        let exports: Api<ServiceExport> = Api::namespaced(k1.clone(), ns);
+        exports.delete("a", &Default::default()).await.unwrap();
+        let b = until("b imported", || async { get_import(k1, ns, "b").await }).await;
+        assert_eq!(
+            b.metadata.annotations.unwrap_or_default()["note"].len(),
+            200_000
+        );
+        until_true(&exports, "b", "Valid").await;
+    });
+}
+
+/// The boundary the controller's trust in `endpointslice.kubernetes.io/managed-by` rests on:
+/// a tenant bound to the built-in `edit` role in its namespace (what the threat model gives
+/// it) may write Services and ServiceExports' neighbours but not EndpointSlices or
+/// Endpoints (Kubernetes ≥ 1.22, CVE-2021-25740), so it cannot forge a slice that looks
+/// computed by the EndpointSlice controller. Real RBAC: the `edit` role aggregated by a real
+/// kube-controller-manager.
+#[test]
+fn a_tenant_with_edit_cannot_write_endpoint_slices() {
+    if !mcs_test_support::require(apiserver::prerequisites()) {
+        return;
+    }
+    let mut server = apiserver::ApiServer::start().expect("kube-apiserver");
+    server
+        .start_controller_manager()
+        .expect("kube-controller-manager");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let admin = server.client().await;
+        let ns = server.fresh_namespace("tenant").await;
+        let roles: Api<k8s_openapi::api::rbac::v1::ClusterRole> = Api::all(admin.clone());
+        until("the edit role aggregated", || async {
+            let edit = roles.get("edit").await.ok()?;
+            edit.rules?
+                .iter()
+                .any(|r| r.resources.iter().flatten().any(|x| x == "services"))
+                .then_some(())
+        })
+        .await;
+        let binding: k8s_openapi::api::rbac::v1::RoleBinding = obj(serde_json::json!({
+            "metadata": { "name": "tenant-edit" },
+            "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit" },
+            "subjects": [{ "apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                           "name": apiserver::User::Nobody.name() }]
+        }));
+        create(&admin, &ns, binding).await;
+        let tenant = server.client_as(apiserver::User::Nobody).await;
+        // It may write a Service (the binding is in force)...
+        let services: Api<k8s_openapi::api::core::v1::Service> =
+            Api::namespaced(tenant.clone(), &ns);
+        let web = service("web", serde_json::json!([{ "port": 80 }]));
+        until("the tenant creates a Service", || async {
+            services.create(&Default::default(), &web).await.ok()
+        })
+        .await;
+        // ...but no EndpointSlice claiming the EndpointSlice controller made it, and no
+        // Endpoints.
+        let forged: EndpointSlice = obj(serde_json::json!({
+            "metadata": { "name": "web-forged", "labels": {
+                "kubernetes.io/service-name": "web",
+                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io" } },
+            "addressType": "IPv4",
+            "endpoints": [{ "addresses": ["198.18.9.9"] }],
+            "ports": [{ "port": 80 }]
+        }));
+        assert!(refused(
+            Api::<EndpointSlice>::namespaced(tenant.clone(), &ns)
+                .create(&Default::default(), &forged)
+                .await
+        ));
+        let endpoints: k8s_openapi::api::core::v1::Endpoints = obj(serde_json::json!({
+            "metadata": { "name": "web" },
+            "subsets": [{ "addresses": [{ "ip": "198.18.9.9" }], "ports": [{ "port": 80 }] }]
+        }));
+        assert!(refused(
+            Api::<k8s_openapi::api::core::v1::Endpoints>::namespaced(tenant, &ns)
+                .create(&Default::default(), &endpoints)
+                .await
+        ));
+    });
+}
+
+/// Whether `r` is the API server's 403 Forbidden.
+fn refused<T>(r: Result<T, kube::Error>) -> bool {
+    matches!(r, Err(kube::Error::Api(s)) if s.code == 403)
+}
+
+/// Waits until the export `name` has condition `type_` True.
+async fn until_true(exports: &Api<ServiceExport>, name: &str, type_: &str) {
+    until(&format!("{name}'s {type_}=True"), || async {
+        let se = exports.get(name).await.ok()?;
+        (condition(&se, type_)?.0 == "True").then_some(())
+    })
+    .await;
+}
+
+/// A one-cluster ClusterSet (c1) and its controller, run with `flags` and no leader election.
+fn one_cluster(flags: &[&str]) -> (ClusterSet, Controller) {
+    let set = ClusterSet::start(&["c1"], false);
+    let ctl = start_controller_with(
+        "c1",
+        &set.kubeconfig,
+        &[&["--no-leader-election"], flags].concat(),
+    );
+    (set, ctl)
 }

@@ -1,0 +1,261 @@
+//! A bound on the exported labels and annotations the controller keeps of one member's
+//! ServiceExports, per namespace and in all. Each export may carry up to
+//! [`mcs_merge::meta::MAX_ANNOTATION_BYTES`] + [`mcs_merge::meta::MAX_LABEL_BYTES`], and a
+//! namespace may hold thousands of exports: without a bound in bytes one tenant could make
+//! every cluster's controller hold gigabytes (and be killed at its memory limit).
+//!
+//! An export whose metadata does not fit is kept without it, refused ([`OVER_BUDGET`], its
+//! `Valid=False`), and remembered with its size; when others in its namespace shrink or go
+//! and it would fit, its key is queued ([`MetaBudget::readmit`]) and the member's re-admit
+//! task reads it again from the API server. Exports come in as their events do (a complete
+//! list: oldest first), so at the edge of the budget the ones that came first are kept.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    sync::{Arc, Mutex},
+};
+
+use mcs_merge::meta::Refusal;
+use tokio::sync::Notify;
+
+use crate::objects::{LeanExport, ObjKey};
+
+/// `Valid=False` reason: the export's labels and annotations do not fit its namespace's (or
+/// member's) budget.
+pub const OVER_BUDGET: &str = "ExportedMetadataOverBudget";
+
+/// Bytes charged per label or annotation beyond its key and value (the map entry and the
+/// strings' own headers): many tiny entries cost more than their text.
+const ENTRY_OVERHEAD: usize = 64;
+
+/// What one member's exports may keep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MetaLimits {
+    /// Bytes of exported labels and annotations per namespace.
+    pub per_namespace: usize,
+    /// Bytes in all of the member's namespaces.
+    pub per_member: usize,
+}
+
+impl Default for MetaLimits {
+    fn default() -> Self {
+        Self {
+            per_namespace: 2 << 20,
+            per_member: 16 << 20,
+        }
+    }
+}
+
+/// The budget of one member's exports.
+#[derive(Debug)]
+pub struct MetaBudget {
+    limits: MetaLimits,
+    spent: Mutex<Spent>,
+    /// Wakes the re-admit task when [`MetaBudget::readmit`] has keys.
+    pub wake: Notify,
+}
+
+#[derive(Debug, Default)]
+struct Spent {
+    by_namespace: HashMap<String, usize>,
+    total: usize,
+    charged: HashMap<ObjKey, usize>,
+    /// Exports kept without their metadata, and the bytes they want.
+    over: BTreeMap<ObjKey, usize>,
+    /// Of those, the ones that would fit now: to be read again.
+    readmit: BTreeSet<ObjKey>,
+}
+
+/// The bytes `e`'s labels and annotations cost.
+pub fn meta_bytes(e: &LeanExport) -> usize {
+    e.labels
+        .iter()
+        .chain(&e.annotations)
+        .map(|(k, v)| k.len() + v.len() + ENTRY_OVERHEAD)
+        .sum()
+}
+
+impl MetaBudget {
+    /// An empty budget within `limits`.
+    pub fn new(limits: MetaLimits) -> Self {
+        Self {
+            limits,
+            spent: Mutex::new(Spent::default()),
+            wake: Notify::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Spent> {
+        self.spent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What is kept of `e` under `key` (what it held before is given back first): `e` itself
+    /// when its metadata fits, else `e` without it and refused.
+    pub fn admit(&self, key: &ObjKey, e: Arc<LeanExport>) -> Arc<LeanExport> {
+        let mut s = self.lock();
+        self.give_back(&mut s, key);
+        let need = meta_bytes(&e);
+        if need == 0 {
+            return e;
+        }
+        let in_ns = s.by_namespace.get(&key.0).copied().unwrap_or(0);
+        let over_ns = in_ns + need > self.limits.per_namespace;
+        if over_ns || s.total + need > self.limits.per_member {
+            s.over.insert(key.clone(), need);
+            let message = if over_ns {
+                format!(
+                    "the exported labels and annotations of namespace {}'s exports are kept up to {} bytes (mcs-controller --exported-metadata-bytes-per-namespace) and this export's {need} do not fit; it is taken when others shrink or go",
+                    key.0, self.limits.per_namespace
+                )
+            } else {
+                format!(
+                    "the exported labels and annotations of this cluster's exports are kept up to {} bytes (mcs-controller --exported-metadata-bytes-per-member) and this export's {need} do not fit; it is taken when others shrink or go",
+                    self.limits.per_member
+                )
+            };
+            return Arc::new(LeanExport {
+                labels: BTreeMap::new(),
+                annotations: BTreeMap::new(),
+                refused: Some(Refusal::new(OVER_BUDGET, message)),
+                ..(*e).clone()
+            });
+        }
+        *s.by_namespace.entry(key.0.clone()).or_default() += need;
+        s.total += need;
+        s.charged.insert(key.clone(), need);
+        e
+    }
+
+    /// `key` is gone: what it held is given back.
+    pub fn release(&self, key: &ObjKey) {
+        let mut s = self.lock();
+        self.give_back(&mut s, key);
+    }
+
+    /// Forgets everything (a complete list is admitted again).
+    pub fn reset(&self) {
+        *self.lock() = Spent::default();
+    }
+
+    /// Takes the keys of refused exports that would fit now.
+    pub fn readmit(&self) -> BTreeSet<ObjKey> {
+        std::mem::take(&mut self.lock().readmit)
+    }
+
+    /// Queues `keys` to be read again (a read failed), those still refused.
+    pub fn requeue(&self, keys: BTreeSet<ObjKey>) {
+        let mut s = self.lock();
+        let still: Vec<ObjKey> = keys
+            .into_iter()
+            .filter(|k| s.over.contains_key(k))
+            .collect();
+        if !still.is_empty() {
+            s.readmit.extend(still);
+            self.wake.notify_one();
+        }
+    }
+
+    /// How many exports are kept without their metadata.
+    pub fn over_count(&self) -> usize {
+        self.lock().over.len()
+    }
+
+    fn give_back(&self, s: &mut Spent, key: &ObjKey) {
+        s.over.remove(key);
+        s.readmit.remove(key);
+        let Some(n) = s.charged.remove(key) else {
+            return;
+        };
+        s.total -= n;
+        if let Some(ns) = s.by_namespace.get_mut(&key.0) {
+            *ns -= n;
+            if *ns == 0 {
+                s.by_namespace.remove(&key.0);
+            }
+        }
+        // Refused exports that would fit now (each alone: admitting them again decides).
+        let fits: Vec<ObjKey> = s
+            .over
+            .iter()
+            .filter(|(k, need)| {
+                let in_ns = s.by_namespace.get(&k.0).copied().unwrap_or(0);
+                in_ns + **need <= self.limits.per_namespace
+                    && s.total + **need <= self.limits.per_member
+            })
+            .map(|(k, _)| k.clone())
+            .filter(|k| !s.readmit.contains(k))
+            .collect();
+        if !fits.is_empty() {
+            s.readmit.extend(fits);
+            self.wake.notify_one();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn export(bytes: usize) -> Arc<LeanExport> {
+        Arc::new(LeanExport {
+            generation: Some(1),
+            annotations: BTreeMap::from([("a".into(), "v".repeat(bytes - 1 - ENTRY_OVERHEAD))]),
+            ..Default::default()
+        })
+    }
+
+    fn key(ns: &str, name: &str) -> ObjKey {
+        (ns.into(), name.into())
+    }
+
+    #[test]
+    fn past_the_namespace_budget_an_export_is_kept_without_metadata_until_room_frees() {
+        let b = MetaBudget::new(MetaLimits {
+            per_namespace: 1000,
+            per_member: 1500,
+        });
+        assert_eq!(meta_bytes(&export(400)), 400);
+        let a = b.admit(&key("shop", "a"), export(400));
+        assert!(a.refused.is_none() && !a.annotations.is_empty());
+        assert!(b.admit(&key("shop", "b"), export(400)).refused.is_none());
+        let c = b.admit(&key("shop", "c"), export(400));
+        let why = c.refused.as_ref().unwrap();
+        assert_eq!(why.reason, OVER_BUDGET);
+        assert!(why.message.contains("namespace shop's"), "{}", why.message);
+        assert!(c.annotations.is_empty());
+        assert_eq!(c.generation, Some(1), "the rest is kept");
+        // Another namespace has its own budget, within the member's.
+        assert!(b.admit(&key("blog", "x"), export(400)).refused.is_none());
+        let y = b.admit(&key("blog", "y"), export(400));
+        assert!(
+            y.refused.as_ref().unwrap().message.contains("per-member"),
+            "{:?}",
+            y.refused
+        );
+        assert_eq!(b.over_count(), 2);
+        assert!(b.readmit().is_empty());
+        // An export without metadata costs nothing.
+        assert!(
+            b.admit(&key("shop", "d"), Arc::new(LeanExport::default()))
+                .refused
+                .is_none()
+        );
+        // `a` goes (800 of the member's 1500 spent): each of `c` and `y` alone would fit,
+        // both are read again; `c` comes first and `y` no longer fits.
+        b.release(&key("shop", "a"));
+        assert_eq!(
+            b.readmit(),
+            BTreeSet::from([key("blog", "y"), key("shop", "c")])
+        );
+        assert!(b.admit(&key("shop", "c"), export(400)).refused.is_none());
+        assert!(b.admit(&key("blog", "y"), export(400)).refused.is_some());
+        assert!(b.readmit().is_empty());
+        // `b` shrinks to nothing: room for `y` in the member.
+        b.admit(&key("shop", "b"), Arc::new(LeanExport::default()));
+        assert_eq!(b.readmit(), BTreeSet::from([key("blog", "y")]));
+        assert!(b.admit(&key("blog", "y"), export(400)).refused.is_none());
+        assert_eq!(b.over_count(), 0);
+        b.reset();
+        assert!(b.admit(&key("shop", "e"), export(900)).refused.is_none());
+    }
+}
