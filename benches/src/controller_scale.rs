@@ -25,6 +25,7 @@ use k8s_openapi::api::{
 use kube::{
     Api, Client,
     api::{ListParams, Patch, PatchParams, PostParams},
+    runtime::watcher,
 };
 use mcs_api::{ServiceExport, ServiceImport};
 use mcs_test_support::apiserver::{self, ApiServer, User};
@@ -362,12 +363,23 @@ pub fn run(
         let to = (from + 1) % clients.len();
         let name = format!("s{j}");
         let ms = rt.block_on(async {
+            // A watch of the other cluster's MCS slices of the service, listed before the
+            // change (no event missed; no list of every slice per poll).
+            let dst: Api<EndpointSlice> = Api::namespaced(clients[to].clone(), NS);
+            let selector = format!("multicluster.kubernetes.io/service-name={name}");
+            let mut seen = watcher(dst, watcher::Config::default().labels(&selector)).boxed();
+            loop {
+                match seen.try_next().await? {
+                    Some(watcher::Event::InitDone) => break,
+                    Some(_) => {}
+                    None => bail!("the watch of {name}'s slices ended"),
+                }
+            }
             let src: Api<EndpointSlice> = Api::namespaced(clients[from].clone(), NS);
             let mut es = src.get(&format!("{name}-a")).await?;
             if let Some(eps) = es.endpoints.as_mut() {
                 eps[0].conditions = Some(obj(serde_json::json!({ "ready": false })));
             }
-            es.metadata.managed_fields = None;
             src.patch(
                 &format!("{name}-a"),
                 &PatchParams::default(),
@@ -375,27 +387,27 @@ pub fn run(
             )
             .await?;
             let t = Instant::now();
-            let dst: Api<EndpointSlice> = Api::namespaced(clients[to].clone(), NS);
-            let lp = ListParams::default()
-                .labels(&format!("multicluster.kubernetes.io/service-name={name}"));
-            loop {
-                let seen = dst.list(&lp).await?.items.iter().any(|s| {
-                    s.endpoints.as_ref().is_some_and(|e| {
-                        e.first()
-                            .and_then(|e| e.conditions.as_ref())
-                            .and_then(|c| c.ready)
-                            == Some(false)
-                    })
-                });
-                if seen {
-                    break;
+            let not_ready = |s: &EndpointSlice| {
+                s.endpoints.as_ref().is_some_and(|e| {
+                    e.first()
+                        .and_then(|e| e.conditions.as_ref())
+                        .and_then(|c| c.ready)
+                        == Some(false)
+                })
+            };
+            tokio::time::timeout(WAIT, async {
+                while let Some(ev) = seen.try_next().await? {
+                    if let watcher::Event::Apply(s) | watcher::Event::InitApply(s) = &ev
+                        && not_ready(s)
+                    {
+                        return anyhow::Ok(());
+                    }
+                    interrupted()?;
                 }
-                if t.elapsed() > WAIT {
-                    bail!("{name}'s endpoint change not seen");
-                }
-                interrupted()?;
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
+                bail!("the watch of {name}'s slices ended")
+            })
+            .await
+            .with_context(|| format!("{name}'s endpoint change not seen within {WAIT:?}"))??;
             anyhow::Ok(t.elapsed().as_secs_f64() * 1e3)
         })?;
         endpoint_ms.push(ms);
