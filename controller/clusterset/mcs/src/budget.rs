@@ -18,6 +18,7 @@ use std::{
 use mcs_merge::meta::Refusal;
 use tokio::sync::Notify;
 
+use crate::members::Admission;
 use crate::objects::{LeanExport, ObjKey};
 
 /// `Valid=False` reason: the export's labels and annotations do not fit its namespace's (or
@@ -89,54 +90,6 @@ impl MetaBudget {
         self.spent.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// What is kept of `e` under `key` (what it held before is given back first): `e` itself
-    /// when its metadata fits, else `e` without it and refused.
-    pub fn admit(&self, key: &ObjKey, e: Arc<LeanExport>) -> Arc<LeanExport> {
-        let mut s = self.lock();
-        self.give_back(&mut s, key);
-        let need = meta_bytes(&e);
-        if need == 0 {
-            return e;
-        }
-        let in_ns = s.by_namespace.get(&key.0).copied().unwrap_or(0);
-        let over_ns = in_ns + need > self.limits.per_namespace;
-        if over_ns || s.total + need > self.limits.per_member {
-            s.over.insert(key.clone(), need);
-            let message = if over_ns {
-                format!(
-                    "the exported labels and annotations of namespace {}'s exports are kept up to {} bytes (mcs-controller --exported-metadata-bytes-per-namespace) and this export's {need} do not fit; it is taken when others shrink or go",
-                    key.0, self.limits.per_namespace
-                )
-            } else {
-                format!(
-                    "the exported labels and annotations of this cluster's exports are kept up to {} bytes (mcs-controller --exported-metadata-bytes-per-member) and this export's {need} do not fit; it is taken when others shrink or go",
-                    self.limits.per_member
-                )
-            };
-            return Arc::new(LeanExport {
-                labels: BTreeMap::new(),
-                annotations: BTreeMap::new(),
-                refused: Some(Refusal::new(OVER_BUDGET, message)),
-                ..(*e).clone()
-            });
-        }
-        *s.by_namespace.entry(key.0.clone()).or_default() += need;
-        s.total += need;
-        s.charged.insert(key.clone(), need);
-        e
-    }
-
-    /// `key` is gone: what it held is given back.
-    pub fn release(&self, key: &ObjKey) {
-        let mut s = self.lock();
-        self.give_back(&mut s, key);
-    }
-
-    /// Forgets everything (a complete list is admitted again).
-    pub fn reset(&self) {
-        *self.lock() = Spent::default();
-    }
-
     /// Takes the keys of refused exports that would fit now.
     pub fn readmit(&self) -> BTreeSet<ObjKey> {
         std::mem::take(&mut self.lock().readmit)
@@ -189,6 +142,60 @@ impl MetaBudget {
             s.readmit.extend(fits);
             self.wake.notify_one();
         }
+    }
+}
+
+impl Admission<LeanExport> for MetaBudget {
+    /// What is kept of `e` under `key` (what it held before is given back first): `e` itself
+    /// when its metadata fits, else `e` without it and refused.
+    fn admit(&self, key: &ObjKey, e: Arc<LeanExport>) -> Arc<LeanExport> {
+        let mut s = self.lock();
+        self.give_back(&mut s, key);
+        let need = meta_bytes(&e);
+        if need == 0 {
+            return e;
+        }
+        let in_ns = s.by_namespace.get(&key.0).copied().unwrap_or(0);
+        let over_ns = in_ns + need > self.limits.per_namespace;
+        if over_ns || s.total + need > self.limits.per_member {
+            s.over.insert(key.clone(), need);
+            let message = if over_ns {
+                format!(
+                    "the exported labels and annotations of namespace {}'s exports are kept up to {} bytes (mcs-controller --exported-metadata-bytes-per-namespace) and this export's {need} do not fit; it is taken when others shrink or go",
+                    key.0, self.limits.per_namespace
+                )
+            } else {
+                format!(
+                    "the exported labels and annotations of this cluster's exports are kept up to {} bytes (mcs-controller --exported-metadata-bytes-per-member) and this export's {need} do not fit; it is taken when others shrink or go",
+                    self.limits.per_member
+                )
+            };
+            return Arc::new(LeanExport {
+                labels: BTreeMap::new(),
+                annotations: BTreeMap::new(),
+                refused: Some(Refusal::new(OVER_BUDGET, message)),
+                ..(*e).clone()
+            });
+        }
+        *s.by_namespace.entry(key.0.clone()).or_default() += need;
+        s.total += need;
+        s.charged.insert(key.clone(), need);
+        e
+    }
+
+    /// `key` is gone: what it held is given back.
+    fn release(&self, key: &ObjKey) {
+        let mut s = self.lock();
+        self.give_back(&mut s, key);
+    }
+
+    /// Forgets everything (a complete list is admitted again).
+    fn reset(&self) {
+        *self.lock() = Spent::default();
+    }
+
+    fn rank(&self, e: &LeanExport) -> i64 {
+        e.created
     }
 }
 

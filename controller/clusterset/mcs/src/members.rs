@@ -80,21 +80,6 @@ pub trait Admission<K>: Debug + Send + Sync {
     fn rank(&self, o: &K) -> i64;
 }
 
-impl Admission<LeanExport> for crate::budget::MetaBudget {
-    fn admit(&self, key: &ObjKey, o: Arc<LeanExport>) -> Arc<LeanExport> {
-        crate::budget::MetaBudget::admit(self, key, o)
-    }
-    fn release(&self, key: &ObjKey) {
-        crate::budget::MetaBudget::release(self, key);
-    }
-    fn reset(&self) {
-        crate::budget::MetaBudget::reset(self);
-    }
-    fn rank(&self, o: &LeanExport) -> i64 {
-        o.created
-    }
-}
-
 /// A watched copy of one kind.
 #[derive(Debug)]
 pub struct Store<K> {
