@@ -9,22 +9,31 @@
 //! spent in them, from their own `apiserver_request_*` metrics). With `--no-controller` the
 //! same writes run with no controller: the baseline of the write time. A bench: it asserts
 //! nothing about speed.
+//!
+//! Every cluster's imports, MCS slices and exports are followed by watches opened before the
+//! first write (not by lists of every object again and again, which loaded the API servers
+//! being measured); the export latency ends at the watch event of the last cluster.
 
 use std::{
+    collections::{HashMap, HashSet},
     path::PathBuf,
     process::Command,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail};
 use futures::{StreamExt as _, TryStreamExt as _};
-use k8s_openapi::api::{
-    core::v1::{Namespace, Service},
-    discovery::v1::EndpointSlice,
+use k8s_openapi::{
+    api::{
+        core::v1::{Namespace, Service},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::apis::meta::v1::Condition,
 };
 use kube::{
-    Api, Client,
-    api::{ListParams, Patch, PatchParams, PostParams},
+    Api, Client, ResourceExt as _,
+    api::{Patch, PatchParams, PostParams},
     runtime::watcher,
 };
 use mcs_api::{ServiceExport, ServiceImport};
@@ -158,6 +167,12 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 
 /// Writes service `name` (Service, EndpointSlice, ServiceExport) into `k`.
 async fn export(k: &Client, name: &str, i: usize) -> anyhow::Result<()> {
+    service(k, name, i).await?;
+    service_export(k, name).await
+}
+
+/// Writes service `name`'s Service and EndpointSlice (its `i`-th pair of addresses) into `k`.
+async fn service(k: &Client, name: &str, i: usize) -> anyhow::Result<()> {
     let a = |n: usize| format!("198.19.{}.{}", (n / 250) % 250, n % 250 + 2);
     let svc: Service = obj(serde_json::json!({
         "metadata": { "name": name },
@@ -180,6 +195,11 @@ async fn export(k: &Client, name: &str, i: usize) -> anyhow::Result<()> {
     Api::<EndpointSlice>::namespaced(k.clone(), NS)
         .create(&PostParams::default(), &es)
         .await?;
+    Ok(())
+}
+
+/// Writes the ServiceExport of service `name` into `k`.
+async fn service_export(k: &Client, name: &str) -> anyhow::Result<()> {
     let se: ServiceExport = obj(serde_json::json!({
         "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceExport",
         "metadata": { "name": name }, "spec": {}
@@ -190,20 +210,186 @@ async fn export(k: &Client, name: &str, i: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn count_ready(k: &Client) -> anyhow::Result<(usize, usize)> {
-    let imports = Api::<ServiceImport>::namespaced(k.clone(), NS)
-        .list(&ListParams::default())
-        .await?
-        .items
-        .iter()
-        .filter(|s| !s.spec.ips.is_empty())
-        .count();
-    let slices = Api::<EndpointSlice>::namespaced(k.clone(), NS)
-        .list(&ListParams::default().labels("multicluster.kubernetes.io/service-name"))
-        .await?
-        .items
-        .len();
-    Ok((imports, slices))
+/// What one cluster holds of the bench's imports, MCS slices and exports, kept by watches
+/// (opened before the first write, so their lists are small and no event is missed).
+/// Counting by watch instead of listing every object of every cluster again and again keeps
+/// the bench's own reads from loading the API servers it measures.
+#[derive(Default)]
+struct Seen {
+    state: std::sync::Mutex<SeenState>,
+    changed: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct SeenState {
+    /// Import name → when it was first seen with a ClusterSetIP (where the export latency
+    /// ends: what the agents need).
+    imported: HashMap<String, Instant>,
+    /// Imports whose status is written too (`Ready=True`).
+    complete: HashSet<String>,
+    /// MCS slice names.
+    slices: HashSet<String>,
+    /// Exports of this cluster whose conditions say `Valid=True` and `Ready=True`.
+    exports_ready: HashSet<String>,
+}
+
+type Put<K> = fn(&mut SeenState, &K, Instant);
+type Forget = fn(&mut SeenState, &str);
+
+fn is_true(conds: &[Condition], type_: &str) -> bool {
+    conds.iter().any(|c| c.type_ == type_ && c.status == "True")
+}
+
+impl Seen {
+    /// Starts the watches of `k`'s imports, MCS slices and exports in the bench's namespace.
+    fn start(k: &Client) -> Arc<Self> {
+        let seen = Arc::new(Self::default());
+        let all = watcher::Config::default;
+        seen.watch::<ServiceImport>(
+            Api::namespaced(k.clone(), NS),
+            all(),
+            |st, si, now| {
+                let name = si.name_any();
+                if si.spec.ips.is_empty() {
+                    st.imported.remove(&name);
+                } else {
+                    st.imported.entry(name.clone()).or_insert(now);
+                }
+                let ready = si
+                    .status
+                    .as_ref()
+                    .is_some_and(|s| is_true(&s.conditions, "Ready"));
+                if ready && !si.spec.ips.is_empty() {
+                    st.complete.insert(name);
+                } else {
+                    st.complete.remove(&name);
+                }
+            },
+            |st, name| {
+                st.imported.remove(name);
+                st.complete.remove(name);
+            },
+        );
+        seen.watch::<EndpointSlice>(
+            Api::namespaced(k.clone(), NS),
+            all().labels(mcs_api::LABEL_SERVICE_NAME),
+            |st, es, _| {
+                st.slices.insert(es.name_any());
+            },
+            |st, name| {
+                st.slices.remove(name);
+            },
+        );
+        seen.watch::<ServiceExport>(
+            Api::namespaced(k.clone(), NS),
+            all(),
+            |st, se, _| {
+                let c = se.status.as_ref().map_or(&[][..], |s| &s.conditions[..]);
+                if is_true(c, "Valid") && is_true(c, "Ready") {
+                    st.exports_ready.insert(se.name_any());
+                } else {
+                    st.exports_ready.remove(&se.name_any());
+                }
+            },
+            |st, name| {
+                st.exports_ready.remove(name);
+            },
+        );
+        seen
+    }
+
+    /// Watches `api` (re-listing after a failure): each object goes through `put`; a deleted
+    /// one, or one a re-list no longer holds, through `forget`.
+    fn watch<K>(self: &Arc<Self>, api: Api<K>, cfg: watcher::Config, put: Put<K>, forget: Forget)
+    where
+        K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+        K::DynamicType: Default,
+    {
+        use kube::runtime::WatchStreamExt as _;
+        let seen = self.clone();
+        tokio::spawn(async move {
+            let mut w = watcher(api, cfg).default_backoff().boxed();
+            // Names listed so far in a re-list, and every name put since (to find the gone).
+            let mut listing: Option<HashSet<String>> = None;
+            let mut known: HashSet<String> = HashSet::new();
+            while let Some(ev) = w.next().await {
+                let now = Instant::now();
+                let mut st = seen.state.lock().expect("bench state");
+                match ev {
+                    Err(e) => eprintln!("controller-scale: a watch failed (it lists again): {e}"),
+                    Ok(watcher::Event::Init) => listing = Some(HashSet::new()),
+                    Ok(watcher::Event::InitApply(o)) => {
+                        put(&mut st, &o, now);
+                        known.insert(o.name_any());
+                        if let Some(l) = listing.as_mut() {
+                            l.insert(o.name_any());
+                        }
+                    }
+                    Ok(watcher::Event::InitDone) => {
+                        let listed = listing.take().unwrap_or_default();
+                        for gone in known.difference(&listed) {
+                            forget(&mut st, gone);
+                        }
+                        known = listed;
+                    }
+                    Ok(watcher::Event::Apply(o)) => {
+                        put(&mut st, &o, now);
+                        known.insert(o.name_any());
+                    }
+                    Ok(watcher::Event::Delete(o)) => {
+                        forget(&mut st, &o.name_any());
+                        known.remove(&o.name_any());
+                    }
+                }
+                drop(st);
+                seen.changed.notify_waiters();
+            }
+        });
+    }
+
+    /// (complete imports: address and status; MCS slices; this cluster's ready exports).
+    fn counts(&self) -> (usize, usize, usize) {
+        let st = self.state.lock().expect("bench state");
+        (st.complete.len(), st.slices.len(), st.exports_ready.len())
+    }
+
+    /// When import `name` was first seen with a ClusterSetIP.
+    fn imported(&self, name: &str) -> Option<Instant> {
+        self.state
+            .lock()
+            .expect("bench state")
+            .imported
+            .get(name)
+            .copied()
+    }
+}
+
+/// Waits until `done` holds, woken by any watch event of `seen` (and at least every 100 ms),
+/// or fails after `WAIT` since `t0` with `what`.
+async fn until(
+    seen: &[Arc<Seen>],
+    t0: Instant,
+    what: &str,
+    done: impl Fn() -> bool,
+) -> anyhow::Result<()> {
+    loop {
+        let mut woken: Vec<_> = seen
+            .iter()
+            .map(|s| Box::pin(s.changed.notified()))
+            .collect();
+        for w in &mut woken {
+            w.as_mut().enable();
+        }
+        if done() {
+            return Ok(());
+        }
+        if t0.elapsed() > WAIT {
+            bail!("{what} after {WAIT:?}");
+        }
+        interrupted()?;
+        let any = futures::future::select_all(woken);
+        let _ = tokio::time::timeout(Duration::from_millis(100), any).await;
+    }
 }
 
 /// Runs the bench with `clusters` clusters and `exports` services; `samples` one-at-a-time
@@ -266,6 +452,11 @@ pub fn run(
         procs.push(Proc::spawn(&format!("mcs-controller {id}"), cmd, &log)?);
     }
 
+    // Every cluster's imports, MCS slices and exports, watched from before the first write.
+    let seen: Vec<Arc<Seen>> = {
+        let _rt = rt.enter();
+        clients.iter().map(Seen::start).collect()
+    };
     let cpu = |procs: &[Proc]| procs.iter().map(|p| cpu_seconds(p.pid())).sum::<f64>();
     let load0 = rt.block_on(load(&clients))?;
     let cpu0 = cpu(&procs);
@@ -301,23 +492,13 @@ pub fn run(
             requests,
         });
     }
-    rt.block_on(async {
-        loop {
-            let mut all = true;
-            for k in &clients {
-                let (i, s) = count_ready(k).await?;
-                all &= i == exports && s == exports;
-            }
-            if all {
-                return anyhow::Ok(());
-            }
-            if t0.elapsed() > WAIT {
-                bail!("not converged after {WAIT:?}");
-            }
-            interrupted()?;
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })?;
+    // Converged: every cluster holds every import (address and status) and slice, and every
+    // export's conditions say it is valid and ready.
+    rt.block_on(until(&seen, t0, "not converged", || {
+        let c: Vec<_> = seen.iter().map(|s| s.counts()).collect();
+        c.iter().all(|&(i, s, _)| i == exports && s == exports)
+            && c.iter().map(|c| c.2).sum::<usize>() == exports
+    }))?;
     let converge_s = t0.elapsed().as_secs_f64();
     let controller_cpu_s = cpu(&procs) - cpu0;
     let (apiserver_cpu_s, requests) = rt.block_on(load(&clients))?.since(&load0);
@@ -330,28 +511,36 @@ pub fn run(
     for j in 0..samples {
         let k = &clients[j % clients.len()];
         let name = format!("x{j}");
-        let ms = rt.block_on(async {
-            export(k, &name, exports + j).await?;
+        let each = rt.block_on(async {
+            service(k, &name, exports + j).await?;
+            // From the ServiceExport's create to its import (with a ClusterSetIP) seen by the
+            // watch of every cluster.
             let t = Instant::now();
-            for c in &clients {
-                let api: Api<ServiceImport> = Api::namespaced(c.clone(), NS);
-                loop {
-                    if api
-                        .get_opt(&name)
-                        .await?
-                        .is_some_and(|s| !s.spec.ips.is_empty())
-                    {
-                        break;
-                    }
-                    if t.elapsed() > WAIT {
-                        bail!("{name} not imported");
-                    }
-                    interrupted()?;
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-            }
-            anyhow::Ok(t.elapsed().as_secs_f64() * 1e3)
+            service_export(k, &name).await?;
+            let what = format!("{name} not imported everywhere");
+            until(&seen, t, &what, || {
+                seen.iter().all(|s| s.imported(&name).is_some())
+            })
+            .await?;
+            let each: Vec<f64> = seen
+                .iter()
+                .filter_map(|s| s.imported(&name))
+                .map(|l| l.saturating_duration_since(t).as_secs_f64() * 1e3)
+                .collect();
+            anyhow::Ok(each)
         })?;
+        let ms = each.iter().copied().fold(0.0, f64::max);
+        // Each sample in the log (with each cluster's time), so an outlier can be placed.
+        eprintln!(
+            "controller-scale: {name} (exported by c{}) imported everywhere in {ms:.0} ms ({}), {:.1} s after the first write",
+            j % clients.len() + 1,
+            each.iter()
+                .enumerate()
+                .map(|(i, m)| format!("c{}: {m:.0}", i + 1))
+                .collect::<Vec<_>>()
+                .join(", "),
+            t0.elapsed().as_secs_f64()
+        );
         export_ms.push(ms);
     }
 
@@ -410,6 +599,12 @@ pub fn run(
             .with_context(|| format!("{name}'s endpoint change not seen within {WAIT:?}"))??;
             anyhow::Ok(t.elapsed().as_secs_f64() * 1e3)
         })?;
+        eprintln!(
+            "controller-scale: {name}'s endpoint change (c{} → c{}) seen in {ms:.0} ms, {:.1} s after the first write",
+            from + 1,
+            to + 1,
+            t0.elapsed().as_secs_f64()
+        );
         endpoint_ms.push(ms);
     }
     let changes_cpu = cpu(&procs) - cpu1;

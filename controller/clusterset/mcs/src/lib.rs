@@ -53,9 +53,12 @@ pub const MANAGER: &str = "mcs-controller.mcs-dataplane";
 /// The label that marks the ServiceImports we manage.
 pub const MANAGED_LABEL: &str = mcs_api::labels::LABEL_APP_MANAGED_BY;
 
-/// Changes arriving within this window are handled in one pass; under a burst the window
-/// grows to the last pass's duration (at most [`MAX_SETTLE`]), so passes never take all the
-/// CPU while objects keep arriving.
+/// Changes arriving within this window are handled in one pass. Under a burst a pass also
+/// waits, after the end of the one before, as long as that one computed (at most
+/// [`MAX_SETTLE`]), so passes never take all the CPU while objects keep arriving. The wait
+/// counts the computation, not the writes (a pass that waits seconds on a loaded API server
+/// holds the next one back by its few milliseconds of CPU), and runs from the last pass's
+/// end, not from the change (a long pass long ago holds nothing back).
 const DEBOUNCE: Duration = Duration::from_millis(20);
 /// The longest settle window.
 const MAX_SETTLE: Duration = Duration::from_secs(1);
@@ -283,7 +286,8 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
         .ok_or_else(|| anyhow::anyhow!("no local member"))?;
     let mut waiting_logged = false;
     let mut next_wait = cfg.resync;
-    let mut last_pass = Duration::ZERO;
+    let mut last_compute = Duration::ZERO;
+    let mut last_end = Instant::now();
     // Whether this replica has written a whole pass since it began to lead (a follower is
     // ready with a complete view, but has written nothing).
     let mut written_once = false;
@@ -309,7 +313,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
             _ = lead_rx.changed() => {}
             () = tokio::time::sleep(next_wait) => {}
         }
-        tokio::time::sleep(DEBOUNCE.max(last_pass.min(MAX_SETTLE))).await;
+        tokio::time::sleep_until(settled(last_end, last_compute, Instant::now()).into()).await;
         let leading = *lead_rx.borrow_and_update();
         metrics.leader.set(i64::from(leading));
         let states: Vec<MemberState> = members
@@ -463,7 +467,8 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
             }
         }
         let w = writer::sync(&local_client, want, &looked_at, &local, &me, &mut backoff).await;
-        last_pass = started.elapsed();
+        last_compute = computed;
+        last_end = Instant::now();
         metrics.passes.inc();
         metrics
             .pass_seconds
@@ -521,6 +526,13 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
     }
 }
 
+/// When a pass woken at `now` starts: after [`DEBOUNCE`], and not before the last pass,
+/// which ended at `last_end` and computed for `last_compute`, is that long (at most
+/// [`MAX_SETTLE`]) in the past.
+fn settled(last_end: Instant, last_compute: Duration, now: Instant) -> Instant {
+    (now + DEBOUNCE).max(last_end + last_compute.min(MAX_SETTLE))
+}
+
 /// How long a member fails before its imports say so (`ClustersReachable=False`): a watch
 /// that fails once and comes back at once does not rewrite every import it exports twice.
 const REACH_GRACE: Duration = Duration::from_secs(10);
@@ -533,5 +545,25 @@ fn reach(m: &Member, s: &MemberState) -> Reach {
         MemberState::Unsure(_) if m.failing_for().is_none_or(|d| d < REACH_GRACE) => Reach::Up,
         MemberState::Unsure(_) => Reach::Failing { unauthorized },
         MemberState::Gone(_) => Reach::Gone { unauthorized },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pass_waits_for_the_last_ones_duration_only_while_it_is_recent() {
+        let t = Instant::now();
+        let s = Duration::from_secs;
+        let ms = Duration::from_millis;
+        // A burst: the last pass computed for 400 ms and just ended.
+        assert_eq!(settled(t, ms(400), t), t + ms(400));
+        // Capped at MAX_SETTLE.
+        assert_eq!(settled(t, s(5), t), t + MAX_SETTLE);
+        // A change 10 s after a pass that computed for 1 s waits only the debounce window.
+        assert_eq!(settled(t, s(1), t + s(10)), t + s(10) + DEBOUNCE);
+        // Part-way: 300 ms after a pass that computed for 500 ms, 200 ms more.
+        assert_eq!(settled(t, ms(500), t + ms(300)), t + ms(500));
     }
 }
