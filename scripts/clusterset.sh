@@ -19,9 +19,9 @@
 #
 # Addresses (all inside 198.18.0.0/15, the only ranges used):
 #   nodes          198.19.32.<i>/24 on eth0 of netns mcs-cs-c<i>, bridged in the host (198.19.32.254)
-#   pods of c<i>   198.19.<40+i>.0/24        services of c<i>  198.19.<50+i>.0/24
-#   ClusterSetIPs  198.19.60.0/24 (every cluster's controller and agents)
-# API server of c<i>: https://198.19.32.<i>:6443. DNS: kube-dns 198.19.<50+i>.10, mcs-dns .11 (both in the
+#   pods of c<i>   198.19.<40+i>.0/24        services of c<i>  198.18.<16*i>.0/20
+#   ClusterSetIPs  198.19.56.0/21 (every cluster's controller and agents; 2,046 addresses)
+# API server of c<i>: https://198.19.32.<i>:6443. DNS: kube-dns 198.18.<16*i>.10, mcs-dns .11 (both in the
 # range's static band, which the API server leaves to fixed addresses).
 #
 # `down` undoes everything `up` did (processes, containers' cgroups, mounts, network namespaces,
@@ -33,7 +33,8 @@
 # Env: MCS_CLUSTERSET_DIR (state, default /var/lib/mcs-clusterset), MCS_CLUSTERS (default 2),
 #      MCS_IMAGE_BIN_DIR (binaries for our image; default: a release build),
 #      MCS_CLUSTERSET_DATAPLANE (default ebpf), MCS_CLUSTERSET_CNI (ptp, routed pods, default;
-#      or bridge). Needs root and scripts/setup.sh's tools.
+#      or bridge), MCS_CLUSTERSET_CIDR (the ClusterSetIP range, default 198.19.56.0/21). Needs
+#      root and scripts/setup.sh's tools.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -49,7 +50,7 @@ REVOKE=
 BRIDGE=mcscs0
 NETNS_PREFIX=mcs-cs-
 NODE_NET=198.19.32
-CLUSTERSET_CIDR=198.19.60.0/24
+CLUSTERSET_CIDR="${MCS_CLUSTERSET_CIDR:-198.19.56.0/21}"
 IMAGES="$MCS_CACHE/clusterset-images"
 SYSCTLS=(vm.overcommit_memory kernel.panic kernel.panic_on_oops)
 # Paths outside $STATE that kubelet, containerd, CNI or buildah create; removed by `down` when
@@ -61,8 +62,10 @@ die() { printf 'clusterset: %s\n' "$*" >&2; exit 1; }
 
 node_ip() { echo "$NODE_NET.$1"; }
 pod_cidr() { echo "198.19.$((40 + $1)).0/24"; }
-svc_cidr() { echo "198.19.$((50 + $1)).0/24"; }
-svc_ip() { echo "198.19.$((50 + $1)).$2"; }
+# Services: a /20 per cluster (4,094 addresses: room for the 1,000 exports of
+# scripts/clusterset-latency.sh besides the e2e's and the conformance suite's).
+svc_cidr() { echo "198.18.$((16 * $1)).0/20"; }
+svc_ip() { echo "198.18.$((16 * $1)).$2"; }
 netns() { echo "$NETNS_PREFIX""c$1"; }
 in_node() { local i=$1; shift; nsenter --net="/run/netns/$(netns "$i")" -- "$@"; }
 kc() { local i=$1; shift; kubectl --kubeconfig "$STATE/kubeconfig" --context "c$i" "$@"; }

@@ -97,6 +97,10 @@ if ((up == 0)); then
   bash scripts/clusterset-e2e.sh
   e2e=$?
   if ((e2e == 0)); then echo "clusterset end to end: ok"; else echo "clusterset end to end: FAILED"; status=1; fi
+  # Export → first connection from a pod, at a smoke size (proves it runs; asserts no speed).
+  bash scripts/clusterset-latency.sh --others 100 --samples 5
+  latency=$?
+  if ((latency == 0)); then echo "clusterset export latency (smoke): ok"; else echo "clusterset export latency (smoke): FAILED"; status=1; fi
   # Every test runs; the Required ones must pass (MCS_CONFORMANCE_GATE), the rest are reported.
   MCS_CONFORMANCE_MODE=real bash scripts/conformance.sh
   conformance=$?
