@@ -496,8 +496,11 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
         }
         metrics.write_errors.inc_by(w.errors as u64);
         metrics.last_pass.set(Timestamp::now().as_second());
-        if w.any() {
+        let full = matches!(looked_at, Computed::All);
+        if w.any() || full {
             tracing::info!(
+                full,
+                services = if full { want.imports.len() } else { 0 },
                 imports = w.imports,
                 imports_deleted = w.imports_deleted,
                 slices = w.slices,

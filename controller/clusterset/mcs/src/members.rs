@@ -295,10 +295,11 @@ pub struct Member {
 pub struct Local {
     /// Namespaces: name and deletion timestamp.
     pub namespaces: Arc<Store<Namespace>>,
-    /// ServiceImports (all; ours carry [`crate::MANAGED_LABEL`]), without `managedFields`.
+    /// ServiceImports (all; ours carry [`crate::MANAGED_LABEL`]): spec, status, and of the
+    /// metadata only what the writer compares (name, namespace, labels, annotations).
     pub imports: Arc<Store<ServiceImport>>,
-    /// MCS EndpointSlices this controller wrote (`managed-by` = ours), without
-    /// `managedFields`.
+    /// MCS EndpointSlices this controller wrote (`managed-by` = ours), with the same
+    /// metadata only.
     pub slices: Arc<Store<EndpointSlice>>,
 }
 
@@ -480,9 +481,9 @@ pub fn start(
             all(),
             ctx(),
             local.imports.clone(),
-            |mut si| {
-                si.metadata.managed_fields = None;
-                si
+            |si| ServiceImport {
+                metadata: what_we_compare(si.metadata),
+                ..si
             },
         ));
         let ours = format!("{}={}", mcs_api::LABEL_MANAGED_BY, crate::MANAGER);
@@ -491,13 +492,26 @@ pub fn start(
             all().labels(&ours),
             ctx(),
             local.slices.clone(),
-            |mut es| {
-                es.metadata.managed_fields = None;
-                es
+            |es| EndpointSlice {
+                metadata: what_we_compare(es.metadata),
+                ..es
             },
         ));
     }
     m
+}
+
+/// Of an object of ours in the local cluster (an import, an MCS slice), the metadata the
+/// writer compares with what it wants (name, namespace, labels, annotations); the rest
+/// (managed fields, uid, versions, times, owners) is not kept.
+fn what_we_compare(m: ObjectMeta) -> ObjectMeta {
+    ObjectMeta {
+        name: m.name,
+        namespace: m.namespace,
+        labels: m.labels,
+        annotations: m.annotations,
+        ..Default::default()
+    }
 }
 
 /// Reads again, one by one, the exports of `m` that its budget refused and that would fit
