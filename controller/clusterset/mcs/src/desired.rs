@@ -220,10 +220,11 @@ fn over_limits(m: &MemberView<'_>, p: &Policy) -> HashMap<ObjKey, Refusal> {
 /// What the local cluster should hold.
 #[derive(Debug, Default, Clone)]
 pub struct Desired {
-    /// ServiceImports by (namespace, name), with status.
-    pub imports: BTreeMap<ObjKey, ServiceImport>,
-    /// MCS EndpointSlices by (namespace, name).
-    pub slices: BTreeMap<ObjKey, EndpointSlice>,
+    /// ServiceImports by (namespace, name), with status. Boxed: a B-tree node holds its
+    /// values inline, and these are large structs in nodes that are often part empty.
+    pub imports: BTreeMap<ObjKey, Box<ServiceImport>>,
+    /// MCS EndpointSlices by (namespace, name); boxed for the same reason.
+    pub slices: BTreeMap<ObjKey, Box<EndpointSlice>>,
     /// Conditions of the local ServiceExports.
     pub export_conditions: BTreeMap<ObjKey, Vec<Condition>>,
     /// Why something is not as asked, per service (logged by the reconciler when the
@@ -663,7 +664,7 @@ impl Reconciler {
                 .map(condition)
                 .collect();
         }
-        self.want.imports.insert(k.clone(), si);
+        self.want.imports.insert(k.clone(), Box::new(si));
 
         // Slices from every exporting cluster whose endpoints count.
         let mut withheld = 0;
@@ -716,7 +717,7 @@ impl Reconciler {
                         key.namespace.clone(),
                         mcs.metadata.name.clone().unwrap_or_default(),
                     );
-                    self.want.slices.insert(sk.clone(), mcs);
+                    self.want.slices.insert(sk.clone(), Box::new(mcs));
                     slices.insert(sk);
                 }
             }
@@ -1369,7 +1370,7 @@ mod tests {
             for k in keys {
                 match (r.want.imports.get(&k), have.get(&k)) {
                     (Some(si), h) if h.is_none_or(|h| json(h) != json(si)) => {
-                        self.imports.apply(k, Arc::new(si.clone()));
+                        self.imports.apply(k, Arc::new((**si).clone()));
                     }
                     (None, Some(h)) if ours(h) => self.imports.remove(&k),
                     _ => {}
