@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Export → first connection, on real pods of the ClusterSet of scripts/clusterset.sh (which
 # must be up, with mcs-dataplane installed): from the create of a ServiceExport in c2 to the
-# first request a c1 pod gets served through the ClusterSetIP of its import (controller +
-# agent + socket LB; no DNS on the path), with OTHERS other exports present.
+# first connection a c1 pod makes through the ClusterSetIP of its import (controller + agent
+# + socket LB; no DNS on the path), with N other exports present.
 #
 #   bash scripts/clusterset-latency.sh [--others N] [--samples M]    # defaults 1000 and 20
 #
@@ -12,11 +12,10 @@
 # address; the pod then tries to connect to the ClusterSetIP until a connection is made
 # (each try bounded by 50 ms: a SYN sent before the agent programmed the address is lost),
 # stamps the time, and checks that the connection's reply comes from c2's web pod. The host
-# stamps the time just before it creates sJ's
-# ServiceExport. Both stamps read the same clock (containers share the host's), so the
-# figure holds no `kubectl exec` start-up. Printed per sample and as p50 / p99 / max, with
-# the time to the import alone ("import seen in c1"). A sample that does not connect within
-# 60 s, or whose reply is not c2's, fails the script.
+# stamps the time just before it creates sJ's ServiceExport. Both stamps read the same clock
+# (containers share the host's), so the figure holds no `kubectl exec` start-up. Printed per
+# sample and as p50 / p99 / max, with the time to the import alone ("import in c1"). A
+# sample that does not connect within 60 s, or whose reply is not c2's, fails the script.
 #
 # Everything it creates (two namespaces per cluster, the hostPath directory, the host's
 # watch) is removed on exit.
@@ -33,7 +32,7 @@ while (($#)); do
   case $1 in
     --others) OTHERS=$2; shift 2 ;;
     --samples) SAMPLES=$2; shift 2 ;;
-    -h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "latency: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
