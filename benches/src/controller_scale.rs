@@ -214,10 +214,10 @@ async fn service_export(k: &Client, name: &str) -> anyhow::Result<()> {
 /// (opened before the first write, so their lists are small and no event is missed).
 /// Counting by watch instead of listing every object of every cluster again and again keeps
 /// the bench's own reads from loading the API servers it measures.
-#[derive(Default)]
 struct Seen {
     state: std::sync::Mutex<SeenState>,
-    changed: tokio::sync::Notify,
+    /// Woken by every event of every cluster's watches (one for all: [`until`] waits on it).
+    changed: Arc<tokio::sync::Notify>,
 }
 
 #[derive(Default)]
@@ -241,9 +241,13 @@ fn is_true(conds: &[Condition], type_: &str) -> bool {
 }
 
 impl Seen {
-    /// Starts the watches of `k`'s imports, MCS slices and exports in the bench's namespace.
-    fn start(k: &Client) -> Arc<Self> {
-        let seen = Arc::new(Self::default());
+    /// Starts the watches of `k`'s imports, MCS slices and exports in the bench's namespace;
+    /// each event wakes `changed`.
+    fn start(k: &Client, changed: &Arc<tokio::sync::Notify>) -> Arc<Self> {
+        let seen = Arc::new(Self {
+            state: Default::default(),
+            changed: changed.clone(),
+        });
         let all = watcher::Config::default;
         seen.watch::<ServiceImport>(
             Api::namespaced(k.clone(), NS),
@@ -364,22 +368,18 @@ impl Seen {
     }
 }
 
-/// Waits until `done` holds, woken by any watch event of `seen` (and at least every 100 ms),
-/// or fails after `WAIT` since `t0` with `what`.
+/// Waits until `done` holds, woken by any watch event (`changed`, and at least every
+/// 100 ms), or fails after `WAIT` since `t0` with `what`.
 async fn until(
-    seen: &[Arc<Seen>],
+    changed: &tokio::sync::Notify,
     t0: Instant,
     what: &str,
     done: impl Fn() -> bool,
 ) -> anyhow::Result<()> {
     loop {
-        let mut woken: Vec<_> = seen
-            .iter()
-            .map(|s| Box::pin(s.changed.notified()))
-            .collect();
-        for w in &mut woken {
-            w.as_mut().enable();
-        }
+        // Registered before `done` is read, so an event in between is not missed.
+        let mut woken = std::pin::pin!(changed.notified());
+        woken.as_mut().enable();
         if done() {
             return Ok(());
         }
@@ -387,8 +387,7 @@ async fn until(
             bail!("{what} after {WAIT:?}");
         }
         interrupted()?;
-        let any = futures::future::select_all(woken);
-        let _ = tokio::time::timeout(Duration::from_millis(100), any).await;
+        let _ = tokio::time::timeout(Duration::from_millis(100), woken).await;
     }
 }
 
@@ -453,9 +452,10 @@ pub fn run(
     }
 
     // Every cluster's imports, MCS slices and exports, watched from before the first write.
+    let changed = Arc::new(tokio::sync::Notify::new());
     let seen: Vec<Arc<Seen>> = {
         let _rt = rt.enter();
-        clients.iter().map(Seen::start).collect()
+        clients.iter().map(|k| Seen::start(k, &changed)).collect()
     };
     let cpu = |procs: &[Proc]| procs.iter().map(|p| cpu_seconds(p.pid())).sum::<f64>();
     let load0 = rt.block_on(load(&clients))?;
@@ -494,7 +494,7 @@ pub fn run(
     }
     // Converged: every cluster holds every import (address and status) and slice, and every
     // export's conditions say it is valid and ready.
-    rt.block_on(until(&seen, t0, "not converged", || {
+    rt.block_on(until(&changed, t0, "not converged", || {
         let c: Vec<_> = seen.iter().map(|s| s.counts()).collect();
         c.iter().all(|&(i, s, _)| i == exports && s == exports)
             && c.iter().map(|c| c.2).sum::<usize>() == exports
@@ -518,7 +518,7 @@ pub fn run(
             let t = Instant::now();
             service_export(k, &name).await?;
             let what = format!("{name} not imported everywhere");
-            until(&seen, t, &what, || {
+            until(&changed, t, &what, || {
                 seen.iter().all(|s| s.imported(&name).is_some())
             })
             .await?;
