@@ -37,6 +37,13 @@ epoll=${PIPESTATUS[0]}
 set -e
 if ((epoll == 0)); then echo "epoll forwarder tests: ok"; else echo "epoll forwarder tests: FAILED"; status=1; fi
 
+step "userspace forwarder tests again, the client pod behind a Linux bridge with br_netfilter on"
+set +e
+MCS_TEST_CLIENT_NET=bridge-nf MCS_TEST_TCP_ENGINE=io-uring cargo test --locked --no-fail-fast -p mcs-agent --test userspace 2>&1 | tee -a "${MCS_TEST_LOG:-/tmp/mcs-test.log}"
+bridged=${PIPESTATUS[0]}
+set -e
+if ((bridged == 0)); then echo "bridged (br_netfilter) forwarder tests: ok"; else echo "bridged (br_netfilter) forwarder tests: FAILED"; status=1; fi
+
 step "benchmark harness, smoke mode (proves every mode and workload runs; no speed asserted)"
 set +e
 cargo build --locked -q -p mcs-agent -p mcs-bench --bins &&

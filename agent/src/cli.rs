@@ -250,9 +250,10 @@ pub struct DnsQueryArgs {
 /// Options of the userspace forwarder.
 #[derive(Debug, Args)]
 pub struct ProxyArgs {
-    /// Port the forwarder listens on (TCP and UDP, all addresses, IP_TRANSPARENT).
-    #[arg(long, env = "MCS_PROXY_PORT", default_value_t = 15001)]
-    pub proxy_port: u16,
+    /// Ignored: the forwarder listens on each frontend's own ClusterSetIP and port (up to
+    /// 0.1.0 it listened on this port behind TPROXY). Accepted so older configurations start.
+    #[arg(long, env = "MCS_PROXY_PORT", hide = true)]
+    pub proxy_port: Option<u16>,
     /// nftables table (family inet) the agent owns.
     #[arg(long, default_value = "mcs_dataplane")]
     pub nft_table: String,
@@ -381,7 +382,7 @@ pub enum DataplaneKind {
     Log,
     /// eBPF socket load balancer (cgroup hooks).
     Ebpf,
-    /// Userspace transparent forwarder (nftables TPROXY).
+    /// Userspace transparent forwarder (nftables marks, sockets on each ClusterSetIP:port).
     Userspace,
     /// eBPF when the kernel allows it, else userspace.
     Auto,

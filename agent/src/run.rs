@@ -51,6 +51,13 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     "could not remove the eBPF socket LB a previous agent left pinned; it may still translate ClusterSetIPs (mcs-agent uninstall)"
                 ),
             }
+            if let Some(port) = args.proxy.proxy_port {
+                tracing::warn!(
+                    port,
+                    "--proxy-port (MCS_PROXY_PORT) is ignored: the forwarder listens on each frontend's ClusterSetIP and port"
+                );
+            }
+            raise_open_files_limit();
             let proxy_metrics = ProxyMetrics::default();
             proxy_metrics.register(registry);
             Ok(AnyDataplane::Userspace(
@@ -169,13 +176,28 @@ fn start_ebpf(args: &RunArgs) -> anyhow::Result<SocketLb> {
     Ok(lb)
 }
 
+/// The forwarder holds two descriptors per connection and listening sockets per frontend: its
+/// soft open-files limit goes up to the hard one (as Go programs do by themselves).
+fn raise_open_files_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::info!(from = soft, to = hard, "raised the open-files limit"),
+            Err(e) => {
+                tracing::warn!(soft, hard, error = %e, "could not raise the open-files limit")
+            }
+        },
+        Ok((soft, _)) => tracing::debug!(soft, "open-files limit already at its hard limit"),
+        Err(e) => tracing::warn!(error = %e, "could not read the open-files limit"),
+    }
+}
+
 fn userspace_config(p: &ProxyArgs) -> UserspaceConfig {
     UserspaceConfig {
         intercept: InterceptConfig {
             table: p.nft_table.clone(),
             mark: p.fwmark,
             route_table: p.fwmark,
-            port: p.proxy_port,
             ..Default::default()
         },
         connect_timeout: Duration::from_millis(p.connect_timeout_ms),

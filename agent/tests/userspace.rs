@@ -332,15 +332,8 @@ fn demo_runs_end_to_end_and_leaves_nothing_behind() {
     // The demo checks its own namespaces are gone ("nothing left behind", asserted above).
 }
 
-#[test]
-fn udp_over_ipv6_replies_from_the_vip() {
-    if !prerequisites() {
-        return;
-    }
-    let mut sb = Sandbox::new(&["[2001:2::1:2]:5353"]);
-    sb.write(
-        "v6-udp.yaml",
-        r#"
+/// A UDP frontend on an IPv6 ClusterSetIP (2001:2::100:12:53 → [2001:2::1:2]:5353).
+const DNS6: &str = r#"
 apiVersion: multicluster.x-k8s.io/v1beta1
 kind: ServiceImport
 metadata: { name: dns6, namespace: shop }
@@ -359,8 +352,113 @@ metadata:
 addressType: IPv6
 ports: [{ name: dns, protocol: UDP, port: 5353 }]
 endpoints: [{ addresses: ["2001:2::1:2"], conditions: { ready: true } }]
-"#,
-    );
+"#;
+
+/// Pods on every node network reach the frontends: routed (ptp, Calico-like), behind a Linux
+/// bridge, and behind a bridge with br_netfilter on (`bridge-nf-call-iptables=1` and
+/// `-ip6tables=1`, as kubeadm requires; a socket TPROXY assigned there was lost). TCP, UDP
+/// connected and not, IPv4 and IPv6; replies come from the ClusterSetIP; a stopped agent
+/// leaves no table, rule, route or socket behind.
+#[test]
+fn pods_on_a_routed_veth_or_a_bridge_with_or_without_br_netfilter_reach_every_frontend() {
+    use mcs_test_support::topology::ClientNet;
+    if !prerequisites() {
+        return;
+    }
+    for net in [
+        ClientNet::Routed,
+        ClientNet::Bridge,
+        ClientNet::BridgeNetfilter,
+    ] {
+        let mut backends = ALL.to_vec();
+        backends.extend(["198.18.1.2:5353", "[2001:2::1:2]:5353"]);
+        let mut sb = Sandbox::new_on(net, &backends);
+        sb.write("v6-udp.yaml", DNS6);
+        sb.start_agent(&[]);
+        let tcp4 = sb.tcp("198.18.100.10:80", "t4");
+        assert!(
+            tcp4.as_ref().is_ok_and(|r| r.ends_with(" t4")),
+            "{net:?}: TCP over IPv4: {tcp4:?}"
+        );
+        let tcp6 = sb.tcp("[2001:2::100:10]:80", "t6");
+        assert!(
+            tcp6.as_ref()
+                .is_ok_and(|r| r.starts_with("[2001:2::1:") && r.ends_with(" t6")),
+            "{net:?}: TCP over IPv6: {tcp6:?}"
+        );
+        for (vip, backend) in [
+            ("198.18.100.12:53", "198.18.1.2:5353"),
+            ("[2001:2::100:12]:53", "[2001:2::1:2]:5353"),
+        ] {
+            let to: std::net::SocketAddr = vip.parse().unwrap();
+            let (reply, from) = sb
+                .udp(vip, "u")
+                .unwrap_or_else(|e| panic!("{net:?}: UDP to {vip}: {e}"));
+            assert_eq!(
+                (reply.as_str(), from),
+                (format!("{backend} u").as_str(), to),
+                "{net:?}: UDP to {vip}"
+            );
+            // A connected socket takes only the ClusterSetIP's replies.
+            let got = sb
+                .cli
+                .run(move || {
+                    let any = if to.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+                    let s = std::net::UdpSocket::bind(any).map_err(|e| e.to_string())?;
+                    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                        .unwrap();
+                    s.connect(to).map_err(|e| e.to_string())?;
+                    let mut out = Vec::new();
+                    for m in ["c1", "c2"] {
+                        s.send(m.as_bytes()).map_err(|e| e.to_string())?;
+                        let mut buf = [0u8; 512];
+                        let n = s.recv(&mut buf).map_err(|e| e.to_string())?;
+                        out.push(String::from_utf8_lossy(&buf[..n]).to_string());
+                    }
+                    Ok::<_, String>(out)
+                })
+                .unwrap();
+            assert_eq!(
+                got,
+                Ok(vec![format!("{backend} c1"), format!("{backend} c2")]),
+                "{net:?}: connected UDP to {vip}"
+            );
+        }
+        sb.stop_agent();
+        assert!(sb.nft_table().is_none(), "{net:?}: nft table left behind");
+        let out = |args: &[&str]| {
+            let o = sb.node.command("ip").args(args).output().unwrap();
+            String::from_utf8_lossy(&o.stdout).to_string()
+        };
+        for fam in ["-4", "-6"] {
+            assert!(
+                !out(&[fam, "rule", "list"]).contains("0x4d43"),
+                "{net:?}: ip {fam} rule left behind"
+            );
+            assert!(
+                out(&[fam, "route", "list", "table", "19779"])
+                    .trim()
+                    .is_empty(),
+                "{net:?}: ip {fam} route left behind"
+            );
+        }
+        let ss = sb.node.command("ss").args(["-Htuan"]).output().unwrap();
+        let ss = String::from_utf8_lossy(&ss.stdout);
+        assert!(
+            !ss.lines()
+                .any(|l| l.contains("198.18.100.") || l.contains("2001:2::100:")),
+            "{net:?}: a socket on a ClusterSetIP left behind:\n{ss}"
+        );
+    }
+}
+
+#[test]
+fn udp_over_ipv6_replies_from_the_vip() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&["[2001:2::1:2]:5353"]);
+    sb.write("v6-udp.yaml", DNS6);
     sb.start_agent(&[]);
     let to: std::net::SocketAddr = "[2001:2::100:12]:53".parse().unwrap();
     let reply = sb

@@ -186,7 +186,7 @@ fn run_ip(args: &[&str]) -> anyhow::Result<()> {
     check_output(&format!("ip {}", args.join(" ")), &out)
 }
 
-fn check_output(what: &str, out: &Output) -> anyhow::Result<()> {
+pub(crate) fn check_output(what: &str, out: &Output) -> anyhow::Result<()> {
     if !out.status.success() {
         bail!(
             "{what}: {} {}",

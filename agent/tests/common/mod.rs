@@ -84,9 +84,18 @@ pub fn serve(ns: &Netns, addr: SocketAddr) -> Vec<std::thread::JoinHandle<()>> {
 
 impl Sandbox {
     /// Builds the namespaces and starts backends on `backends` (a subset of the example's).
+    /// The client is attached as `MCS_TEST_CLIENT_NET` says (routed when unset), so the whole
+    /// suite can run behind a bridge too.
     pub fn new(backends: &[&str]) -> Self {
+        let client = mcs_test_support::topology::ClientNet::from_env().unwrap();
+        Self::new_on(client, backends)
+    }
+
+    /// As [`Sandbox::new`], with the client attached as `client` says.
+    pub fn new_on(client: mcs_test_support::topology::ClientNet, backends: &[&str]) -> Self {
         let mcs_test_support::topology::TwoClusters { cli, node, c1, c2 } =
-            mcs_test_support::topology::TwoClusters::build().expect("two-cluster topology");
+            mcs_test_support::topology::TwoClusters::build_with(client)
+                .expect("two-cluster topology");
         let mut servers = Vec::new();
         for b in backends {
             let addr: SocketAddr = b.parse().unwrap();
@@ -247,7 +256,8 @@ impl Sandbox {
         let (to, msg) = (to.parse::<SocketAddr>().unwrap(), msg.to_string());
         self.cli
             .run(move || {
-                let s = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+                let any = if to.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+                let s = UdpSocket::bind(any).map_err(|e| e.to_string())?;
                 s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
                 s.send_to(msg.as_bytes(), to).map_err(|e| e.to_string())?;
                 let mut buf = [0u8; 2048];

@@ -251,6 +251,10 @@ pub struct ProxyMetrics {
     pub drained: Counter,
     /// TCP workers running on io_uring (`--tcp-engine`; the others use epoll).
     pub io_uring_workers: Gauge,
+    /// Frontends whose listening sockets could not be opened (so they are not intercepted).
+    pub listen_failures: Counter,
+    /// Frontends with listening sockets open now.
+    pub listening_frontends: Gauge,
 }
 
 /// A family written from the store: name, help, which counter of the cells.
@@ -350,6 +354,16 @@ impl ProxyMetrics {
             "tcp_io_uring_workers",
             "TCP workers running on io_uring (the others use epoll)",
             self.io_uring_workers.clone(),
+        );
+        r.register(
+            "listen_failures",
+            "Frontends whose listening sockets could not be opened (not intercepted)",
+            self.listen_failures.clone(),
+        );
+        r.register(
+            "listening_frontends",
+            "Frontends with a listening socket bound to their ClusterSetIP and port",
+            self.listening_frontends.clone(),
         );
     }
 

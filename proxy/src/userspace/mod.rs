@@ -2,7 +2,8 @@
 //!
 //! # Layout
 //!
-//! - [`nft`]: the agent's nftables table (frontend sets, TPROXY) and policy routing.
+//! - [`nft`]: the agent's nftables table (frontend sets, marks) and policy routing.
+//! - [`listen`]: the sockets bound to each frontend's ClusterSetIP and port.
 //! - [`routes`]: the route table (ArcSwap; readers never lock) built from diffs.
 //! - [`tcp`]: accept, pick, connect with retries, relay (copy, splice for bulk), idle,
 //!   drain, cap (the epoll worker).
@@ -17,6 +18,7 @@
 //! round when they go, so an intercepted packet always finds a route.
 
 pub mod conn;
+pub mod listen;
 pub mod metrics;
 pub mod nft;
 pub mod routes;
@@ -24,13 +26,13 @@ pub mod tcp;
 pub mod udp;
 pub mod uring;
 
-use std::{collections::BTreeSet, net::SocketAddr, sync::Arc, time::Duration};
+use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
 use mcs_model::{Dataplane, DataplaneError, Protocol, TableDiff};
-use socket2::{Domain, Socket, Type};
 use tokio::sync::{Semaphore, watch};
 
 use self::{
+    listen::{FeedRx, FrontendSockets},
     metrics::ProxyMetrics,
     nft::{InterceptConfig, Interception, SetElement},
     routes::SharedRoutes,
@@ -39,7 +41,7 @@ use self::{
 /// Settings of the forwarder.
 #[derive(Clone, Debug)]
 pub struct UserspaceConfig {
-    /// Interception (nftables table, mark, port).
+    /// Interception (nftables table, mark, routing table).
     pub intercept: InterceptConfig,
     /// Connect timeout per backend attempt.
     pub connect_timeout: Duration,
@@ -106,15 +108,12 @@ impl Default for UserspaceConfig {
 /// Errors starting the forwarder.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    /// A listener could not be opened.
-    #[error(
-        "opening the {what} listener on port {port}: {source} (needs CAP_NET_ADMIN for IP_TRANSPARENT)"
-    )]
+    /// Sockets could not be made (no CAP_NET_ADMIN for IP_TRANSPARENT, no eventfd, no
+    /// thread).
+    #[error("{what}: {source} (transparent sockets need CAP_NET_ADMIN)")]
     Listen {
-        /// `tcp4`, `udp6`, ...
+        /// What failed.
         what: &'static str,
-        /// Port.
-        port: u16,
         /// Cause.
         #[source]
         source: std::io::Error,
@@ -150,8 +149,9 @@ pub struct Userspace {
     /// Elements a previous run left in the table (kept intercepted), until the first table:
     /// those it does not have are removed then.
     leftover: Option<BTreeSet<SetElement>>,
+    /// The listening sockets of the frontends in `programmed`.
+    sockets: Box<FrontendSockets>,
     shutdown: watch::Sender<bool>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
     cap: Arc<Semaphore>,
 }
 
@@ -159,7 +159,10 @@ impl Userspace {
     /// Opens the listeners, installs the interception (replacing a table a crash left) and
     /// starts accepting. Must run inside a tokio runtime.
     pub fn start(config: UserspaceConfig, metrics: ProxyMetrics) -> Result<Self, StartError> {
-        let port = config.intercept.port;
+        listen::can_open_transparent().map_err(|source| StartError::Listen {
+            what: "opening a transparent socket",
+            source,
+        })?;
         let (shutdown, shutdown_rx) = watch::channel(false);
         let shared = Arc::new(Shared {
             routes: SharedRoutes::new(),
@@ -169,7 +172,6 @@ impl Userspace {
             per_client: conn::ClientCounts::new(config.max_connections_per_client),
         });
         let cap = Arc::new(Semaphore::new(config.max_connections));
-        let mut tasks = Vec::new();
         let sessions = Arc::new(udp::Sessions::default());
         // Probed once here (each worker makes its own ring on its thread).
         let io_uring = match config.tcp_engine {
@@ -187,37 +189,47 @@ impl Userspace {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
-        for v6 in [false, true] {
-            match listeners(port, v6, workers) {
-                Ok((tcp, udp_sock)) => {
-                    for (i, l) in tcp.into_iter().enumerate() {
-                        spawn_worker(i, v6, l, io_uring, shared.clone(), cap.clone()).map_err(
-                            |source| StartError::Listen {
-                                what: "tcp worker",
-                                port,
-                                source,
-                            },
-                        )?;
-                    }
-                    tasks.push(tokio::spawn(udp::listen_loop(
-                        udp_sock,
-                        shared.clone(),
-                        sessions.clone(),
-                    )));
+        let mut feeds = Vec::with_capacity(workers);
+        for i in 0..workers {
+            let (tx, rx) = listen::feed().map_err(|source| StartError::Listen {
+                what: "making a TCP worker's eventfd",
+                source,
+            })?;
+            spawn_worker(i, rx, io_uring, shared.clone(), cap.clone()).map_err(|source| {
+                StartError::Listen {
+                    what: "starting a TCP worker",
+                    source,
                 }
-                Err((what, source))
-                    if v6 && source.kind() == std::io::ErrorKind::AddrNotAvailable =>
-                {
-                    tracing::warn!(what, error = %source, "IPv6 unavailable; forwarding IPv4 only");
-                }
-                Err((what, source)) => return Err(StartError::Listen { what, port, source }),
-            }
+            })?;
+            feeds.push(tx);
         }
+        let mut sockets = Box::new(FrontendSockets::new(
+            feeds,
+            shared.clone(),
+            sessions,
+            tokio::runtime::Handle::current(),
+        ));
         if Interception::exists(&config.intercept.table) {
             tracing::warn!(table = %config.intercept.table, "found an interception table left by a previous run; replacing it");
         }
         let intercept = Interception::install(config.intercept.clone())?;
-        let leftover: BTreeSet<SetElement> = intercept.kept().iter().copied().collect();
+        let mut leftover: BTreeSet<SetElement> = BTreeSet::new();
+        let mut unopened = Vec::new();
+        for e in intercept.kept() {
+            match sockets.open(e) {
+                Ok(()) => {
+                    leftover.insert(*e);
+                }
+                Err(error) => {
+                    shared.metrics.listen_failures.inc();
+                    tracing::warn!(frontend = ?e, %error, "cannot listen on a kept frontend; no longer intercepted");
+                    unopened.push(*e);
+                }
+            }
+        }
+        if !unopened.is_empty() {
+            intercept.update(&[], &unopened)?;
+        }
         if !leftover.is_empty() {
             tracing::info!(
                 frontends = leftover.len(),
@@ -225,18 +237,18 @@ impl Userspace {
             );
         }
         tracing::info!(
-            port,
             splice = config.splice,
-            tcp_workers = if io_uring { "io_uring" } else { "epoll" },
-            "userspace forwarder listening"
+            tcp_workers = workers,
+            tcp_engine = if io_uring { "io_uring" } else { "epoll" },
+            "userspace forwarder started: it listens on each frontend's ClusterSetIP and port"
         );
         Ok(Self {
             shared,
             intercept,
             programmed: leftover.clone(),
             leftover: Some(leftover),
+            sockets,
             shutdown,
-            tasks,
             cap,
         })
     }
@@ -261,22 +273,19 @@ impl Userspace {
         if drained.is_err() {
             tracing::warn!("connections still open after the drain bound; closing");
         }
-        for t in self.tasks {
-            t.abort();
-        }
+        drop(self.sockets);
         if let Err(e) = self.intercept.uninstall() {
             tracing::warn!(error = %e, "removing interception");
         }
     }
 }
 
-/// A TCP worker: a thread with a single-threaded runtime accepting on its own listener; its
-/// connections stay on that thread (no cross-thread wake-ups). It ends at shutdown, after its
-/// connections drained.
+/// A TCP worker: a thread with a single-threaded runtime accepting on its own listener of
+/// each frontend (handed over through `feed`); its connections stay on that thread (no
+/// cross-thread wake-ups). It ends at shutdown, after its connections drained.
 fn spawn_worker(
     i: usize,
-    v6: bool,
-    listener: std::net::TcpListener,
+    feed: FeedRx,
     io_uring: bool,
     shared: Arc<Shared>,
     cap: Arc<Semaphore>,
@@ -285,13 +294,13 @@ fn spawn_worker(
         .enable_all()
         .build()?;
     std::thread::Builder::new()
-        .name(format!("mcs-tcp{}-{i}", if v6 { 6 } else { 4 }))
+        .name(format!("mcs-tcp-{i}"))
         .spawn(move || {
             if io_uring {
                 // The ring is made on the thread that uses it (SINGLE_ISSUER).
                 match uring::ring() {
                     Ok(ring) => {
-                        uring::run(ring, listener, &shared, cap);
+                        uring::run(ring, feed, &shared, cap);
                         return;
                     }
                     Err(e) => {
@@ -300,14 +309,8 @@ fn spawn_worker(
                 }
             }
             rt.block_on(async move {
-                let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
-                    return;
-                };
-                let mut stop = shared.shutdown.clone();
                 let signals = tcp::WorkerSignals::start(&shared);
-                let accept = tokio::spawn(tcp::accept_loop(listener, shared.clone(), cap, signals));
-                stopped(&mut stop).await;
-                let _ = accept.await;
+                tcp::accept_feed(feed, shared.clone(), cap, signals).await;
                 // Let this thread's connections finish within the drain bound. Wait a little
                 // longer than it: at the bound each connection cuts itself with resets, while
                 // one dropped with the runtime would end with a FIN and look complete.
@@ -322,62 +325,6 @@ fn spawn_worker(
             });
         })?;
     Ok(())
-}
-
-type Listeners = (Vec<std::net::TcpListener>, tokio::net::UdpSocket);
-
-fn listeners(
-    port: u16,
-    v6: bool,
-    workers: usize,
-) -> Result<Listeners, (&'static str, std::io::Error)> {
-    let addr: SocketAddr = if v6 {
-        ([0u16; 8], port).into()
-    } else {
-        ([0u8; 4], port).into()
-    };
-    let domain = if v6 { Domain::IPV6 } else { Domain::IPV4 };
-    let transparent = |s: &Socket| {
-        if v6 {
-            s.set_ip_transparent_v6(true)
-        } else {
-            s.set_ip_transparent_v4(true)
-        }
-    };
-    let tcp = (0..workers.max(1))
-        .map(|_| {
-            let s = Socket::new(domain, Type::STREAM, None)?;
-            if v6 {
-                s.set_only_v6(true)?;
-            }
-            transparent(&s)?;
-            // Accepted sockets inherit it: no setsockopt per connection.
-            s.set_tcp_nodelay(true)?;
-            s.set_reuse_address(true)?;
-            s.set_reuse_port(true)?;
-            s.set_nonblocking(true)?;
-            s.bind(&addr.into())?;
-            s.listen(4096)?;
-            Ok(s.into())
-        })
-        .collect::<std::io::Result<Vec<std::net::TcpListener>>>()
-        .map_err(|e| (if v6 { "tcp6" } else { "tcp4" }, e))?;
-    let udp_sock = (|| {
-        let s = Socket::new(domain, Type::DGRAM, None)?;
-        if v6 {
-            s.set_only_v6(true)?;
-            nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::Ipv6OrigDstAddr, &true)?;
-        } else {
-            nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::Ipv4OrigDstAddr, &true)?;
-        }
-        transparent(&s)?;
-        s.set_reuse_address(true)?;
-        s.set_nonblocking(true)?;
-        s.bind(&addr.into())?;
-        tokio::net::UdpSocket::from_std(s.into())
-    })()
-    .map_err(|e| (if v6 { "udp6" } else { "udp4" }, e))?;
-    Ok((tcp, udp_sock))
 }
 
 /// Resolves once `rx` says stop (or its sender is gone).
@@ -425,8 +372,9 @@ impl Dataplane for Userspace {
                 .collect();
             remove.extend(stale);
         }
-        // Routes first, then the interception set: a new frontend's packets find a route; a
-        // removed frontend stops being intercepted before its route goes.
+        // Routes and sockets first, then the interception set: a new frontend's packets find
+        // a socket and a route; a removed frontend stops being intercepted before its route
+        // and sockets go.
         if !remove.is_empty() {
             if let Err(e) = self.intercept.update(&[], &remove) {
                 self.leftover = leftover;
@@ -436,6 +384,7 @@ impl Dataplane for Userspace {
             }
             for e in &remove {
                 self.programmed.remove(e);
+                self.sockets.close(e);
             }
         }
         self.shared.routes.apply(
@@ -443,12 +392,27 @@ impl Dataplane for Userspace {
             self.shared.config.maglev_table_size,
             &self.shared.metrics,
         );
+        let add: Vec<SetElement> = add
+            .into_iter()
+            .filter(|e| match self.sockets.open(e) {
+                Ok(()) => true,
+                Err(error) => {
+                    // Not intercepted: its packets go where they would without us.
+                    self.shared.metrics.listen_failures.inc();
+                    tracing::warn!(frontend = ?e, %error, "cannot listen on the frontend's address; not intercepted");
+                    false
+                }
+            })
+            .collect();
         if !add.is_empty() {
-            self.intercept
-                .update(&add, &[])
-                .map_err(|e| DataplaneError {
+            if let Err(e) = self.intercept.update(&add, &[]) {
+                for e in &add {
+                    self.sockets.close(e);
+                }
+                return Err(DataplaneError {
                     message: e.to_string(),
-                })?;
+                });
+            }
             if self.programmed.is_empty() {
                 // Built at once (full nodes), not element by element.
                 self.programmed = add.into_iter().collect();

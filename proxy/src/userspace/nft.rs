@@ -1,17 +1,25 @@
 //! Interception owned by the agent: one nftables table (`inet mcs_dataplane` by default) with a
-//! set of frontends per family and TPROXY rules to the forwarder's port, plus the policy
-//! routing TPROXY needs (`ip rule fwmark MARK lookup TABLE`, `local default dev lo` in that
-//! table). Installing replaces a table left by a crash in one transaction, keeping its set
-//! elements (so a restarting agent's frontends stay intercepted, and connections made before
-//! its first table wait for it instead of losing their SYN); the first full table then
-//! removes the elements that are no longer frontends ([`Interception::kept`]). Updates add and
-//! delete set elements only (O(change)); uninstalling removes exactly what was installed.
+//! set of frontends per family whose packets it marks, and the policy routing that makes a
+//! marked packet's destination local (`ip rule fwmark MARK lookup TABLE`, `local default dev
+//! lo` in that table). The kernel's ordinary socket lookup then finds the forwarder's sockets
+//! bound to the frontend's ClusterSetIP and port ([`super::listen`]). Installing replaces a
+//! table left by a crash in one transaction, keeping its set elements (so a restarting agent's
+//! frontends stay intercepted, and connections made before its first table wait for it instead
+//! of losing their SYN); the first full table then removes the elements that are no longer
+//! frontends ([`Interception::kept`]). Updates add and delete set elements only (O(change));
+//! uninstalling removes exactly what was installed.
 //!
-//! Pod traffic arriving on the node hits `prerouting`; traffic of the node's own processes is
-//! marked in `output`, rerouted through `lo` by the policy route, and then hits `prerouting`.
-//! When no forwarder listens (the agent died and is restarting), `tproxy` finds no socket and
-//! the next rule refuses the frontend's packets (TCP reset, ICMP port unreachable): clients
-//! fail at once instead of waiting on a black hole.
+//! Pod traffic arriving on the node is marked in `prerouting`: on a routed interface, on a
+//! bridge, or under br_netfilter while the frame is still being bridged (the mark stays with
+//! the packet when it goes up to the IP layer, which does not run the hooks again); traffic of
+//! the node's own processes is marked in `output` and rerouted through `lo`. A packet is
+//! marked only when a transparent socket (ours) is there for it (`socket transparent 1`, a
+//! lookup that assigns nothing); no rule rewrites an address, and the mark makes only
+//! frontends local, so the node answers no ARP or ND for ClusterSetIPs and other ports of a
+//! ClusterSetIP are routed as before. When no forwarder listens (the agent died and is
+//! restarting), the next rules refuse the frontend's packets (TCP reset, ICMP port
+//! unreachable): clients fail at once instead of waiting on a black hole. (The kernel's own
+//! reset would not leave: its source, the ClusterSetIP, is no local address.)
 
 use std::{
     io::Write as _,
@@ -32,8 +40,6 @@ pub struct InterceptConfig {
     pub route_table: u32,
     /// Priority of the `ip rule`.
     pub rule_priority: u32,
-    /// Port the forwarder listens on (TCP and UDP).
-    pub port: u16,
 }
 
 impl Default for InterceptConfig {
@@ -43,7 +49,6 @@ impl Default for InterceptConfig {
             mark: 0x4d43,
             route_table: 0x4d43,
             rule_priority: 9043,
-            port: 15001,
         }
     }
 }
@@ -83,10 +88,6 @@ impl SetElement {
     }
 }
 
-/// The two frontend sets, as both tables (inet and bridge) declare them.
-const FRONTEND_SETS: &str = "set frontends4 { type ipv4_addr . inet_proto . inet_service; }\n\
-    set frontends6 { type ipv6_addr . inet_proto . inet_service; }\n";
-
 /// `op element <family> <table> <set> { <element> }` lines of an nft script, one per element.
 fn element_lines(op: &str, family: &str, table: &str, elements: &[SetElement]) -> String {
     elements
@@ -101,29 +102,25 @@ fn element_lines(op: &str, family: &str, table: &str, elements: &[SetElement]) -
 pub struct Interception {
     cfg: InterceptConfig,
     kept: Vec<SetElement>,
-    /// Whether the bridge table (see [`Interception::install_bridge`]) is installed, so set
-    /// changes go to both tables.
-    bridged: bool,
 }
 
 impl Interception {
     /// Installs (or replaces, atomically) the table and the policy routing.
     pub fn install(cfg: InterceptConfig) -> Result<Self, NftError> {
         let t = &cfg.table;
-        let (port, mark) = (cfg.port, cfg.mark);
+        let mark = cfg.mark;
         let kept = leftover_elements(t);
         let mut script = format!(
             "table inet {t}\n\
              delete table inet {t}\n\
              table inet {t} {{\n\
                comment \"mcs-dataplane: ClusterSetIP interception, owned by mcs-agent\"\n\
-               {FRONTEND_SETS}\
+               set frontends4 {{ type ipv4_addr . inet_proto . inet_service; }}\n\
+               set frontends6 {{ type ipv6_addr . inet_proto . inet_service; }}\n\
                chain prerouting {{\n\
                  type filter hook prerouting priority mangle; policy accept;\n\
-                 meta l4proto tcp ip daddr . meta l4proto . th dport @frontends4 tproxy ip to :{port} meta mark set {mark} accept\n\
-                 meta l4proto udp ip daddr . meta l4proto . th dport @frontends4 tproxy ip to :{port} meta mark set {mark} accept\n\
-                 meta l4proto tcp ip6 daddr . meta l4proto . th dport @frontends6 tproxy ip6 to :{port} meta mark set {mark} accept\n\
-                 meta l4proto udp ip6 daddr . meta l4proto . th dport @frontends6 tproxy ip6 to :{port} meta mark set {mark} accept\n\
+                 ip daddr . meta l4proto . th dport @frontends4 socket transparent 1 meta mark set {mark} accept\n\
+                 ip6 daddr . meta l4proto . th dport @frontends6 socket transparent 1 meta mark set {mark} accept\n\
                  meta l4proto tcp ip daddr . meta l4proto . th dport @frontends4 reject with tcp reset\n\
                  meta l4proto udp ip daddr . meta l4proto . th dport @frontends4 reject\n\
                  meta l4proto tcp ip6 daddr . meta l4proto . th dport @frontends6 reject with tcp reset\n\
@@ -138,8 +135,9 @@ impl Interception {
         );
         script.push_str(&element_lines("add", "inet", t, &kept));
         nft(&script)?;
-        let bridged = Self::install_bridge(t, &kept);
-        let this = Self { cfg, kept, bridged };
+        // Earlier versions also had a bridge table (`meta broute`); it goes.
+        let _ = nft(&format!("delete table bridge {t}\n"));
+        let this = Self { cfg, kept };
         let (m, rt, prio) = (
             this.cfg.mark.to_string(),
             this.cfg.route_table.to_string(),
@@ -174,47 +172,11 @@ impl Interception {
         }
         tracing::info!(
             table = %this.cfg.table,
-            port,
             mark,
             kept = this.kept.len(),
             "interception installed"
         );
         Ok(this)
-    }
-
-    /// Pods behind a Linux bridge (bridge CNI, kubenet, ...) on a node with br_netfilter
-    /// (`net.bridge.bridge-nf-call-iptables=1`, as kubeadm requires): br_netfilter runs the IP
-    /// prerouting hooks while the frame is still being bridged, and the IP layer then drops
-    /// the socket TPROXY assigned there, so the packet finds no socket. A bridge-family table
-    /// "broutes" frames for a frontend (`meta broute set 1`): they go up to the IP stack as
-    /// received on the bridge port, before br_netfilter, and TPROXY works as for any other
-    /// interface. Best effort: it needs nft >= 1.0.8 and a kernel with nftables bridge
-    /// support; without, pods on a bridge are not intercepted (said in a warning).
-    fn install_bridge(t: &str, kept: &[SetElement]) -> bool {
-        let mut script = format!(
-            "table bridge {t}\n\
-             delete table bridge {t}\n\
-             table bridge {t} {{\n\
-               comment \"mcs-dataplane: ClusterSetIP frames up to the IP stack before br_netfilter, owned by mcs-agent\"\n\
-               {FRONTEND_SETS}\
-               chain brouting {{\n\
-                 type filter hook prerouting priority -300; policy accept;\n\
-                 ip daddr . meta l4proto . th dport @frontends4 meta broute set 1\n\
-                 ip6 daddr . meta l4proto . th dport @frontends6 meta broute set 1\n\
-               }}\n\
-             }}\n"
-        );
-        script.push_str(&element_lines("add", "bridge", t, kept));
-        match nft(&script) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::warn!(
-                    error = %e,
-                    "no bridge interception (needs nft >= 1.0.8 with bridge support): pods behind a Linux bridge with br_netfilter will not reach ClusterSetIPs through the userspace forwarder"
-                );
-                false
-            }
-        }
     }
 
     /// The frontends a previous run left in the table, still intercepted after installing.
@@ -235,17 +197,9 @@ impl Interception {
     /// Adds and removes frontends in one transaction.
     pub fn update(&self, add: &[SetElement], remove: &[SetElement]) -> Result<(), NftError> {
         let t = &self.cfg.table;
-        let mut script = String::new();
-        let families: &[&str] = if self.bridged {
-            &["inet", "bridge"]
-        } else {
-            &["inet"]
-        };
-        for fam in families {
-            // `destroy` would be idempotent but needs nft ≥ 1.0.8; delete what we know we added.
-            script.push_str(&element_lines("delete", fam, t, remove));
-            script.push_str(&element_lines("add", fam, t, add));
-        }
+        // `destroy` would be idempotent but needs nft ≥ 1.0.8; delete what we know we added.
+        let mut script = element_lines("delete", "inet", t, remove);
+        script.push_str(&element_lines("add", "inet", t, add));
         if script.is_empty() {
             return Ok(());
         }
@@ -255,9 +209,6 @@ impl Interception {
     /// Removes the table and the policy routing.
     pub fn uninstall(&self) -> Result<(), NftError> {
         self.remove_routing();
-        if self.bridged {
-            let _ = nft(&format!("delete table bridge {}\n", self.cfg.table));
-        }
         let r = nft(&format!("delete table inet {}\n", self.cfg.table));
         tracing::info!(table = %self.cfg.table, "interception removed");
         r

@@ -1,5 +1,5 @@
-//! TCP: accept intercepted connections (TPROXY keeps the original destination as the local
-//! address), pick a backend with Maglev, connect with a timeout and retry others on failure,
+//! TCP: accept intercepted connections (on listeners bound to each frontend's ClusterSetIP
+//! and port, so the local address names the frontend), pick a backend with Maglev, connect with a timeout and retry others on failure,
 //! then relay both ways: small messages through a buffer (one recv and one send each; a short
 //! read means the socket is drained, so no extra recv to learn it), and a direction that fills
 //! the buffer — a bulk transfer — switches to `splice(2)` through a pipe (zero copy), unless
@@ -20,6 +20,7 @@
 //!   1 MiB), in chunks of the pipe's size, and shrunk again before they go back to the pool.
 
 use std::{
+    collections::HashMap,
     io,
     net::SocketAddr,
     sync::{
@@ -41,6 +42,7 @@ use tokio::{
 use super::{
     Shared,
     conn::{FIRST_TABLE_WAIT, Pipe, PooledBuf, give_back_pipe, reset, take_pipe},
+    listen::{Feed, FeedRx},
     routes::normalize,
 };
 
@@ -99,8 +101,48 @@ impl WorkerSignals {
     }
 }
 
-/// Accepts until shutdown.
-pub async fn accept_loop(
+/// Accepts on each listener `feed` hands over, until it is taken back or shutdown; returns
+/// once every listener is closed.
+pub async fn accept_feed(
+    feed: FeedRx,
+    shared: Arc<Shared>,
+    cap: Arc<Semaphore>,
+    signals: WorkerSignals,
+) {
+    let mut stop = signals.0.clone();
+    let mut accepting: HashMap<u64, tokio::task::JoinHandle<()>> = HashMap::new();
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| s.stopping) => break,
+            () = feed.sent() => {}
+        }
+        for f in feed.drain() {
+            match f {
+                Feed::Add(id, l) => match TcpListener::from_std(l) {
+                    Ok(l) => {
+                        let task = accept_loop(l, shared.clone(), cap.clone(), signals.clone());
+                        accepting.insert(id, tokio::spawn(task));
+                    }
+                    Err(e) => tracing::warn!(error = %e, "cannot accept on a frontend listener"),
+                },
+                Feed::Remove(id) => {
+                    if let Some(t) = accepting.remove(&id) {
+                        // Closes the listener; its accepted connections go on.
+                        t.abort();
+                    }
+                }
+            }
+        }
+    }
+    // Each stops at shutdown by itself (closing its listener).
+    for (_, t) in accepting {
+        let _ = t.await;
+    }
+}
+
+/// Accepts on one listener until shutdown.
+async fn accept_loop(
     listener: TcpListener,
     shared: Arc<Shared>,
     cap: Arc<Semaphore>,

@@ -1,7 +1,8 @@
 //! The io_uring TCP worker (`--tcp-engine auto|io-uring`; issue 16): the same job as [`super::tcp`]'s epoll
 //! worker — accept, pick, connect with a timeout and retries, relay both ways, pass
 //! half-closes and resets on, idle timeout, drain, caps — with its system calls batched into
-//! one `io_uring_enter` per loop: a multishot accept, and per connection a connect linked to
+//! one `io_uring_enter` per loop: a multishot accept per listener (one per frontend, handed
+//! over through the worker's feed, whose eventfd a multishot poll watches), and per connection a connect linked to
 //! its timeout and one receive and one send in flight per direction. One ring per worker
 //! thread, `SINGLE_ISSUER | DEFER_TASKRUN` (no SQPOLL: the cores are shared with the
 //! workload).
@@ -27,6 +28,7 @@
 #![allow(unsafe_code)]
 
 use std::{
+    collections::HashMap,
     io,
     net::SocketAddr,
     os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
@@ -43,6 +45,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use super::{
     Shared,
     conn::{ClientSlot, FIRST_TABLE_WAIT, Pipe, PooledBuf, give_back_pipe, reset, take_pipe},
+    listen::{Feed, FeedRx},
     routes::{Route, normalize},
 };
 
@@ -80,6 +83,8 @@ mod op {
     pub const SPLICE1: u8 = 14;
     /// A short timeout while connections wait for the first table.
     pub const WAKE: u8 = 15;
+    /// The listener feed's eventfd is readable.
+    pub const FEED: u8 = 16;
 }
 
 fn ud(slot: usize, op: u8) -> u64 {
@@ -199,11 +204,17 @@ struct Worker<'s> {
     wake_armed: bool,
     /// Some connection has a drain bound (its backend left the route).
     draining: bool,
+    /// Where listeners come from.
+    feed: FeedRx,
+    /// The listeners accepted on, by id (the `user_data` slot of their accepts).
+    listeners: HashMap<u64, std::net::TcpListener>,
+    /// Not yet shut down: listeners are accepted on.
+    accepting: bool,
 }
 
-/// Runs a worker on `listener` until shutdown and its connections are done (or cut at the
-/// drain bound).
-pub fn run(ring: IoUring, listener: std::net::TcpListener, shared: &Shared, cap: Arc<Semaphore>) {
+/// Runs a worker on the listeners `feed` hands over until shutdown and its connections are
+/// done (or cut at the drain bound).
+pub fn run(ring: IoUring, feed: FeedRx, shared: &Shared, cap: Arc<Semaphore>) {
     shared.metrics.io_uring_workers.inc();
     let mut w = Worker {
         ring,
@@ -220,8 +231,11 @@ pub fn run(ring: IoUring, listener: std::net::TcpListener, shared: &Shared, cap:
         waiting_poll: timespec(WAITING_POLL),
         wake_armed: false,
         draining: false,
+        feed,
+        listeners: HashMap::new(),
+        accepting: true,
     };
-    w.event_loop(listener);
+    w.event_loop();
     shared.metrics.io_uring_workers.dec();
 }
 
@@ -270,10 +284,9 @@ fn half_close(fd: Option<BorrowedFd<'_>>) {
 }
 
 impl<'s> Worker<'s> {
-    fn event_loop(&mut self, listener: std::net::TcpListener) {
-        let mut listener = Some(listener);
-        let lfd = listener.as_ref().map_or(-1, AsRawFd::as_raw_fd);
-        self.push_accept(lfd);
+    fn event_loop(&mut self) {
+        self.push_feed_poll();
+        self.on_feed();
         self.push_tick();
         let mut drain_until: Option<Instant> = None;
         let mut cqes: Vec<(u64, i32, u32)> = Vec::with_capacity(256);
@@ -306,31 +319,32 @@ impl<'s> Worker<'s> {
                         } else if res != -libc::ECANCELED {
                             tracing::warn!(error = %os_error(res), "accept failed");
                         }
-                        if !cqueue::more(flags) && listener.is_some() {
-                            self.push_accept(lfd);
+                        let id = data >> 8;
+                        if !cqueue::more(flags)
+                            && let Some(lfd) = self.listeners.get(&id).map(AsRawFd::as_raw_fd)
+                        {
+                            self.push_accept(id, lfd);
+                        }
+                    }
+                    op::FEED => {
+                        self.on_feed();
+                        if !cqueue::more(flags) {
+                            self.push_feed_poll();
                         }
                     }
                     op::TICK => {
-                        if listener.is_some() && *self.shared.shutdown.borrow() {
-                            // Stop accepting: the listener closes once the cancelled accept is
-                            // back, so new connections are refused, not left waiting.
-                            self.push(
-                                opcode::AsyncCancel2::new(
-                                    types::CancelBuilder::fd(types::Fd(lfd)).all(),
-                                )
-                                .build()
-                                .user_data(ud(0, op::CANCEL_ACCEPT)),
-                            );
-                            // Submitted before the listener's descriptor closes, so its number
-                            // cannot name a new socket by then.
-                            if let Err(e) = self.ring.submit() {
-                                tracing::warn!(error = %e, "io_uring submit failed");
+                        if self.accepting && *self.shared.shutdown.borrow() {
+                            // Stop accepting: the listeners close, so new connections are
+                            // refused, not left waiting.
+                            self.accepting = false;
+                            let ids: Vec<u64> = self.listeners.keys().copied().collect();
+                            for id in ids {
+                                self.close_listener(id);
                             }
-                            listener = None;
                             drain_until = Some(Instant::now() + self.shared.config.drain_timeout);
                         }
                         self.on_tick(drain_until);
-                        if listener.is_none() && self.conns.iter().all(Option::is_none) {
+                        if !self.accepting && self.conns.iter().all(Option::is_none) {
                             for (fd, _) in self.waiting.drain(..) {
                                 self.shared.metrics.active_connections.dec();
                                 reset(&fd);
@@ -365,13 +379,58 @@ impl<'s> Worker<'s> {
         }
     }
 
-    fn push_accept(&mut self, lfd: i32) {
+    fn push_accept(&mut self, id: u64, lfd: i32) {
         self.push(
             opcode::AcceptMulti::new(types::Fd(lfd))
                 .flags(libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK)
                 .build()
-                .user_data(ud(0, op::ACCEPT)),
+                .user_data((id << 8) | u64::from(op::ACCEPT)),
         );
+    }
+
+    fn push_feed_poll(&mut self) {
+        let fd = self.feed.wake().as_raw_fd();
+        self.push(
+            opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
+                .multi(true)
+                .build()
+                .user_data(ud(0, op::FEED)),
+        );
+    }
+
+    /// Takes the listeners handed over or taken back.
+    fn on_feed(&mut self) {
+        for f in self.feed.drain() {
+            match f {
+                // After shutdown a new listener is closed at once.
+                Feed::Add(id, l) if self.accepting => {
+                    let lfd = l.as_raw_fd();
+                    self.listeners.insert(id, l);
+                    self.push_accept(id, lfd);
+                }
+                Feed::Add(..) => {}
+                Feed::Remove(id) => self.close_listener(id),
+            }
+        }
+    }
+
+    /// Cancels the accepts on listener `id` and closes it; connections waiting in its queue
+    /// are reset by the kernel, accepted ones go on.
+    fn close_listener(&mut self, id: u64) {
+        let Some(l) = self.listeners.remove(&id) else {
+            return;
+        };
+        self.push(
+            opcode::AsyncCancel2::new(types::CancelBuilder::fd(types::Fd(l.as_raw_fd())).all())
+                .build()
+                .user_data(ud(0, op::CANCEL_ACCEPT)),
+        );
+        // Submitted before the listener's descriptor closes, so its number cannot name a new
+        // socket by then.
+        if let Err(e) = self.ring.submit() {
+            tracing::warn!(error = %e, "io_uring submit failed");
+        }
+        drop(l);
     }
 
     /// While connections wait for the first table, look for it every few milliseconds.

@@ -1,0 +1,310 @@
+//! The forwarder's listening sockets: one set per frontend, bound to its ClusterSetIP and port
+//! (`IP_TRANSPARENT`, as the address is on no interface). Packets for a frontend are marked in
+//! prerouting (and in output, for the node's own processes) and the agent's policy route makes
+//! their destination local, so the kernel's ordinary socket lookup finds these sockets. Nothing
+//! is assigned to a packet on its way, so it does not matter where the prerouting hooks run:
+//! on a routed interface, on a bridge, or while the frame is still being bridged under
+//! br_netfilter (where a socket TPROXY assigned is dropped again by `ip_rcv`).
+//!
+//! - TCP: one listener per frontend and TCP worker, in one `SO_REUSEPORT` group, so the kernel
+//!   spreads a frontend's connections over the workers; on nodes with more workers than
+//!   [`LISTENERS_PER_FRONTEND`], each frontend gets that many, on workers taken in turn, so
+//!   10,000 frontends on a 64-core node cost 40,000 listening sockets, not 640,000. A worker hears of its listeners
+//!   through a [`Feed`]: a channel, an eventfd that wakes an io_uring worker's ring and a
+//!   `Notify` that wakes an epoll worker's runtime.
+//! - UDP: one socket per frontend, read by a task of its own; sessions bind their
+//!   client-facing sockets to the same address, connected (see [`super::udp`]).
+//!
+//! A frontend's sockets are opened before its packets are marked and closed after they no
+//! longer are.
+
+use std::{
+    collections::HashMap,
+    io,
+    net::SocketAddr,
+    sync::{Arc, mpsc},
+};
+
+use mcs_model::Protocol;
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use socket2::{Domain, Socket, Type};
+
+use super::{Shared, nft::SetElement, udp};
+
+/// Most listeners (so workers) of one TCP frontend.
+pub const LISTENERS_PER_FRONTEND: usize = 4;
+
+/// What a TCP worker is told.
+#[derive(Debug)]
+pub enum Feed {
+    /// Accept on this listener (id, socket).
+    Add(u64, std::net::TcpListener),
+    /// Stop accepting on listener `id` and close it.
+    Remove(u64),
+}
+
+/// A TCP worker's end of its feed.
+#[derive(Debug)]
+pub struct FeedRx {
+    rx: mpsc::Receiver<Feed>,
+    wake: Arc<EventFd>,
+    notify: Arc<tokio::sync::Notify>,
+}
+
+impl FeedRx {
+    /// The eventfd that becomes readable when something was sent.
+    pub fn wake(&self) -> &Arc<EventFd> {
+        &self.wake
+    }
+
+    /// Resolves when something was sent since the last [`FeedRx::drain`] began (or ever).
+    pub async fn sent(&self) {
+        self.notify.notified().await;
+    }
+
+    /// Everything sent so far (clears the wake-up first, so nothing sent later is missed).
+    pub fn drain(&self) -> Vec<Feed> {
+        // Non-blocking: EAGAIN when it was cleared already.
+        let _ = self.wake.read();
+        self.rx.try_iter().collect()
+    }
+}
+
+/// The agent's end of a worker's feed.
+#[derive(Debug)]
+pub struct FeedTx {
+    tx: mpsc::Sender<Feed>,
+    wake: Arc<EventFd>,
+    notify: Arc<tokio::sync::Notify>,
+}
+
+impl FeedTx {
+    fn send(&self, feed: Feed) {
+        // A worker that is gone (it stopped after shutdown) needs nothing more.
+        if self.tx.send(feed).is_ok() {
+            let _ = self.wake.write(1);
+            self.notify.notify_one();
+        }
+    }
+}
+
+/// A feed for one TCP worker.
+pub fn feed() -> io::Result<(FeedTx, FeedRx)> {
+    let wake = Arc::new(
+        EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
+            .map_err(io::Error::from)?,
+    );
+    let notify = Arc::new(tokio::sync::Notify::new());
+    let (tx, rx) = mpsc::channel();
+    Ok((
+        FeedTx {
+            tx,
+            wake: wake.clone(),
+            notify: notify.clone(),
+        },
+        FeedRx { rx, wake, notify },
+    ))
+}
+
+/// The frontends' sockets.
+#[derive(Debug)]
+pub struct FrontendSockets {
+    workers: Vec<FeedTx>,
+    tcp: HashMap<SocketAddr, u64>,
+    udp: HashMap<SocketAddr, tokio::task::JoinHandle<()>>,
+    next_id: u64,
+    shared: Arc<Shared>,
+    sessions: Arc<udp::Sessions>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl FrontendSockets {
+    /// Sockets handed to `workers` (TCP) and to tasks on `runtime` (UDP).
+    pub fn new(
+        workers: Vec<FeedTx>,
+        shared: Arc<Shared>,
+        sessions: Arc<udp::Sessions>,
+        runtime: tokio::runtime::Handle,
+    ) -> Self {
+        Self {
+            workers,
+            tcp: HashMap::new(),
+            udp: HashMap::new(),
+            next_id: 1,
+            shared,
+            sessions,
+            runtime,
+        }
+    }
+
+    /// Opens the sockets of `e` (nothing when they are open already).
+    pub fn open(&mut self, e: &SetElement) -> io::Result<()> {
+        let addr = SocketAddr::new(e.vip, e.port);
+        match e.protocol {
+            Protocol::Tcp if !self.tcp.contains_key(&addr) => {
+                let id = self.next_id;
+                let workers = self.workers_of(id);
+                let listeners = workers
+                    .clone()
+                    .map(|_| tcp_listener(addr))
+                    .collect::<io::Result<Vec<_>>>()?;
+                self.next_id += 1;
+                for (w, l) in workers.zip(listeners) {
+                    self.workers[w].send(Feed::Add(id, l));
+                }
+                self.tcp.insert(addr, id);
+            }
+            Protocol::Udp if !self.udp.contains_key(&addr) => {
+                let sock = udp_socket(addr)?;
+                let (shared, sessions) = (self.shared.clone(), self.sessions.clone());
+                let task = self.runtime.spawn(async move {
+                    match tokio::net::UdpSocket::from_std(sock.into()) {
+                        Ok(sock) => udp::listen_loop(sock, shared, sessions).await,
+                        Err(e) => tracing::warn!(%addr, error = %e, "udp frontend socket"),
+                    }
+                });
+                self.udp.insert(addr, task);
+            }
+            _ => return Ok(()),
+        }
+        self.shared.metrics.listening_frontends.inc();
+        Ok(())
+    }
+
+    /// Closes the sockets of `e`; its open connections and sessions go on.
+    pub fn close(&mut self, e: &SetElement) {
+        let addr = SocketAddr::new(e.vip, e.port);
+        let closed = match e.protocol {
+            Protocol::Tcp => self.tcp.remove(&addr).map(|id| {
+                for w in self.workers_of(id) {
+                    self.workers[w].send(Feed::Remove(id));
+                }
+            }),
+            Protocol::Udp => self.udp.remove(&addr).map(|task| task.abort()),
+            Protocol::Sctp => None,
+        };
+        if closed.is_some() {
+            self.shared.metrics.listening_frontends.dec();
+        }
+    }
+
+    /// The workers (indices) that accept for TCP frontend `id`: all of them, or
+    /// [`LISTENERS_PER_FRONTEND`] taken in turn from where the previous frontend's began.
+    fn workers_of(&self, id: u64) -> impl Iterator<Item = usize> + Clone + use<> {
+        workers_for(id, self.workers.len())
+    }
+
+    /// Frontends with sockets open.
+    pub fn len(&self) -> usize {
+        self.tcp.len() + self.udp.len()
+    }
+
+    /// Whether no frontend has sockets open.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// [`FrontendSockets::workers_of`] with `all` workers.
+fn workers_for(id: u64, all: usize) -> impl Iterator<Item = usize> + Clone {
+    let n = all.min(LISTENERS_PER_FRONTEND);
+    let start = if all == 0 {
+        0
+    } else {
+        (id % all as u64) as usize
+    };
+    (0..n).map(move |j| (start + j) % all)
+}
+
+fn transparent(s: &Socket, addr: SocketAddr) -> io::Result<()> {
+    if addr.is_ipv4() {
+        s.set_ip_transparent_v4(true)
+    } else {
+        s.set_ip_transparent_v6(true)
+    }
+}
+
+/// A listener on `addr`, one of its `SO_REUSEPORT` group.
+fn tcp_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    transparent(&s, addr)?;
+    // Accepted sockets inherit it: no setsockopt per connection.
+    s.set_tcp_nodelay(true)?;
+    s.set_reuse_address(true)?;
+    s.set_reuse_port(true)?;
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into())?;
+    s.listen(4096)?;
+    Ok(s.into())
+}
+
+/// The socket first datagrams of a UDP frontend arrive on. `IP_RECVORIGDSTADDR` names the
+/// frontend in each datagram, as for any socket; `SO_REUSEADDR` lets the sessions bind their
+/// connected client-facing sockets to the same address.
+fn udp_socket(addr: SocketAddr) -> io::Result<Socket> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let s = Socket::new(Domain::for_address(addr), Type::DGRAM, None)?;
+    if addr.is_ipv4() {
+        setsockopt(&s, sockopt::Ipv4OrigDstAddr, &true)?;
+    } else {
+        setsockopt(&s, sockopt::Ipv6OrigDstAddr, &true)?;
+    }
+    transparent(&s, addr)?;
+    s.set_reuse_address(true)?;
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into())?;
+    Ok(s)
+}
+
+/// Whether this process may open transparent sockets (`CAP_NET_ADMIN`): checked at start, so
+/// a missing capability is an error then, not a warning per frontend later.
+pub fn can_open_transparent() -> io::Result<()> {
+    let s = Socket::new(Domain::IPV4, Type::STREAM, None)?;
+    s.set_ip_transparent_v4(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_frontend_listens_on_every_worker_or_on_four_taken_in_turn() {
+        let of = |id, all| workers_for(id, all).collect::<Vec<_>>();
+        assert_eq!(of(1, 2), [1, 0]);
+        assert_eq!(of(2, 2), [0, 1]);
+        assert_eq!(of(1, 1), [0]);
+        assert!(of(1, 0).is_empty());
+        assert_eq!(of(1, 64), [1, 2, 3, 4]);
+        assert_eq!(of(63, 64), [63, 0, 1, 2]);
+        // Over many frontends every worker gets its share.
+        let mut per_worker = [0usize; 6];
+        for id in 1..=600 {
+            for w in workers_for(id, 6) {
+                per_worker[w] += 1;
+            }
+        }
+        assert_eq!(per_worker, [400; 6]);
+    }
+
+    #[test]
+    fn a_feed_wakes_its_worker_and_hands_over_in_order() {
+        let (tx, rx) = feed().unwrap();
+        assert!(rx.drain().is_empty());
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        tx.send(Feed::Add(7, l));
+        tx.send(Feed::Remove(7));
+        // The eventfd counts the two sends.
+        let mut fds = [nix::poll::PollFd::new(
+            std::os::fd::AsFd::as_fd(&**rx.wake()),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        assert_eq!(nix::poll::poll(&mut fds, 0u16).unwrap(), 1);
+        let got = rx.drain();
+        assert!(matches!(got.as_slice(), [Feed::Add(7, _), Feed::Remove(7)]));
+        // Drained: no longer readable.
+        assert_eq!(nix::poll::poll(&mut fds, 0u16).unwrap(), 0);
+        drop(rx);
+        // A worker that is gone: sending is a no-op.
+        tx.send(Feed::Remove(8));
+    }
+}
