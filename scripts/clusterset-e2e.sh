@@ -13,7 +13,10 @@
 #      keeps flowing (pinned maps) with no failed request.
 #   4. Userspace: the chart switched to --dataplane userspace (helm upgrade); the new agent
 #      removes the pinned socket LB, and the same requests go through its forwarder (its
-#      connection counter moves). Then back to eBPF.
+#      connection counter moves), from c1's pod and from a pod of c2, by IP and by name. With
+#      `clusterset.sh up --cni mixed` (as CI runs it) c1's pods are routed (ptp) and c2's sit on
+#      a Linux bridge with br_netfilter on, so both node networks are crossed. Then back to
+#      eBPF.
 #   5. Credentials: `clusterset.sh rotate-tokens --revoke` gives every controller new member
 #      tokens (files in its Secret) and revokes the old ones; each cluster still imports an
 #      export the other makes afterwards. (Open watches outlive a revoked token, so this shows
@@ -90,12 +93,13 @@ spec: {}
 EOF
 }
 
-# Runs N requests (one connection each, 50 ms apart) from c1's client pod to TARGET:80 and
-# prints one reply per line ("FAIL" for a request that got none). The client sends nothing:
-# the server closing with a byte it never read unsent would reset the connection, and a reset
-# can discard the reply before nc reads it (seen 1 in ~300 with `echo | nc`, direct to a pod).
-load() { # load TARGET N
-  kc c1 -n "$NS" exec client -- sh -c '
+# Runs N requests (one connection each, 50 ms apart) from the client pod of cluster FROM (c1
+# unless given) to TARGET:80 and prints one reply per line ("FAIL" for a request that got
+# none). The client sends nothing: the server closing with a byte it never read unsent would
+# reset the connection, and a reset can discard the reply before nc reads it (seen 1 in ~300
+# with `echo | nc`, direct to a pod).
+load() { # load TARGET N [FROM]
+  kc "${3:-c1}" -n "$NS" exec client -- sh -c '
     i=0
     while [ $i -lt '"$2"' ]; do
       r=$(nc -w 2 '"$1"' 80 </dev/null 2>/dev/null | head -1)
@@ -104,16 +108,21 @@ load() { # load TARGET N
     done'
 }
 count() { grep -c -- "$1" "$2" || true; }
-# Whether one request from c1's client pod to $vip:80 is served by cluster $1's pods.
-served_by() { local r; r=$(kc c1 -n "$NS" exec client -- sh -c "nc -w 2 $vip 80 </dev/null"); [[ $r == "$1 web-"* ]]; }
+# Whether one request from the client pod of cluster $2 (c1 unless given) to $vip:80 (or
+# to $3) is served by cluster $1's pods.
+served_by() { local r; r=$(kc "${2:-c1}" -n "$NS" exec client -- sh -c "nc -w 2 ${3:-$vip} 80 </dev/null"); [[ $r == "$1 web-"* ]]; }
 
-say "namespace $NS in c1 and c2; web (2 pods) exported by c2; a client pod in c1"
+say "namespace $NS in c1 and c2; web (2 pods) exported by c2; a client pod in c1 and in c2"
 for c in c1 c2; do kc "$c" create namespace "$NS" >/dev/null; done
 web c2 2
-kc c1 -n "$NS" run client --image=docker.io/nicolaka/netshoot:v0.15 --image-pull-policy=Never \
-  --command -- sleep 3600 >/dev/null
+for c in c1 c2; do
+  kc "$c" -n "$NS" run client --image=docker.io/nicolaka/netshoot:v0.15 --image-pull-policy=Never \
+    --command -- sleep 3600 >/dev/null
+done
 until_ok 90 "web Ready in c2" kc c2 -n "$NS" rollout status deploy/web --timeout=2s
-until_ok 60 "client pod Ready in c1" kc c1 -n "$NS" wait --for=condition=Ready pod/client --timeout=2s
+for c in c1 c2; do
+  until_ok 60 "client pod Ready in $c" kc "$c" -n "$NS" wait --for=condition=Ready pod/client --timeout=2s
+done
 vip=""
 deadline=$((SECONDS + 60))
 while [[ -z $vip ]] && ((SECONDS < deadline)); do
@@ -192,16 +201,21 @@ grep -q "removed the eBPF socket LB a previous agent left pinned" <<<"$agentlog"
   fail "the userspace agent did not report removing the pinned socket LB; its log begins: $(head -5 <<<"$agentlog")"
 progs=$(bpftool cgroup show /sys/fs/cgroup/unified/mcs-c1 2>/dev/null | grep -c connect4 || true)
 ((progs == 0)) || fail "eBPF programs still attached at mcs-c1 under the userspace dataplane"
-metric() { curl -s "http://198.19.32.1:9464/metrics" | awk '/^mcs_proxy_connections_total/ {s += $2} END {print s + 0}'; }
-until_ok 30 "a first reply through the forwarder" served_by c2
-before=$(metric)
-load "$vip" 30 >"$out"
-load "$name" 10 >>"$out"
-after=$(metric)
-ok=$(count '^c2 web-' "$out")
-say "   userspace: $ok/40 served by c2 (by IP and name); forwarder connections $before -> $after"
-((ok == 40)) || fail "userspace: $((40 - ok)) of 40 failed"
-((after - before >= 40)) || fail "userspace: the forwarder counted $((after - before)) connections, not 40"
+metric() { curl -s "http://198.19.32.$1:9464/metrics" | awk '/^mcs_proxy_connections_total/ {s += $2} END {print s + 0}'; }
+for i in 1 2; do
+  net=$(ip netns exec "mcs-cs-c$i" sysctl -n net.bridge.bridge-nf-call-iptables 2>/dev/null || echo 0)
+  if ip -n "mcs-cs-c$i" link show cni0 >/dev/null 2>&1; then net="pods on bridge cni0, br_netfilter $net"; else net="routed pods"; fi
+  vip_i=$(kc "c$i" -n "$NS" get serviceimport web -o jsonpath='{.spec.ips[0]}')
+  until_ok 30 "a first reply through c$i's forwarder" served_by c2 "c$i" "$vip_i"
+  before=$(metric "$i")
+  load "$vip_i" 30 "c$i" >"$out"
+  load "$name" 10 "c$i" >>"$out"
+  after=$(metric "$i")
+  ok=$(count '^c2 web-' "$out")
+  say "   userspace, from a pod of c$i ($net): $ok/40 served by c2 (by $vip_i and name); forwarder connections $before -> $after"
+  ((ok == 40)) || fail "userspace from c$i: $((40 - ok)) of 40 failed"
+  ((after - before >= 40)) || fail "userspace from c$i: the forwarder counted $((after - before)) connections, not 40"
+done
 say "   back to eBPF"
 bash scripts/clusterset.sh install --dataplane ebpf >/dev/null
 until_ok 30 "a reply through eBPF again" served_by c2

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A real ClusterSet on this machine: N single-node Kubernetes clusters (etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler, containerd + runc, CNI (ptp, or bridge), kubelet, kube-proxy in
+# kube-controller-manager, kube-scheduler, containerd + runc, CNI (ptp, bridge, or both), kubelet, kube-proxy in
 # nftables mode, CoreDNS), each node in its own network namespace (its "host network", as kind's
 # node containers), pods of every cluster routable to each other, and mcs-dataplane installed
 # into every cluster with its Helm chart from our own image.
 #
-#   bash scripts/clusterset.sh up [--clusters N] [--bare] [--dataplane ebpf|userspace] [--cni ptp|bridge]
+#   bash scripts/clusterset.sh up [--clusters N] [--bare] [--dataplane ebpf|userspace] [--cni ptp|bridge|mixed]
 #   bash scripts/clusterset.sh install [--dataplane ebpf|userspace]   # (re)install our chart
 #   bash scripts/clusterset.sh rotate-tokens [--revoke]   # new 24 h member tokens for every
 #                                              # controller (--revoke: the old ones at once)
@@ -33,7 +33,8 @@
 # Env: MCS_CLUSTERSET_DIR (state, default /var/lib/mcs-clusterset), MCS_CLUSTERS (default 2),
 #      MCS_IMAGE_BIN_DIR (binaries for our image; default: a release build),
 #      MCS_CLUSTERSET_DATAPLANE (default ebpf), MCS_CLUSTERSET_CNI (ptp, routed pods, default;
-#      or bridge), MCS_CLUSTERSET_CIDR (the ClusterSetIP range, default 198.19.56.0/21). Needs
+#      bridge, pods on a Linux bridge with br_netfilter on as kubeadm requires; or mixed, the
+#      odd clusters on ptp and the even ones on bridge), MCS_CLUSTERSET_CIDR (the ClusterSetIP range, default 198.19.56.0/21). Needs
 #      root and scripts/setup.sh's tools.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -68,6 +69,9 @@ svc_cidr() { echo "198.18.$((16 * $1)).0/20"; }
 svc_ip() { echo "198.18.$((16 * $1)).$2"; }
 netns() { echo "$NETNS_PREFIX""c$1"; }
 in_node() { local i=$1; shift; nsenter --net="/run/netns/$(netns "$i")" -- "$@"; }
+# The CNI of cluster i: --cni, or with --cni mixed ptp for the odd clusters and bridge for the
+# even ones.
+cni_of() { if [[ $CNI == mixed ]]; then (( $1 % 2 )) && echo ptp || echo bridge; else echo "$CNI"; fi; }
 kc() { local i=$1; shift; kubectl --kubeconfig "$STATE/kubeconfig" --context "c$i" "$@"; }
 
 # Start a long-running component of node i in its network namespace, in a session of its own,
@@ -379,6 +383,10 @@ network() {
     in_node "$i" ip link set lo up
     in_node "$i" ip addr add "$(node_ip "$i")/24" dev eth0
     in_node "$i" ip link set eth0 up
+    if [[ $(cni_of "$i") == bridge ]]; then
+      # kubeadm's preflight requires these where pods sit on a bridge (per network namespace).
+      in_node "$i" sysctl -qw net.bridge.bridge-nf-call-iptables=1 net.bridge.bridge-nf-call-ip6tables=1
+    fi
     for ((j = 1; j <= N; j++)); do
       ((j == i)) || in_node "$i" ip route add "$(pod_cidr "$j")" via "$(node_ip "$j")"
     done
@@ -454,10 +462,9 @@ start_node() {
     fi
   done
   # ptp (default): routed pods, one veth each, as Calico, Cilium and most cloud CNIs; bridge:
-  # pods on a Linux bridge, as the bridge CNI, kubenet and flannel (there br_netfilter hands
-  # the userspace forwarder's TPROXY a packet it cannot keep; see docs/real-clusterset.md).
+  # pods on a Linux bridge with br_netfilter on, as the bridge CNI, kubenet and flannel.
   local plugin='"type": "ptp"'
-  [[ $CNI == bridge ]] && plugin='"type": "bridge", "bridge": "cni0", "isGateway": true, "hairpinMode": true'
+  [[ $(cni_of "$i") == bridge ]] && plugin='"type": "bridge", "bridge": "cni0", "isGateway": true, "hairpinMode": true'
   cat >"$d/cni/net.d/10-clusterset.conflist" <<EOF
 {
   "cniVersion": "1.0.0",
@@ -727,7 +734,7 @@ while (($#)); do
 done
 [[ $N =~ ^[1-9]$ ]] || die "--clusters must be 1..9"
 case $DATAPLANE in ebpf|userspace|auto) ;; *) die "--dataplane must be ebpf, userspace or auto" ;; esac
-case $CNI in ptp|bridge) ;; *) die "--cni must be ptp or bridge" ;; esac
+case $CNI in ptp|bridge|mixed) ;; *) die "--cni must be ptp, bridge or mixed" ;; esac
 case $cmd in
   up) up ;;
   down) down ;;

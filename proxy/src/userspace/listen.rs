@@ -256,6 +256,31 @@ fn udp_socket(addr: SocketAddr) -> io::Result<Socket> {
     Ok(s)
 }
 
+/// The lowest port this process may not bind, when it lacks `CAP_NET_BIND_SERVICE`
+/// (`net.ipv4.ip_unprivileged_port_start`); `None` when it may bind any.
+pub fn privileged_ports_below() -> Option<u16> {
+    const CAP_NET_BIND_SERVICE: u32 = 10;
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let eff = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+    let eff = u64::from_str_radix(eff.trim(), 16).ok()?;
+    if eff & (1 << CAP_NET_BIND_SERVICE) != 0 {
+        return None;
+    }
+    let start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_unprivileged_port_start").ok()?;
+    start.trim().parse().ok().filter(|p| *p > 0)
+}
+
+/// Why a frontend's socket could not be opened, with what to do about it.
+pub fn listen_hint(e: &SetElement, error: &io::Error) -> &'static str {
+    match error.kind() {
+        io::ErrorKind::PermissionDenied if e.port < 1024 => {
+            "ports below net.ipv4.ip_unprivileged_port_start need CAP_NET_BIND_SERVICE (the DaemonSet grants it)"
+        }
+        io::ErrorKind::AddrNotAvailable if e.vip.is_ipv6() => "is IPv6 disabled on this node?",
+        _ => "",
+    }
+}
+
 /// Whether this process may open transparent sockets (`CAP_NET_ADMIN`): checked at start, so
 /// a missing capability is an error then, not a warning per frontend later.
 pub fn can_open_transparent() -> io::Result<()> {

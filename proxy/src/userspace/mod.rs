@@ -163,6 +163,12 @@ impl Userspace {
             what: "opening a transparent socket",
             source,
         })?;
+        if let Some(port) = listen::privileged_ports_below() {
+            tracing::warn!(
+                port,
+                "no CAP_NET_BIND_SERVICE: frontends on ports below {port} cannot be intercepted (the DaemonSet grants it)"
+            );
+        }
         let (shutdown, shutdown_rx) = watch::channel(false);
         let shared = Arc::new(Shared {
             routes: SharedRoutes::new(),
@@ -222,7 +228,8 @@ impl Userspace {
                 }
                 Err(error) => {
                     shared.metrics.listen_failures.inc();
-                    tracing::warn!(frontend = ?e, %error, "cannot listen on a kept frontend; no longer intercepted");
+                    let hint = listen::listen_hint(e, &error);
+                    tracing::warn!(frontend = ?e, %error, hint, "cannot listen on a kept frontend; no longer intercepted");
                     unopened.push(*e);
                 }
             }
@@ -399,7 +406,8 @@ impl Dataplane for Userspace {
                 Err(error) => {
                     // Not intercepted: its packets go where they would without us.
                     self.shared.metrics.listen_failures.inc();
-                    tracing::warn!(frontend = ?e, %error, "cannot listen on the frontend's address; not intercepted");
+                    let hint = listen::listen_hint(e, &error);
+                    tracing::warn!(frontend = ?e, %error, hint, "cannot listen on the frontend's address; not intercepted");
                     false
                 }
             })
