@@ -4,8 +4,8 @@
 #
 #   1. eBPF: a Deployment exported by c2 is reached from a pod of c1 by its ClusterSetIP and by
 #      <svc>.<ns>.svc.clusterset.local (CoreDNS forwarding to the agents), served by both of
-#      c2's pods; the socket LB is attached to the kubelet's cgroup root of each cluster, not
-#      the host's.
+#      c2's pods; a UDP echo exported by c2 answers from its ClusterSetIP; the socket LB is
+#      attached to the kubelet's cgroup root of each cluster, not the host's.
 #   2. Failover: c1 exports the service too, and its local pod is preferred; scaled to 0 under
 #      load, c2 takes over with no failed request (the pod drains for 5 s in preStop, as
 #      users' graceful pods do).
@@ -13,7 +13,8 @@
 #      keeps flowing (pinned maps) with no failed request.
 #   4. Userspace: the chart switched to --dataplane userspace (helm upgrade); the new agent
 #      removes the pinned socket LB, and the same requests go through its forwarder (its
-#      connection counter moves), from c1's pod and from a pod of c2, by IP and by name. With
+#      connection counter moves), from c1's pod and from a pod of c2, by IP and by name, and
+#      UDP to the echo by ClusterSetIP and by name from both. With
 #      `clusterset.sh up --cni mixed` (as CI runs it) c1's pods are routed (ptp) and c2's sit on
 #      a Linux bridge with br_netfilter on, so both node networks are crossed. Then back to
 #      eBPF.
@@ -108,6 +109,51 @@ load() { # load TARGET N [FROM]
     done'
 }
 count() { grep -c -- "$1" "$2" || true; }
+# A UDP echo Deployment exported by CLUSTER (port 9000; every reply is "<cluster> <pod name>").
+udp_echo() { # udp_echo CLUSTER
+  cat <<EOF | kc "$1" apply -f - >/dev/null
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: echo, namespace: $NS}
+spec:
+  replicas: 1
+  selector: {matchLabels: {app: echo}}
+  template:
+    metadata: {labels: {app: echo}}
+    spec:
+      containers:
+      - name: echo
+        image: docker.io/alpine/socat:1.7.4.4
+        imagePullPolicy: Never
+        command: [/bin/sh, -c, 'exec socat UDP-RECVFROM:9000,fork SYSTEM:"echo $1 \$(hostname)"', sh, $1]
+        ports: [{containerPort: 9000, protocol: UDP}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: echo, namespace: $NS}
+spec:
+  selector: {app: echo}
+  ports: [{name: echo, port: 9000, protocol: UDP}]
+---
+apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceExport
+metadata: {name: echo, namespace: $NS}
+spec: {}
+EOF
+}
+# N datagrams (a connected UDP socket each) from the client pod of cluster FROM to TARGET:9000;
+# prints one reply per line ("FAIL" for a datagram that got none).
+udp_load() { # udp_load TARGET N FROM
+  kc "$3" -n "$NS" exec client -- sh -c '
+    i=0
+    while [ $i -lt '"$2"' ]; do
+      r=$(echo q | nc -u -w 2 '"$1"' 9000 2>/dev/null | head -1)
+      case "$r" in c[0-9]\ echo-*) echo "$r" ;; *) echo FAIL ;; esac
+      i=$((i + 1))
+    done'
+}
+# Whether a datagram from the client pod of cluster $1 to $2:9000 gets an echo.
+udp_ok() { [[ $(udp_load "$2" 1 "$1") == "c2 echo-"* ]]; }
 # Whether one request from the client pod of cluster $2 (c1 unless given) to $vip:80 (or
 # to $3) is served by cluster $1's pods.
 served_by() { local r; r=$(kc "${2:-c1}" -n "$NS" exec client -- sh -c "nc -w 2 ${3:-$vip} 80 </dev/null"); [[ $r == "$1 web-"* ]]; }
@@ -115,11 +161,13 @@ served_by() { local r; r=$(kc "${2:-c1}" -n "$NS" exec client -- sh -c "nc -w 2 
 say "namespace $NS in c1 and c2; web (2 pods) exported by c2; a client pod in c1 and in c2"
 for c in c1 c2; do kc "$c" create namespace "$NS" >/dev/null; done
 web c2 2
+udp_echo c2
 for c in c1 c2; do
   kc "$c" -n "$NS" run client --image=docker.io/nicolaka/netshoot:v0.15 --image-pull-policy=Never \
     --command -- sleep 3600 >/dev/null
 done
 until_ok 90 "web Ready in c2" kc c2 -n "$NS" rollout status deploy/web --timeout=2s
+until_ok 90 "echo Ready in c2" kc c2 -n "$NS" rollout status deploy/echo --timeout=2s
 for c in c1 c2; do
   until_ok 60 "client pod Ready in $c" kc "$c" -n "$NS" wait --for=condition=Ready pod/client --timeout=2s
 done
@@ -149,6 +197,18 @@ load "$name" 20 >"$out"
 ok=$(count '^c2 web-' "$out")
 say "   by name: $ok/20 served by c2"
 ((ok == 20)) || fail "by name: $((20 - ok)) of 20 failed"
+evip=""
+echo_ip() { evip=$(kc c1 -n "$NS" get serviceimport echo -o jsonpath='{.spec.ips[0]}' 2>/dev/null) && [[ -n $evip ]]; }
+until_ok 60 "a ServiceImport echo with a ClusterSetIP in c1" echo_ip && echo_ip
+udp_checks() { # udp_checks FROM WHAT
+  local ename="echo.$NS.svc.clusterset.local" ok
+  until_ok 30 "$2: a first UDP echo through $evip from $1" udp_ok "$1" "$evip" || return 0
+  { udp_load "$evip" 10 "$1"; udp_load "$ename" 10 "$1"; } >"$out"
+  ok=$(count '^c2 echo-' "$out")
+  say "   $2 UDP from a pod of $1: $ok/20 echoed (by $evip and $ename)"
+  ((ok == 20)) || fail "$2 UDP from $1: $((20 - ok)) of 20 got no echo"
+}
+udp_checks c1 eBPF
 for i in 1 2; do
   progs=$(bpftool cgroup show "/sys/fs/cgroup/unified/mcs-c$i" 2>/dev/null | grep -c connect4 || true)
   hostprogs=$(bpftool cgroup show /sys/fs/cgroup/unified 2>/dev/null | grep -c connect4 || true)
@@ -215,6 +275,7 @@ for i in 1 2; do
   say "   userspace, from a pod of c$i ($net): $ok/40 served by c2 (by $vip_i and name); forwarder connections $before -> $after"
   ((ok == 40)) || fail "userspace from c$i: $((40 - ok)) of 40 failed"
   ((after - before >= 40)) || fail "userspace from c$i: the forwarder counted $((after - before)) connections, not 40"
+  udp_checks "c$i" userspace
 done
 say "   back to eBPF"
 bash scripts/clusterset.sh install --dataplane ebpf >/dev/null

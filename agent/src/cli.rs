@@ -35,8 +35,9 @@ pub enum Command {
     /// Print what the eBPF dataplane has programmed, read back from the pinned maps.
     Status(StatusArgs),
     /// Detach the eBPF programs and remove the pinned maps (the agent leaves them in place
-    /// when it stops, so that traffic keeps flowing across restarts).
-    Uninstall(PinArgs),
+    /// when it stops, so that traffic keeps flowing across restarts), and remove the userspace
+    /// forwarder's nftables table and policy routing that a killed agent left.
+    Uninstall(UninstallArgs),
     /// Build a sandbox of network namespaces with two clusters and show the dataplane at work
     /// (needs root; removes everything it creates).
     Demo(DemoArgs),
@@ -310,6 +311,19 @@ pub struct PinArgs {
     /// bpffs directory of the pinned maps and links.
     #[arg(long, env = "MCS_BPF_PIN_DIR", default_value = mcs_proxy::ebpf::DEFAULT_PIN_DIR)]
     pub bpf_pin_dir: PathBuf,
+}
+
+/// Options of `mcs-agent uninstall`.
+#[derive(Debug, Args)]
+pub struct UninstallArgs {
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// The userspace forwarder's nftables table (family inet), as `run --nft-table`.
+    #[arg(long, default_value = "mcs_dataplane")]
+    pub nft_table: String,
+    /// The userspace forwarder's firewall mark and routing table, as `run --fwmark`.
+    #[arg(long, default_value_t = 0x4d43)]
+    pub fwmark: u32,
 }
 
 /// Options of `mcs-agent status`.

@@ -1,12 +1,16 @@
-//! `mcs-agent status` (what the eBPF socket LB's pinned maps hold) and `mcs-agent uninstall`.
+//! `mcs-agent status` (what the eBPF socket LB's pinned maps hold) and `mcs-agent uninstall`
+//! (both dataplanes' leftovers).
 
 use std::process::ExitCode;
 
 use anyhow::{Context as _, bail};
-use mcs_proxy::ebpf::{SocketLb, read_pinned};
+use mcs_proxy::{
+    ebpf::{SocketLb, read_pinned},
+    userspace::nft::{InterceptConfig, Interception},
+};
 
 use crate::{
-    cli::{Format, PinArgs, StatusArgs},
+    cli::{Format, StatusArgs, UninstallArgs},
     commands::print_out,
 };
 
@@ -49,12 +53,28 @@ pub(crate) fn status(args: &StatusArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Detaches the eBPF programs and removes the pinned maps and links.
-pub(crate) fn uninstall(args: &PinArgs) -> anyhow::Result<ExitCode> {
-    let n = SocketLb::uninstall(&args.bpf_pin_dir)?;
+/// Detaches the eBPF programs and removes the pinned maps and links, then the userspace
+/// forwarder's interception.
+pub(crate) fn uninstall(args: &UninstallArgs) -> anyhow::Result<ExitCode> {
+    let dir = &args.pins.bpf_pin_dir;
+    let n = SocketLb::uninstall(dir)?;
     println!(
         "removed {n} pinned objects from {} (programs detached)",
-        args.bpf_pin_dir.display()
+        dir.display()
+    );
+    let cfg = InterceptConfig {
+        table: args.nft_table.clone(),
+        mark: args.fwmark,
+        route_table: args.fwmark,
+        ..Default::default()
+    };
+    let had = Interception::remove_leftover(&cfg)
+        .with_context(|| format!("removing nftables table inet {}", cfg.table))?;
+    println!(
+        "{} nftables table inet {} and the policy routing of mark {:#x}",
+        if had { "removed" } else { "no" },
+        cfg.table,
+        cfg.mark
     );
     Ok(ExitCode::SUCCESS)
 }

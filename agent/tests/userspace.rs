@@ -260,6 +260,102 @@ fn a_table_left_by_a_crash_is_replaced_at_start() {
     let _ = (&sb.c1, &sb.c2, Path::new("/"));
 }
 
+/// A killed agent leaves its interception (so that a restart keeps the ClusterSetIPs
+/// intercepted); meanwhile the frontends refuse at once (TCP reset, UDP port unreachable)
+/// instead of black-holing, and `mcs-agent uninstall` removes the table, rules and routes.
+#[test]
+fn a_killed_agent_leaves_refusing_frontends_that_uninstall_removes() {
+    if !prerequisites() {
+        return;
+    }
+    let mut backends = ALL.to_vec();
+    backends.push("198.18.1.2:5353");
+    let mut sb = Sandbox::new(&backends);
+    sb.start_agent(&[]);
+    assert!(sb.tcp("198.18.100.10:80", "a").unwrap().ends_with(" a"));
+    let mut killed = sb.agent.take().unwrap();
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    assert!(
+        sb.nft_table().is_some(),
+        "a killed agent's table should stay"
+    );
+    // The killed process's sockets go with it (an io_uring worker's listeners a moment later,
+    // when the kernel tears its ring down); from then on the frontend refuses at once.
+    wait_until("TCP to a frontend without a forwarder is refused", || {
+        let refused = sb
+            .cli
+            .run(|| {
+                let to: std::net::SocketAddr = "198.18.100.10:80".parse().unwrap();
+                TcpStream::connect_timeout(&to, std::time::Duration::from_secs(5)).map(drop)
+            })
+            .unwrap();
+        match refused {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => true,
+            Err(e) => panic!("TCP to a frontend without a forwarder: {e}, not refused"),
+            Ok(()) => false,
+        }
+    });
+    let udp = sb
+        .cli
+        .run(|| {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                .unwrap();
+            s.connect("198.18.100.12:53").unwrap();
+            s.send(b"q").unwrap();
+            let mut buf = [0u8; 64];
+            s.recv(&mut buf).map(drop)
+        })
+        .unwrap();
+    assert_eq!(
+        udp.map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::ConnectionRefused),
+        "UDP to a frontend without a forwarder must get port unreachable"
+    );
+    let pins = tempfile::tempdir().unwrap();
+    let out = sb
+        .node
+        .command(env!("CARGO_BIN_EXE_mcs-agent"))
+        .args(["uninstall", "--bpf-pin-dir"])
+        .arg(pins.path().join("none"))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "uninstall: {said} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        said.contains("removed nftables table inet mcs_dataplane"),
+        "{said}"
+    );
+    assert!(sb.nft_table().is_none(), "uninstall left the table");
+    for fam in ["-4", "-6"] {
+        let o = sb
+            .node
+            .command("ip")
+            .args([fam, "rule", "list"])
+            .output()
+            .unwrap();
+        assert!(
+            !String::from_utf8_lossy(&o.stdout).contains("0x4d43"),
+            "ip {fam} rule left"
+        );
+        let o = sb
+            .node
+            .command("ip")
+            .args([fam, "route", "list", "table", "19779"])
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&o.stdout).trim().is_empty(),
+            "ip {fam} route left"
+        );
+    }
+}
+
 #[test]
 fn a_restarted_agent_keeps_its_frontends_intercepted_and_holds_connections_until_its_first_table() {
     if !prerequisites() {

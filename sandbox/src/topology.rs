@@ -28,15 +28,28 @@ pub enum ClientNet {
 }
 
 impl ClientNet {
-    /// From `MCS_TEST_CLIENT_NET` (`routed`, `bridge`, `bridge-nf`; unset: routed).
+    /// From `MCS_TEST_CLIENT_NET` (see [`ClientNet::parse`]; unset: routed).
     pub fn from_env() -> anyhow::Result<Self> {
-        match std::env::var("MCS_TEST_CLIENT_NET").as_deref() {
-            Err(_) | Ok("" | "routed") => Ok(Self::Routed),
-            Ok("bridge") => Ok(Self::Bridge),
-            Ok("bridge-nf") => Ok(Self::BridgeNetfilter),
-            Ok(other) => {
-                anyhow::bail!("MCS_TEST_CLIENT_NET={other}: expected routed, bridge or bridge-nf")
-            }
+        let v = std::env::var("MCS_TEST_CLIENT_NET").unwrap_or_default();
+        Self::parse(&v).map_err(|e| anyhow::anyhow!("MCS_TEST_CLIENT_NET: {e}"))
+    }
+
+    /// `routed` (or empty), `bridge` or `bridge-nf`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "" | "routed" => Ok(Self::Routed),
+            "bridge" => Ok(Self::Bridge),
+            "bridge-nf" => Ok(Self::BridgeNetfilter),
+            other => Err(format!("{other}: expected routed, bridge or bridge-nf")),
+        }
+    }
+
+    /// The name [`ClientNet::parse`] takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Routed => "routed",
+            Self::Bridge => "bridge",
+            Self::BridgeNetfilter => "bridge-nf",
         }
     }
 }

@@ -78,6 +78,11 @@ struct RunArgs {
     /// backends, which `direct` (threads split evenly) does not.
     #[arg(long)]
     spread: bool,
+    /// How the client pod is attached to the node: routed (a veth, as ptp or Calico), bridge
+    /// (a port of a Linux bridge) or bridge-nf (a bridge with br_netfilter on, as kubeadm
+    /// requires).
+    #[arg(long, default_value = "routed", value_parser = mcs_sandbox::topology::ClientNet::parse)]
+    client_net: mcs_sandbox::topology::ClientNet,
     /// Smoke mode for CI: 1 s runs, 1 repetition, scaling to 100 services. Proves that every
     /// mode and workload works; the figures mean nothing.
     #[arg(long)]
@@ -526,6 +531,7 @@ fn bench(mut a: RunArgs) -> ExitCode {
         out: a.out,
         install: !a.no_install,
         spread: a.spread,
+        client_net: a.client_net,
         command: std::env::args().collect::<Vec<_>>().join(" "),
     };
     match harness::run(&opts) {

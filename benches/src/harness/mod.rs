@@ -45,6 +45,8 @@ pub struct Options {
     pub install: bool,
     /// `web` has a backend in each cluster (else one).
     pub spread: bool,
+    /// How the client is attached to the node (`--client-net`).
+    pub client_net: mcs_sandbox::topology::ClientNet,
     /// The command line, for the record.
     pub command: String,
 }
@@ -151,6 +153,7 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
         command: opts.command.clone(),
         agent: opts.agent.display().to_string(),
         web_backends: if opts.spread { 2 } else { 1 },
+        client_net: opts.client_net.name(),
     };
     eprintln!("mcs-bench: setting up {} modes", opts.modes.len());
     let mut bed = Bed::build(
@@ -159,6 +162,7 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
         opts.agent_b.clone(),
         &work,
         opts.spread,
+        opts.client_net,
     )?;
     let modes = bed
         .modes

@@ -32,6 +32,8 @@ pub struct Meta {
     pub agent: String,
     /// Backends of the measured HTTP and UDP service.
     pub web_backends: usize,
+    /// How the client is attached to the node: routed, bridge, bridge-nf.
+    pub client_net: &'static str,
 }
 
 /// A mode's outcome.
@@ -206,7 +208,7 @@ impl Report {
         let _ = writeln!(
             s,
             "Measured {} on {} CPUs, kernel {}; {} s per run, {} interleaved repetitions; \
-             wrk -t{} -c{}, tcp-bulk (a thread a stream), UDP {} flows; {}. Cells: median (ratio to `direct`) [min–max].\n",
+             wrk -t{} -c{}, tcp-bulk (a thread a stream), UDP {} flows; {}; the client {}. Cells: median (ratio to `direct`) [min–max].\n",
             m.date,
             m.cpus,
             m.kernel,
@@ -222,6 +224,11 @@ impl Report {
                 )
             } else {
                 "the service has one backend".to_string()
+            },
+            match m.client_net {
+                "bridge" => "on a Linux bridge (br_netfilter off)",
+                "bridge-nf" => "on a Linux bridge with br_netfilter on",
+                _ => "on a routed veth",
             }
         );
         let cols: Vec<Workload> = Workload::ALL
@@ -517,6 +524,7 @@ mod tests {
                 command: "mcs-bench".into(),
                 agent: "a".into(),
                 web_backends: 1,
+                client_net: "routed",
             },
             modes: vec![
                 ModeReport {

@@ -179,6 +179,24 @@ impl Interception {
         Ok(this)
     }
 
+    /// Removes an interception a stopped agent left (`mcs-agent uninstall`; a killed agent
+    /// leaves its table and routing so that a restart keeps the ClusterSetIPs intercepted):
+    /// the table, an earlier version's bridge table, the `ip rule`s and the routing table.
+    /// Returns whether there was a table.
+    pub fn remove_leftover(cfg: &InterceptConfig) -> Result<bool, NftError> {
+        let had = Self::exists(&cfg.table);
+        let _ = nft(&format!("delete table bridge {}\n", cfg.table));
+        let this = Self {
+            cfg: cfg.clone(),
+            kept: Vec::new(),
+        };
+        this.remove_routing();
+        if had {
+            nft(&format!("delete table inet {}\n", cfg.table))?;
+        }
+        Ok(had)
+    }
+
     /// The frontends a previous run left in the table, still intercepted after installing.
     pub fn kept(&self) -> &[SetElement] {
         &self.kept

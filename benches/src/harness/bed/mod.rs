@@ -26,7 +26,10 @@ use std::{
 };
 
 use anyhow::Context;
-use mcs_sandbox::{cgroup::TestCgroup, topology::TwoClusters};
+use mcs_sandbox::{
+    cgroup::TestCgroup,
+    topology::{ClientNet, TwoClusters},
+};
 
 use super::agent::{AgentArgs, AgentHttp};
 use super::procs::{Proc, deathsig, run_ok, wait_for};
@@ -251,9 +254,10 @@ impl Bed {
         agent_b: Option<AgentB>,
         work: &Path,
         spread: bool,
+        client_net: ClientNet,
     ) -> anyhow::Result<Self> {
         sweep_stale_pins(agent);
-        let topo = TwoClusters::build().context("building the namespaces")?;
+        let topo = TwoClusters::build_with(client_net).context("building the namespaces")?;
         topo.node.enable_forwarding()?;
         for (ns, cidr) in [
             (&topo.node, "198.18.200.1/32"),
