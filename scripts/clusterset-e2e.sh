@@ -197,15 +197,15 @@ load "$name" 20 >"$out"
 ok=$(count '^c2 web-' "$out")
 say "   by name: $ok/20 served by c2"
 ((ok == 20)) || fail "by name: $((20 - ok)) of 20 failed"
-evip=""
-echo_ip() { evip=$(kc c1 -n "$NS" get serviceimport echo -o jsonpath='{.spec.ips[0]}' 2>/dev/null) && [[ -n $evip ]]; }
-until_ok 60 "a ServiceImport echo with a ClusterSetIP in c1" echo_ip && echo_ip
-udp_checks() { # udp_checks FROM WHAT
-  local ename="echo.$NS.svc.clusterset.local" ok
-  until_ok 30 "$2: a first UDP echo through $evip from $1" udp_ok "$1" "$evip" || return 0
-  { udp_load "$evip" 10 "$1"; udp_load "$ename" 10 "$1"; } >"$out"
+echo_ip() { [[ -n $(kc "$1" -n "$NS" get serviceimport echo -o jsonpath='{.spec.ips[0]}' 2>/dev/null) ]]; }
+for c in c1 c2; do until_ok 60 "a ServiceImport echo with a ClusterSetIP in $c" echo_ip "$c"; done
+udp_checks() { # udp_checks FROM WHAT (by FROM's own import of echo, and by name)
+  local ename="echo.$NS.svc.clusterset.local" ok ip
+  ip=$(kc "$1" -n "$NS" get serviceimport echo -o jsonpath='{.spec.ips[0]}')
+  until_ok 30 "$2: a first UDP echo through $ip from $1" udp_ok "$1" "$ip" || return 0
+  { udp_load "$ip" 10 "$1"; udp_load "$ename" 10 "$1"; } >"$out"
   ok=$(count '^c2 echo-' "$out")
-  say "   $2 UDP from a pod of $1: $ok/20 echoed (by $evip and $ename)"
+  say "   $2 UDP from a pod of $1: $ok/20 echoed (by $ip and $ename)"
   ((ok == 20)) || fail "$2 UDP from $1: $((20 - ok)) of 20 got no echo"
 }
 udp_checks c1 eBPF
