@@ -62,8 +62,8 @@ done
 
 # shellcheck source=deploy/rootfs.sh
 . deploy/rootfs.sh
-# trixie, not bookworm: its nft (1.1) has `meta broute`, which the userspace forwarder needs
-# for pods behind a Linux bridge with br_netfilter (proxy/src/userspace/nft.rs).
+# trixie (nft 1.1): the current stable; the userspace forwarder's rules need nft >= 0.9
+# (`socket transparent`), so bookworm's 1.0.6 would do too (proxy/src/userspace/nft.rs).
 log "Debian trixie rootfs from $(apt_mirror) (nftables, iproute2, ca-certificates)"
 t0=$(date +%s)
 debian_rootfs trixie nftables,iproute2,ca-certificates "$work/rootfs.tar"
