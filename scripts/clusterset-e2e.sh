@@ -14,7 +14,8 @@
 #   4. Userspace: the chart switched to --dataplane userspace (helm upgrade); the new agent
 #      removes the pinned socket LB, and the same requests go through its forwarder (its
 #      connection counter moves), from c1's pod and from a pod of c2, by IP and by name, and
-#      UDP to the echo by ClusterSetIP and by name from both. With
+#      UDP to the echo by ClusterSetIP and by name from both; and from c2's pod to `hello`,
+#      exported by c1 only (the other direction). With
 #      `clusterset.sh up --cni mixed` (as CI runs it) c1's pods are routed (ptp) and c2's sit on
 #      a Linux bridge with br_netfilter on, so both node networks are crossed. Then back to
 #      eBPF.
@@ -59,16 +60,16 @@ cleanup() {
 trap cleanup EXIT
 
 # A web Deployment whose every reply is "<cluster> <pod name>".
-web() { # web CLUSTER REPLICAS
+web() { # web CLUSTER REPLICAS [NAME] (NAME: web)
   cat <<EOF | kc "$1" apply -f - >/dev/null
 apiVersion: apps/v1
 kind: Deployment
-metadata: {name: web, namespace: $NS}
+metadata: {name: ${3:-web}, namespace: $NS}
 spec:
   replicas: $2
-  selector: {matchLabels: {app: web}}
+  selector: {matchLabels: {app: ${3:-web}}}
   template:
-    metadata: {labels: {app: web}}
+    metadata: {labels: {app: ${3:-web}}}
     spec:
       terminationGracePeriodSeconds: 15
       containers:
@@ -82,14 +83,14 @@ spec:
 ---
 apiVersion: v1
 kind: Service
-metadata: {name: web, namespace: $NS}
+metadata: {name: ${3:-web}, namespace: $NS}
 spec:
-  selector: {app: web}
+  selector: {app: ${3:-web}}
   ports: [{name: http, port: 80, targetPort: 8080}]
 ---
 apiVersion: multicluster.x-k8s.io/v1beta1
 kind: ServiceExport
-metadata: {name: web, namespace: $NS}
+metadata: {name: ${3:-web}, namespace: $NS}
 spec: {}
 EOF
 }
@@ -104,7 +105,7 @@ load() { # load TARGET N [FROM]
     i=0
     while [ $i -lt '"$2"' ]; do
       r=$(nc -w 2 '"$1"' 80 </dev/null 2>/dev/null | head -1)
-      case "$r" in c[0-9]\ web-*) echo "$r" ;; *) echo FAIL ;; esac
+      case "$r" in c[0-9]\ web-*|c[0-9]\ hello-*) echo "$r" ;; *) echo FAIL ;; esac
       i=$((i + 1)); sleep 0.05
     done'
 }
@@ -155,19 +156,22 @@ udp_load() { # udp_load TARGET N FROM
 # Whether a datagram from the client pod of cluster $1 to $2:9000 gets an echo.
 udp_ok() { [[ $(udp_load "$2" 1 "$1") == "c2 echo-"* ]]; }
 # Whether one request from the client pod of cluster $2 (c1 unless given) to $vip:80 (or
-# to $3) is served by cluster $1's pods.
-served_by() { local r; r=$(kc "${2:-c1}" -n "$NS" exec client -- sh -c "nc -w 2 ${3:-$vip} 80 </dev/null"); [[ $r == "$1 web-"* ]]; }
+# to $3) is served by cluster $1's pods (of Deployment $4, web unless given).
+served_by() { local r; r=$(kc "${2:-c1}" -n "$NS" exec client -- sh -c "nc -w 2 ${3:-$vip} 80 </dev/null"); [[ $r == "$1 ${4:-web}-"* ]]; }
 
 say "namespace $NS in c1 and c2; web (2 pods) exported by c2; a client pod in c1 and in c2"
 for c in c1 c2; do kc "$c" create namespace "$NS" >/dev/null; done
 web c2 2
 udp_echo c2
+# hello: exported by c1 only, for the c2 -> c1 direction.
+web c1 1 hello
 for c in c1 c2; do
   kc "$c" -n "$NS" run client --image=docker.io/nicolaka/netshoot:v0.15 --image-pull-policy=Never \
     --command -- sleep 3600 >/dev/null
 done
 until_ok 90 "web Ready in c2" kc c2 -n "$NS" rollout status deploy/web --timeout=2s
 until_ok 90 "echo Ready in c2" kc c2 -n "$NS" rollout status deploy/echo --timeout=2s
+until_ok 90 "hello Ready in c1" kc c1 -n "$NS" rollout status deploy/hello --timeout=2s
 for c in c1 c2; do
   until_ok 60 "client pod Ready in $c" kc "$c" -n "$NS" wait --for=condition=Ready pod/client --timeout=2s
 done
@@ -277,6 +281,14 @@ for i in 1 2; do
   ((after - before >= 40)) || fail "userspace from c$i: the forwarder counted $((after - before)) connections, not 40"
   udp_checks "c$i" userspace
 done
+# The other direction: from c2's bridged pod to hello, exported by c1 only.
+hip=$(kc c2 -n "$NS" get serviceimport hello -o jsonpath='{.spec.ips[0]}')
+if until_ok 30 "a first reply from c1's hello through c2's forwarder" served_by c1 c2 "$hip" hello; then
+  { load "$hip" 20 c2; load "hello.$NS.svc.clusterset.local" 10 c2; } >"$out"
+  ok=$(count '^c1 hello-' "$out")
+  say "   userspace, c2 -> c1: $ok/30 served by c1's hello (by $hip and name)"
+  ((ok == 30)) || fail "userspace c2 -> c1: $((30 - ok)) of 30 failed"
+fi
 say "   back to eBPF"
 bash scripts/clusterset.sh install --dataplane ebpf >/dev/null
 until_ok 30 "a reply through eBPF again" served_by c2

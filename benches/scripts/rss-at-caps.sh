@@ -67,4 +67,4 @@ mkdir -p "$cg"
 measure ebpf -- --cgroup-root "$cg" --bpf-pin-dir "$pins"
 "$agent" uninstall --bpf-pin-dir "$pins" >/dev/null
 ip netns add "$ns"; ip -n "$ns" link set lo up
-measure userspace ip netns exec "$ns" -- --proxy-port 15991
+measure userspace ip netns exec "$ns" --
