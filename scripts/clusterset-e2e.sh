@@ -4,8 +4,9 @@
 #
 #   1. eBPF: a Deployment exported by c2 is reached from a pod of c1 by its ClusterSetIP and by
 #      <svc>.<ns>.svc.clusterset.local (CoreDNS forwarding to the agents), served by both of
-#      c2's pods; a UDP echo exported by c2 answers from its ClusterSetIP; the socket LB is
-#      attached to the kubelet's cgroup root of each cluster, not the host's.
+#      c2's pods; a UDP echo exported by c2 answers c1's pod from its ClusterSetIP, and one
+#      exported by c1 answers c2's pod; the socket LB is attached to the kubelet's cgroup root
+#      of each cluster, not the host's.
 #   2. Failover: c1 exports the service too, and its local pod is preferred; scaled to 0 under
 #      load, c2 takes over with no failed request (the pod drains for 5 s in preStop, as
 #      users' graceful pods do).
@@ -14,8 +15,8 @@
 #   4. Userspace: the chart switched to --dataplane userspace (helm upgrade); the new agent
 #      removes the pinned socket LB, and the same requests go through its forwarder (its
 #      connection counter moves), from c1's pod and from a pod of c2, by IP and by name, and
-#      UDP to the echo by ClusterSetIP and by name from both; and from c2's pod to `hello`,
-#      exported by c1 only (the other direction). With
+#      UDP to the echo by ClusterSetIP and by name from both; and from c2's pod to `hello` and
+#      the UDP `echo1`, exported by c1 only (the other direction). With
 #      `clusterset.sh up --cni mixed` (as CI runs it) c1's pods are routed (ptp) and c2's sit on
 #      a Linux bridge with br_netfilter on, so both node networks are crossed. Then back to
 #      eBPF.
@@ -111,16 +112,16 @@ load() { # load TARGET N [FROM]
 }
 count() { grep -c -- "$1" "$2" || true; }
 # A UDP echo Deployment exported by CLUSTER (port 9000; every reply is "<cluster> <pod name>").
-udp_echo() { # udp_echo CLUSTER
+udp_echo() { # udp_echo CLUSTER [NAME] (NAME: echo)
   cat <<EOF | kc "$1" apply -f - >/dev/null
 apiVersion: apps/v1
 kind: Deployment
-metadata: {name: echo, namespace: $NS}
+metadata: {name: ${2:-echo}, namespace: $NS}
 spec:
   replicas: 1
-  selector: {matchLabels: {app: echo}}
+  selector: {matchLabels: {app: ${2:-echo}}}
   template:
-    metadata: {labels: {app: echo}}
+    metadata: {labels: {app: ${2:-echo}}}
     spec:
       containers:
       - name: echo
@@ -131,14 +132,14 @@ spec:
 ---
 apiVersion: v1
 kind: Service
-metadata: {name: echo, namespace: $NS}
+metadata: {name: ${2:-echo}, namespace: $NS}
 spec:
-  selector: {app: echo}
+  selector: {app: ${2:-echo}}
   ports: [{name: echo, port: 9000, protocol: UDP}]
 ---
 apiVersion: multicluster.x-k8s.io/v1beta1
 kind: ServiceExport
-metadata: {name: echo, namespace: $NS}
+metadata: {name: ${2:-echo}, namespace: $NS}
 spec: {}
 EOF
 }
@@ -149,12 +150,13 @@ udp_load() { # udp_load TARGET N FROM
     i=0
     while [ $i -lt '"$2"' ]; do
       r=$(echo q | nc -u -w 2 '"$1"' 9000 2>/dev/null | head -1)
-      case "$r" in c[0-9]\ echo-*) echo "$r" ;; *) echo FAIL ;; esac
+      case "$r" in c[0-9]\ echo-*|c[0-9]\ echo1-*) echo "$r" ;; *) echo FAIL ;; esac
       i=$((i + 1))
     done'
 }
-# Whether a datagram from the client pod of cluster $1 to $2:9000 gets an echo.
-udp_ok() { [[ $(udp_load "$2" 1 "$1") == "c2 echo-"* ]]; }
+# Whether a datagram from the client pod of cluster $1 to $2:9000 gets an echo from cluster
+# $3's pods of Deployment $4.
+udp_ok() { [[ $(udp_load "$2" 1 "$1") == "$3 $4-"* ]]; }
 # Whether one request from the client pod of cluster $2 (c1 unless given) to $vip:80 (or
 # to $3) is served by cluster $1's pods (of Deployment $4, web unless given).
 served_by() { local r; r=$(kc "${2:-c1}" -n "$NS" exec client -- sh -c "nc -w 2 ${3:-$vip} 80 </dev/null"); [[ $r == "$1 ${4:-web}-"* ]]; }
@@ -163,6 +165,8 @@ say "namespace $NS in c1 and c2; web (2 pods) exported by c2; a client pod in c1
 for c in c1 c2; do kc "$c" create namespace "$NS" >/dev/null; done
 web c2 2
 udp_echo c2
+# echo1: a UDP echo exported by c1 only, for the c2 -> c1 direction.
+udp_echo c1 echo1
 # hello: exported by c1 only, for the c2 -> c1 direction.
 web c1 1 hello
 for c in c1 c2; do
@@ -171,6 +175,7 @@ for c in c1 c2; do
 done
 until_ok 90 "web Ready in c2" kc c2 -n "$NS" rollout status deploy/web --timeout=2s
 until_ok 90 "echo Ready in c2" kc c2 -n "$NS" rollout status deploy/echo --timeout=2s
+until_ok 90 "echo1 Ready in c1" kc c1 -n "$NS" rollout status deploy/echo1 --timeout=2s
 until_ok 90 "hello Ready in c1" kc c1 -n "$NS" rollout status deploy/hello --timeout=2s
 for c in c1 c2; do
   until_ok 60 "client pod Ready in $c" kc "$c" -n "$NS" wait --for=condition=Ready pod/client --timeout=2s
@@ -201,18 +206,22 @@ load "$name" 20 >"$out"
 ok=$(count '^c2 web-' "$out")
 say "   by name: $ok/20 served by c2"
 ((ok == 20)) || fail "by name: $((20 - ok)) of 20 failed"
-echo_ip() { [[ -n $(kc "$1" -n "$NS" get serviceimport echo -o jsonpath='{.spec.ips[0]}' 2>/dev/null) ]]; }
-for c in c1 c2; do until_ok 60 "a ServiceImport echo with a ClusterSetIP in $c" echo_ip "$c"; done
-udp_checks() { # udp_checks FROM WHAT (by FROM's own import of echo, and by name)
-  local ename="echo.$NS.svc.clusterset.local" ok ip
-  ip=$(kc "$1" -n "$NS" get serviceimport echo -o jsonpath='{.spec.ips[0]}')
-  until_ok 30 "$2: a first UDP echo through $ip from $1" udp_ok "$1" "$ip" || return 0
+echo_ip() { [[ -n $(kc "$1" -n "$NS" get serviceimport "$2" -o jsonpath='{.spec.ips[0]}' 2>/dev/null) ]]; }
+for c in c1 c2; do
+  for e in echo echo1; do until_ok 60 "a ServiceImport $e with a ClusterSetIP in $c" echo_ip "$c" "$e"; done
+done
+udp_checks() { # udp_checks FROM WHAT [SERVICE SERVER] (echo of c2; by FROM's own import, and by name)
+  local svc=${3:-echo} server=${4:-c2} ok ip
+  local ename="$svc.$NS.svc.clusterset.local"
+  ip=$(kc "$1" -n "$NS" get serviceimport "$svc" -o jsonpath='{.spec.ips[0]}')
+  until_ok 30 "$2: a first UDP echo through $ip from $1" udp_ok "$1" "$ip" "$server" "$svc" || return 0
   { udp_load "$ip" 10 "$1"; udp_load "$ename" 10 "$1"; } >"$out"
-  ok=$(count '^c2 echo-' "$out")
-  say "   $2 UDP from a pod of $1: $ok/20 echoed (by $ip and $ename)"
-  ((ok == 20)) || fail "$2 UDP from $1: $((20 - ok)) of 20 got no echo"
+  ok=$(count "^$server $svc-" "$out")
+  say "   $2 UDP from a pod of $1: $ok/20 echoed by $server's $svc (by $ip and $ename)"
+  ((ok == 20)) || fail "$2 UDP from $1 to $svc: $((20 - ok)) of 20 got no echo from $server"
 }
 udp_checks c1 eBPF
+udp_checks c2 eBPF echo1 c1
 for i in 1 2; do
   progs=$(bpftool cgroup show "/sys/fs/cgroup/unified/mcs-c$i" 2>/dev/null | grep -c connect4 || true)
   hostprogs=$(bpftool cgroup show /sys/fs/cgroup/unified 2>/dev/null | grep -c connect4 || true)
@@ -289,6 +298,7 @@ if until_ok 30 "a first reply from c1's hello through c2's forwarder" served_by 
   say "   userspace, c2 -> c1: $ok/30 served by c1's hello (by $hip and name)"
   ((ok == 30)) || fail "userspace c2 -> c1: $((30 - ok)) of 30 failed"
 fi
+udp_checks c2 userspace echo1 c1
 say "   back to eBPF"
 bash scripts/clusterset.sh install --dataplane ebpf >/dev/null
 until_ok 30 "a reply through eBPF again" served_by c2
