@@ -177,19 +177,32 @@ fn start_ebpf(args: &RunArgs) -> anyhow::Result<SocketLb> {
 }
 
 /// The forwarder holds two descriptors per connection and listening sockets per frontend: its
-/// soft open-files limit goes up to the hard one (as Go programs do by themselves).
+/// open-files limit goes up to the system's `fs.nr_open` where it may (CAP_SYS_RESOURCE, or a
+/// hard limit that high, as containerd gives containers), else its soft limit up to its hard
+/// one (as Go programs do by themselves).
 fn raise_open_files_limit() {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    match getrlimit(Resource::RLIMIT_NOFILE) {
-        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
-            Ok(()) => tracing::info!(from = soft, to = hard, "raised the open-files limit"),
-            Err(e) => {
-                tracing::warn!(soft, hard, error = %e, "could not raise the open-files limit")
-            }
-        },
-        Ok((soft, _)) => tracing::debug!(soft, "open-files limit already at its hard limit"),
-        Err(e) => tracing::warn!(error = %e, "could not read the open-files limit"),
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        tracing::warn!("could not read the open-files limit");
+        return;
+    };
+    let nr_open: u64 = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(hard);
+    let want = nr_open.max(hard);
+    if soft >= want {
+        tracing::debug!(soft, "open-files limit already at its most");
+        return;
     }
+    let to = if setrlimit(Resource::RLIMIT_NOFILE, want, want).is_ok() {
+        want
+    } else if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
+        hard
+    } else {
+        soft
+    };
+    tracing::info!(from = soft, to, "open-files limit");
 }
 
 fn userspace_config(p: &ProxyArgs) -> UserspaceConfig {

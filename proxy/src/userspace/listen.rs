@@ -34,6 +34,25 @@ use super::{Shared, nft::SetElement, udp};
 /// Most listeners (so workers) of one TCP frontend.
 pub const LISTENERS_PER_FRONTEND: usize = 4;
 
+/// Descriptors the frontends' sockets leave to connections and the rest of the agent.
+const RESERVED_FDS: u64 = 4096;
+
+/// The frontends' sockets may take the open-files limit less [`RESERVED_FDS`] (at least half
+/// of it); past half of that, a TCP frontend gets one listener instead of one per worker.
+/// Frontends beyond it are not intercepted (with a warning), so a low limit costs the
+/// interception of the last frontends, never the agent's own metrics and DNS sockets. At
+/// 20,000 (this machine) that is 11,928 frontends on 2 workers; containers usually get
+/// 1,048,576.
+fn socket_budget() -> usize {
+    nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE).map_or(
+        1024,
+        |(soft, _)| {
+            let n = soft.saturating_sub(RESERVED_FDS).max(soft / 2);
+            usize::try_from(n).unwrap_or(usize::MAX)
+        },
+    )
+}
+
 /// What a TCP worker is told.
 #[derive(Debug)]
 pub enum Feed {
@@ -110,9 +129,13 @@ pub fn feed() -> io::Result<(FeedTx, FeedRx)> {
 #[derive(Debug)]
 pub struct FrontendSockets {
     workers: Vec<FeedTx>,
-    tcp: HashMap<SocketAddr, u64>,
+    /// TCP frontends: id and how many listeners (workers) it has.
+    tcp: HashMap<SocketAddr, (u64, usize)>,
     udp: HashMap<SocketAddr, tokio::task::JoinHandle<()>>,
     next_id: u64,
+    /// Sockets open, and the most that may be ([`socket_budget`]).
+    sockets: usize,
+    budget: usize,
     shared: Arc<Shared>,
     sessions: Arc<udp::Sessions>,
     runtime: tokio::runtime::Handle,
@@ -131,6 +154,8 @@ impl FrontendSockets {
             tcp: HashMap::new(),
             udp: HashMap::new(),
             next_id: 1,
+            sockets: 0,
+            budget: socket_budget(),
             shared,
             sessions,
             runtime,
@@ -143,19 +168,27 @@ impl FrontendSockets {
         match e.protocol {
             Protocol::Tcp if !self.tcp.contains_key(&addr) => {
                 let id = self.next_id;
-                let workers = self.workers_of(id);
+                let mut n = workers_for(id, self.workers.len()).count();
+                if self.sockets + n > self.budget / 2 {
+                    n = 1;
+                }
+                self.spend(n)?;
+                let workers = workers_for(id, self.workers.len()).take(n);
                 let listeners = workers
                     .clone()
                     .map(|_| tcp_listener(addr))
                     .collect::<io::Result<Vec<_>>>()?;
                 self.next_id += 1;
+                self.sockets += n;
                 for (w, l) in workers.zip(listeners) {
                     self.workers[w].send(Feed::Add(id, l));
                 }
-                self.tcp.insert(addr, id);
+                self.tcp.insert(addr, (id, n));
             }
             Protocol::Udp if !self.udp.contains_key(&addr) => {
+                self.spend(1)?;
                 let sock = udp_socket(addr)?;
+                self.sockets += 1;
                 let (shared, sessions) = (self.shared.clone(), self.sessions.clone());
                 let task = self.runtime.spawn(async move {
                     match tokio::net::UdpSocket::from_std(sock.into()) {
@@ -175,12 +208,16 @@ impl FrontendSockets {
     pub fn close(&mut self, e: &SetElement) {
         let addr = SocketAddr::new(e.vip, e.port);
         let closed = match e.protocol {
-            Protocol::Tcp => self.tcp.remove(&addr).map(|id| {
-                for w in self.workers_of(id) {
+            Protocol::Tcp => self.tcp.remove(&addr).map(|(id, n)| {
+                for w in workers_for(id, self.workers.len()).take(n) {
                     self.workers[w].send(Feed::Remove(id));
                 }
+                self.sockets -= n;
             }),
-            Protocol::Udp => self.udp.remove(&addr).map(|task| task.abort()),
+            Protocol::Udp => self.udp.remove(&addr).map(|task| {
+                task.abort();
+                self.sockets -= 1;
+            }),
             Protocol::Sctp => None,
         };
         if closed.is_some() {
@@ -188,10 +225,15 @@ impl FrontendSockets {
         }
     }
 
-    /// The workers (indices) that accept for TCP frontend `id`: all of them, or
-    /// [`LISTENERS_PER_FRONTEND`] taken in turn from where the previous frontend's began.
-    fn workers_of(&self, id: u64) -> impl Iterator<Item = usize> + Clone + use<> {
-        workers_for(id, self.workers.len())
+    /// Whether `n` more sockets fit the budget.
+    fn spend(&self, n: usize) -> io::Result<()> {
+        if self.sockets + n > self.budget {
+            return Err(io::Error::other(format!(
+                "the frontends' sockets are at their budget ({} open; the open-files limit less {RESERVED_FDS}): raise the agent's LimitNOFILE",
+                self.sockets
+            )));
+        }
+        Ok(())
     }
 
     /// Frontends with sockets open.
@@ -205,7 +247,8 @@ impl FrontendSockets {
     }
 }
 
-/// [`FrontendSockets::workers_of`] with `all` workers.
+/// The workers (indices) that accept for TCP frontend `id` out of `all`: every one, or
+/// [`LISTENERS_PER_FRONTEND`] taken in turn from where the previous frontend's began.
 fn workers_for(id: u64, all: usize) -> impl Iterator<Item = usize> + Clone {
     let n = all.min(LISTENERS_PER_FRONTEND);
     let start = if all == 0 {

@@ -399,19 +399,30 @@ impl Dataplane for Userspace {
             self.shared.config.maglev_table_size,
             &self.shared.metrics,
         );
+        let mut failed = 0usize;
         let add: Vec<SetElement> = add
             .into_iter()
             .filter(|e| match self.sockets.open(e) {
                 Ok(()) => true,
                 Err(error) => {
-                    // Not intercepted: its packets go where they would without us.
+                    // Not intercepted: its packets go where they would without us. The first
+                    // few are named; the rest counted in one line.
                     self.shared.metrics.listen_failures.inc();
-                    let hint = listen::listen_hint(e, &error);
-                    tracing::warn!(frontend = ?e, %error, hint, "cannot listen on the frontend's address; not intercepted");
+                    failed += 1;
+                    if failed <= 5 {
+                        let hint = listen::listen_hint(e, &error);
+                        tracing::warn!(frontend = ?e, %error, hint, "cannot listen on the frontend's address; not intercepted");
+                    }
                     false
                 }
             })
             .collect();
+        if failed > 5 {
+            tracing::warn!(
+                frontends = failed,
+                "frontends not intercepted: no listening socket (the first five are named above)"
+            );
+        }
         if !add.is_empty() {
             if let Err(e) = self.intercept.update(&add, &[]) {
                 for e in &add {
