@@ -260,6 +260,61 @@ fn a_table_left_by_a_crash_is_replaced_at_start() {
     let _ = (&sb.c1, &sb.c2, Path::new("/"));
 }
 
+/// Under a low open-files limit the frontends' sockets keep to their budget: the frontends
+/// beyond it are not intercepted (counted, and said in one line), while the agent keeps
+/// answering its metrics and the frontends within it are served.
+#[test]
+fn frontends_beyond_the_descriptor_budget_are_not_intercepted_and_the_agent_stays_up() {
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&ALL);
+    // 200 more TCP frontends: 20 imports of 10 ports on 198.18.0.0/24, one ready endpoint each.
+    let mut yaml = String::new();
+    for i in 1..=20 {
+        let ports: Vec<String> = (0..10)
+            .map(|p| format!("{{ name: p{p}, protocol: TCP, port: {} }}", 8000 + p))
+            .collect();
+        let ports = ports.join(", ");
+        yaml.push_str(&format!(
+            "---\napiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceImport\nmetadata: {{ name: many{i}, namespace: shop }}\nspec: {{ type: ClusterSetIP, ips: [\"198.18.0.{i}\"], ports: [{ports}] }}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{ name: many{i}-c1, namespace: shop, labels: {{ multicluster.kubernetes.io/service-name: many{i}, multicluster.kubernetes.io/source-cluster: c1 }} }}\naddressType: IPv4\nports: [{ports}]\nendpoints: [{{ addresses: [\"198.18.1.2\"], conditions: {{ ready: true }} }}]\n"
+        ));
+    }
+    sb.write("many.yaml", &yaml);
+    // 256 descriptors: a budget of 128 sockets, so not all of the 200 frontends fit.
+    sb.start_agent_wrapped(&["prlimit", "--nofile=256:256"], &[]);
+    let metric = |name: &str| -> u64 {
+        let (_, m) = sb.http("/metrics").expect("the agent answers /metrics");
+        m.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing"))
+    };
+    wait_until("the 200 frontends tried", || {
+        metric("mcs_proxy_listening_frontends") + metric("mcs_proxy_listen_failures_total") >= 200
+    });
+    let (listening, failed) = (
+        metric("mcs_proxy_listening_frontends"),
+        metric("mcs_proxy_listen_failures_total"),
+    );
+    assert!(
+        listening > 0 && failed > 0,
+        "listening {listening}, failed {failed}"
+    );
+    assert!(
+        listening <= 128,
+        "more frontends listening ({listening}) than sockets in the budget"
+    );
+    // The interception set holds exactly the frontends that listen.
+    wait_until("the nft set holds the listening frontends", || {
+        let table = sb.nft_table().unwrap_or_default();
+        let elements = table.matches(" . tcp . ").count() + table.matches(" . udp . ").count();
+        elements as u64 == metric("mcs_proxy_listening_frontends")
+    });
+    let log = sb.stop_agent();
+    assert!(log.contains("frontends not intercepted"), "{log}");
+}
+
 /// A killed agent leaves its interception (so that a restart keeps the ClusterSetIPs
 /// intercepted); meanwhile the frontends refuse at once (TCP reset, UDP port unreachable)
 /// instead of black-holing, and `mcs-agent uninstall` removes the table, rules and routes.

@@ -120,7 +120,20 @@ impl Sandbox {
 
     /// Starts the agent in the node namespace and waits until it is ready.
     pub fn start_agent(&mut self, extra: &[&str]) {
-        let mut cmd = self.node.command(env!("CARGO_BIN_EXE_mcs-agent"));
+        self.start_agent_wrapped(&[], extra);
+    }
+
+    /// As [`Sandbox::start_agent`], the agent run by `wrapper` (e.g. `prlimit --nofile=N:N`).
+    pub fn start_agent_wrapped(&mut self, wrapper: &[&str], extra: &[&str]) {
+        let bin = env!("CARGO_BIN_EXE_mcs-agent");
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = self.node.command(program);
+                c.args(args).arg(bin);
+                c
+            }
+            None => self.node.command(bin),
+        };
         cmd.env("MCS_CLUSTERSET_IP_CIDR", mcs_test_support::CLUSTERSET_CIDRS);
         cmd.args([
             "run",
