@@ -236,14 +236,33 @@ impl FrontendSockets {
         Ok(())
     }
 
-    /// Frontends with sockets open.
-    pub fn len(&self) -> usize {
-        self.tcp.len() + self.udp.len()
-    }
-
-    /// Whether no frontend has sockets open.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+    /// Opens the sockets of each of `elements`; returns those that have them. Each that
+    /// cannot is counted (`listen_failures`), the first five named in a warning with the
+    /// reason, the rest in one line: its packets are not intercepted.
+    pub fn open_all(&mut self, elements: impl IntoIterator<Item = SetElement>) -> Vec<SetElement> {
+        let mut failed = 0usize;
+        let opened = elements
+            .into_iter()
+            .filter(|e| match self.open(e) {
+                Ok(()) => true,
+                Err(error) => {
+                    self.shared.metrics.listen_failures.inc();
+                    failed += 1;
+                    if failed <= 5 {
+                        let hint = listen_hint(e, &error);
+                        tracing::warn!(frontend = ?e, %error, hint, "cannot listen on the frontend's address; not intercepted");
+                    }
+                    false
+                }
+            })
+            .collect();
+        if failed > 5 {
+            tracing::warn!(
+                frontends = failed,
+                "frontends not intercepted: no listening socket (the first five are named above)"
+            );
+        }
+        opened
     }
 }
 
@@ -314,7 +333,7 @@ pub fn privileged_ports_below() -> Option<u16> {
 }
 
 /// Why a frontend's socket could not be opened, with what to do about it.
-pub fn listen_hint(e: &SetElement, error: &io::Error) -> &'static str {
+fn listen_hint(e: &SetElement, error: &io::Error) -> &'static str {
     match error.kind() {
         io::ErrorKind::PermissionDenied if e.port < 1024 => {
             "ports below net.ipv4.ip_unprivileged_port_start need CAP_NET_BIND_SERVICE (the DaemonSet grants it)"

@@ -219,21 +219,16 @@ impl Userspace {
             tracing::warn!(table = %config.intercept.table, "found an interception table left by a previous run; replacing it");
         }
         let intercept = Interception::install(config.intercept.clone())?;
-        let mut leftover: BTreeSet<SetElement> = BTreeSet::new();
-        let mut unopened = Vec::new();
-        for e in intercept.kept() {
-            match sockets.open(e) {
-                Ok(()) => {
-                    leftover.insert(*e);
-                }
-                Err(error) => {
-                    shared.metrics.listen_failures.inc();
-                    let hint = listen::listen_hint(e, &error);
-                    tracing::warn!(frontend = ?e, %error, hint, "cannot listen on a kept frontend; no longer intercepted");
-                    unopened.push(*e);
-                }
-            }
-        }
+        let leftover: BTreeSet<SetElement> = sockets
+            .open_all(intercept.kept().iter().copied())
+            .into_iter()
+            .collect();
+        let unopened: Vec<SetElement> = intercept
+            .kept()
+            .iter()
+            .filter(|e| !leftover.contains(e))
+            .copied()
+            .collect();
         if !unopened.is_empty() {
             intercept.update(&[], &unopened)?;
         }
@@ -399,30 +394,9 @@ impl Dataplane for Userspace {
             self.shared.config.maglev_table_size,
             &self.shared.metrics,
         );
-        let mut failed = 0usize;
-        let add: Vec<SetElement> = add
-            .into_iter()
-            .filter(|e| match self.sockets.open(e) {
-                Ok(()) => true,
-                Err(error) => {
-                    // Not intercepted: its packets go where they would without us. The first
-                    // few are named; the rest counted in one line.
-                    self.shared.metrics.listen_failures.inc();
-                    failed += 1;
-                    if failed <= 5 {
-                        let hint = listen::listen_hint(e, &error);
-                        tracing::warn!(frontend = ?e, %error, hint, "cannot listen on the frontend's address; not intercepted");
-                    }
-                    false
-                }
-            })
-            .collect();
-        if failed > 5 {
-            tracing::warn!(
-                frontends = failed,
-                "frontends not intercepted: no listening socket (the first five are named above)"
-            );
-        }
+        // A frontend without sockets is not intercepted: its packets go where they would
+        // without us.
+        let add = self.sockets.open_all(add);
         if !add.is_empty() {
             if let Err(e) = self.intercept.update(&add, &[]) {
                 for e in &add {

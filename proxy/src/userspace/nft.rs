@@ -186,11 +186,7 @@ impl Interception {
     pub fn remove_leftover(cfg: &InterceptConfig) -> Result<bool, NftError> {
         let had = Self::exists(&cfg.table);
         let _ = nft(&format!("delete table bridge {}\n", cfg.table));
-        let this = Self {
-            cfg: cfg.clone(),
-            kept: Vec::new(),
-        };
-        this.remove_routing();
+        remove_routing(cfg);
         if had {
             nft(&format!("delete table inet {}\n", cfg.table))?;
         }
@@ -226,28 +222,30 @@ impl Interception {
 
     /// Removes the table and the policy routing.
     pub fn uninstall(&self) -> Result<(), NftError> {
-        self.remove_routing();
+        remove_routing(&self.cfg);
         let r = nft(&format!("delete table inet {}\n", self.cfg.table));
         tracing::info!(table = %self.cfg.table, "interception removed");
         r
     }
 
-    fn remove_routing(&self) {
-        let (m, rt) = (self.cfg.mark.to_string(), self.cfg.route_table.to_string());
-        for fam in ["-4", "-6"] {
-            // Every copy a crash may have left.
-            for _ in 0..16 {
-                if ip(&[fam, "rule", "del", "fwmark", &m, "lookup", &rt]).is_err() {
-                    break;
-                }
-            }
-            let _ = ip(&[fam, "route", "flush", "table", &rt]);
-        }
-    }
-
     /// The settings.
     pub fn config(&self) -> &InterceptConfig {
         &self.cfg
+    }
+}
+
+/// Removes the policy routing of `cfg`: every copy of its `ip rule` a crash may have left, and
+/// its routing table.
+fn remove_routing(cfg: &InterceptConfig) {
+    let (m, rt) = (cfg.mark.to_string(), cfg.route_table.to_string());
+    for fam in ["-4", "-6"] {
+        // Every copy a crash may have left.
+        for _ in 0..16 {
+            if ip(&[fam, "rule", "del", "fwmark", &m, "lookup", &rt]).is_err() {
+                break;
+            }
+        }
+        let _ = ip(&[fam, "route", "flush", "table", &rt]);
     }
 }
 

@@ -141,13 +141,17 @@ pub async fn accept_feed(
     }
 }
 
-/// Accepts on one listener until shutdown.
+/// Accepts on one listener until shutdown. The listener is bound to its frontend's address,
+/// which is each accepted connection's local address: read once here, not per connection.
 async fn accept_loop(
     listener: TcpListener,
     shared: Arc<Shared>,
     cap: Arc<Semaphore>,
     signals: WorkerSignals,
 ) {
+    let Ok(dst) = listener.local_addr().map(normalize) else {
+        return;
+    };
     let mut stop = signals.0.clone();
     let mut backoff = ACCEPT_BACKOFF_START_MS;
     loop {
@@ -168,10 +172,7 @@ async fn accept_loop(
                 continue;
             }
         };
-        let Ok(dst) = stream.local_addr() else {
-            continue;
-        };
-        let (client, dst) = (normalize(client), normalize(dst));
+        let client = normalize(client);
         let Ok(permit) = cap.clone().try_acquire_owned() else {
             // Over the cap: refuse cleanly with a reset; existing connections are untouched.
             if let Some(route) = shared.routes.load().get(dst, Protocol::Tcp) {

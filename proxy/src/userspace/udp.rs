@@ -50,17 +50,22 @@ thread_local! {
     static RELAY_BUF: RefCell<Box<[u8]>> = RefCell::new(vec![0u8; MAX_DATAGRAM_BYTES].into_boxed_slice());
 }
 
-/// Receives first datagrams until shutdown.
+/// Receives first datagrams of a frontend's flows until shutdown. Each frontend has its own
+/// socket and loop, so the datagram is read into the thread's relay buffer and only its bytes
+/// are kept (a loop holds no 64 KiB buffer of its own while it waits).
 pub async fn listen_loop(sock: UdpSocket, shared: Arc<Shared>, sessions: Arc<Sessions>) {
     let mut shutdown = shared.shutdown.clone();
-    let mut buf = vec![0u8; MAX_DATAGRAM_BYTES];
     loop {
         tokio::select! {
             r = sock.readable() => if r.is_err() { return },
             () = super::stopped(&mut shutdown) => return,
         }
-        let got = sock.try_io(Interest::READABLE, || recv_with_orig_dst(&sock, &mut buf));
-        let (n, client, vip) = match got {
+        let got = sock.try_io(Interest::READABLE, || {
+            RELAY_BUF.with_borrow_mut(|buf| {
+                Ok(recv_with_orig_dst(&sock, buf)?.map(|(n, c, v)| (buf[..n].to_vec(), c, v)))
+            })
+        });
+        let (buf, client, vip) = match got {
             Ok(Some(x)) => x,
             Ok(None) => {
                 tracing::debug!("udp datagram without source or original destination; dropped");
@@ -72,7 +77,7 @@ pub async fn listen_loop(sock: UdpSocket, shared: Arc<Shared>, sessions: Arc<Ses
                 continue;
             }
         };
-        tracing::trace!(%client, %vip, bytes = n, "udp datagram on the listener");
+        tracing::trace!(%client, %vip, bytes = buf.len(), "udp datagram on the listener");
         let existing = sessions
             .map
             .lock()
@@ -81,10 +86,10 @@ pub async fn listen_loop(sock: UdpSocket, shared: Arc<Shared>, sessions: Arc<Ses
             .get(&(client, vip))
             .cloned();
         if let Some(up) = existing {
-            let _ = up.send(&buf[..n]).await;
+            let _ = up.send(&buf).await;
             continue;
         }
-        open_session(&shared, &sessions, client, vip, &buf[..n]).await;
+        open_session(&shared, &sessions, client, vip, &buf).await;
     }
 }
 

@@ -7,7 +7,8 @@
 //! thread, `SINGLE_ISSUER | DEFER_TASKRUN` (no SQPOLL: the cores are shared with the
 //! workload).
 //!
-//! What stays a plain system call: `getsockname`/`getpeername` of an accepted connection,
+//! What stays a plain system call: `getpeername` of an accepted connection (its local address
+//! is its listener's, the frontend's, known from the accept's listener id),
 //! the backend socket, and the bulk path: a direction that fills its buffer switches to
 //! `splice(2)` through a pipe (as the epoll worker does), woken by io_uring polls; io_uring's
 //! own splice would run in kernel worker threads.
@@ -191,8 +192,9 @@ struct Worker<'s> {
     cap: Arc<Semaphore>,
     conns: Vec<Option<Box<Conn<'s>>>>,
     free: Vec<usize>,
-    /// Accepted before the first table: retried when it comes, or refused at the deadline.
-    waiting: Vec<(OwnedFd, Instant)>,
+    /// Accepted before the first table (with its frontend): retried when it comes, or refused
+    /// at the deadline.
+    waiting: Vec<(OwnedFd, SocketAddr, Instant)>,
     generation: watch::Receiver<u64>,
     start: Instant,
     /// Seconds since `start`, updated every tick.
@@ -206,8 +208,9 @@ struct Worker<'s> {
     draining: bool,
     /// Where listeners come from.
     feed: FeedRx,
-    /// The listeners accepted on, by id (the `user_data` slot of their accepts).
-    listeners: HashMap<u64, std::net::TcpListener>,
+    /// The listeners accepted on, with their frontend's address, by id (the `user_data` slot
+    /// of their accepts).
+    listeners: HashMap<u64, (std::net::TcpListener, SocketAddr)>,
     /// Not yet shut down: listeners are accepted on.
     accepting: bool,
 }
@@ -315,13 +318,14 @@ impl<'s> Worker<'s> {
                             // SAFETY: a successful accept completion carries a new descriptor
                             // that nothing else owns.
                             let fd = unsafe { OwnedFd::from_raw_fd(res) };
-                            self.accepted(fd, true);
+                            let dst = self.listeners.get(&(data >> 8)).map(|l| l.1);
+                            self.accepted(fd, dst, true);
                         } else if res != -libc::ECANCELED {
                             tracing::warn!(error = %os_error(res), "accept failed");
                         }
                         let id = data >> 8;
                         if !cqueue::more(flags)
-                            && let Some(lfd) = self.listeners.get(&id).map(AsRawFd::as_raw_fd)
+                            && let Some(lfd) = self.listeners.get(&id).map(|l| l.0.as_raw_fd())
                         {
                             self.push_accept(id, lfd);
                         }
@@ -345,7 +349,7 @@ impl<'s> Worker<'s> {
                         }
                         self.on_tick(drain_until);
                         if !self.accepting && self.conns.iter().all(Option::is_none) {
-                            for (fd, _) in self.waiting.drain(..) {
+                            for (fd, _, _) in self.waiting.drain(..) {
                                 self.shared.metrics.active_connections.dec();
                                 reset(&fd);
                             }
@@ -404,8 +408,11 @@ impl<'s> Worker<'s> {
             match f {
                 // After shutdown a new listener is closed at once.
                 Feed::Add(id, l) if self.accepting => {
+                    let Some(dst) = l.local_addr().ok().map(normalize) else {
+                        continue;
+                    };
                     let lfd = l.as_raw_fd();
-                    self.listeners.insert(id, l);
+                    self.listeners.insert(id, (l, dst));
                     self.push_accept(id, lfd);
                 }
                 Feed::Add(..) => {}
@@ -417,7 +424,7 @@ impl<'s> Worker<'s> {
     /// Cancels the accepts on listener `id` and closes it; connections waiting in its queue
     /// are reset by the kernel, accepted ones go on.
     fn close_listener(&mut self, id: u64) {
-        let Some(l) = self.listeners.remove(&id) else {
+        let Some((l, _)) = self.listeners.remove(&id) else {
             return;
         };
         self.push(
@@ -510,32 +517,34 @@ impl<'s> Worker<'s> {
     fn retry_waiting(&mut self, now: Instant) {
         let have_table = *self.generation.borrow() != 0;
         let waiting = std::mem::take(&mut self.waiting);
-        for (fd, deadline) in waiting {
+        for (fd, dst, deadline) in waiting {
             if have_table || now >= deadline {
                 self.shared.metrics.active_connections.dec();
-                self.accepted(fd, false);
+                self.accepted(fd, Some(dst), false);
             } else {
-                self.waiting.push((fd, deadline));
+                self.waiting.push((fd, dst, deadline));
             }
         }
     }
 
-    fn accepted(&mut self, fd: OwnedFd, may_wait: bool) {
+    /// A connection accepted on the listener of frontend `dst` (`None`: its listener was
+    /// closed meanwhile, so its local address is read).
+    fn accepted(&mut self, fd: OwnedFd, dst: Option<SocketAddr>, may_wait: bool) {
         let sock = SockRef::from(&fd);
-        let (Some(dst), Some(client)) = (
-            sock.local_addr().ok().and_then(|a| a.as_socket()),
-            sock.peer_addr().ok().and_then(|a| a.as_socket()),
-        ) else {
+        let dst = dst.or_else(|| sock.local_addr().ok()?.as_socket().map(normalize));
+        let (Some(dst), Some(client)) = (dst, sock.peer_addr().ok().and_then(|a| a.as_socket()))
+        else {
             return;
         };
-        let (client, dst) = (normalize(client), normalize(dst));
+        let client = normalize(client);
         let route = self.shared.routes.load().get(dst, Protocol::Tcp).cloned();
         let Some(route) = route else {
             if may_wait && *self.generation.borrow() == 0 {
                 // No table yet (a restarted agent keeps its frontends intercepted): wait for
                 // the first one, bounded. It counts as open while it waits.
                 self.shared.metrics.active_connections.inc();
-                self.waiting.push((fd, Instant::now() + FIRST_TABLE_WAIT));
+                self.waiting
+                    .push((fd, dst, Instant::now() + FIRST_TABLE_WAIT));
                 self.arm_wake();
                 return;
             }
