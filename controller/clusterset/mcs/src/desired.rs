@@ -34,6 +34,7 @@ use mcs_merge::{
 };
 use mcs_model::guard::IpCidr;
 
+use crate::held::HeldImport;
 use crate::members::{Dirty, Objects, Touch};
 use crate::objects::LeanExport;
 use crate::{MANAGED_LABEL, MANAGER, objects::ObjKey};
@@ -48,6 +49,8 @@ pub struct MemberView<'a> {
     pub reach: Reach,
     /// ServiceExports.
     pub exports: &'a HashMap<ObjKey, Arc<LeanExport>>,
+    /// Their store's generation ([`Objects::generation`]).
+    pub exports_generation: u64,
     /// Services.
     pub services: &'a HashMap<ObjKey, Arc<ServiceShape>>,
     /// Service EndpointSlices, indexed by service.
@@ -120,7 +123,7 @@ pub struct Snapshot<'a> {
     /// Local namespaces.
     pub namespaces: &'a HashMap<ObjKey, Arc<Namespace>>,
     /// Local ServiceImports (all, ours and others').
-    pub imports: &'a HashMap<ObjKey, Arc<ServiceImport>>,
+    pub imports: &'a HashMap<ObjKey, Arc<HeldImport>>,
     /// Now, for condition transition times.
     pub now: Time,
     /// What to refuse or bound.
@@ -223,8 +226,8 @@ pub struct Desired {
     /// ServiceImports by (namespace, name), with status. Boxed: a B-tree node holds its
     /// values inline, and these are large structs in nodes that are often part empty.
     pub imports: BTreeMap<ObjKey, Box<ServiceImport>>,
-    /// MCS EndpointSlices by (namespace, name); boxed for the same reason.
-    pub slices: BTreeMap<ObjKey, Box<EndpointSlice>>,
+    /// MCS EndpointSlices by (namespace, name), as made when written ([`WantSlice`]).
+    pub slices: BTreeMap<ObjKey, WantSlice>,
     /// Conditions of the local ServiceExports.
     pub export_conditions: BTreeMap<ObjKey, Vec<Condition>>,
     /// Why something is not as asked, per service (logged by the reconciler when the
@@ -234,25 +237,51 @@ pub struct Desired {
     pub withheld: BTreeMap<ObjKey, usize>,
     /// The MCS slices of each service (keys into `slices`).
     pub slices_of: BTreeMap<ObjKey, BTreeSet<ObjKey>>,
+    /// The sums of `problems`, `withheld` and the `Valid=False` export conditions, kept as
+    /// they change (a pass over one service does not count every service's).
+    counts: Counts,
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Counts {
+    problems: usize,
+    withheld: usize,
+    invalid_exports: usize,
+}
+
+/// Whether conditions say `Valid=False`.
+fn invalid(c: &[Condition]) -> bool {
+    c.iter().any(|c| c.type_ == "Valid" && c.status == "False")
 }
 
 impl Desired {
     /// How many problems there are.
     pub fn problem_count(&self) -> usize {
-        self.problems.values().map(Vec::len).sum()
+        self.counts.problems
     }
 
     /// How many source slices are withheld.
     pub fn withheld_count(&self) -> usize {
-        self.withheld.values().sum()
+        self.counts.withheld
+    }
+
+    /// How many local exports are `Valid=False`.
+    pub fn invalid_export_count(&self) -> usize {
+        self.counts.invalid_exports
     }
 
     /// Forgets what was wanted for service `k`.
     fn clear(&mut self, k: &ObjKey) {
         self.imports.remove(k);
-        self.export_conditions.remove(k);
-        self.problems.remove(k);
-        self.withheld.remove(k);
+        if let Some(c) = self.export_conditions.remove(k) {
+            self.counts.invalid_exports -= usize::from(invalid(&c));
+        }
+        if let Some(p) = self.problems.remove(k) {
+            self.counts.problems -= p.len();
+        }
+        if let Some(n) = self.withheld.remove(k) {
+            self.counts.withheld -= n;
+        }
         for sk in self.slices_of.remove(k).into_iter().flatten() {
             self.slices.remove(&sk);
         }
@@ -260,6 +289,19 @@ impl Desired {
 
     fn problem(&mut self, k: &ObjKey, p: String) {
         self.problems.entry(k.clone()).or_default().push(p);
+        self.counts.problems += 1;
+    }
+
+    /// `k` withholds `n` source slices (after [`Self::clear`]).
+    fn withhold(&mut self, k: &ObjKey, n: usize) {
+        self.withheld.insert(k.clone(), n);
+        self.counts.withheld += n;
+    }
+
+    /// The conditions of the local export of `k` (after [`Self::clear`]).
+    fn export_conditions(&mut self, k: &ObjKey, c: Vec<Condition>) {
+        self.counts.invalid_exports += usize::from(invalid(&c));
+        self.export_conditions.insert(k.clone(), c);
     }
 }
 
@@ -290,6 +332,8 @@ pub struct Reconciler {
     starved: BTreeSet<ObjKey>,
     /// Each member's exports past the limits.
     over: HashMap<String, HashMap<ObjKey, Refusal>>,
+    /// The generation of each member's exports `over` was computed from.
+    over_from: HashMap<String, u64>,
     /// The desired state.
     pub want: Desired,
 }
@@ -328,6 +372,7 @@ impl Reconciler {
             per_namespace: HashMap::new(),
             starved: BTreeSet::new(),
             over: HashMap::new(),
+            over_from: HashMap::new(),
             want: Desired::default(),
         }
     }
@@ -352,8 +397,14 @@ impl Reconciler {
                 }
             }
         }
-        // Exports past the limits: a change of who is past them changes those services.
+        // Exports past the limits: a change of who is past them changes those services
+        // (computed again only when the member's exports changed).
         for m in &s.members {
+            if self.over_from.insert(m.id.clone(), m.exports_generation)
+                == Some(m.exports_generation)
+            {
+                continue;
+            }
             let over = over_limits(m, s.policy);
             let old = self.over.remove(&m.id).unwrap_or_default();
             for (k, r) in &over {
@@ -370,8 +421,8 @@ impl Reconciler {
         // service, which is computed again.
         let contested: Vec<ObjKey> = keys
             .iter()
-            .filter_map(|k| s.imports.get(k).filter(|si| !ours(si)))
-            .flat_map(|si| si.spec.ips.iter().filter_map(|i| i.parse::<IpAddr>().ok()))
+            .filter_map(|k| s.imports.get(k).filter(|si| !si.ours))
+            .flat_map(|si| si.ips.iter().filter_map(|i| i.parse::<IpAddr>().ok()))
             .filter_map(|ip| self.owner.get(&ip))
             .filter(|o| !keys.contains(*o))
             .cloned()
@@ -391,13 +442,13 @@ impl Reconciler {
             self.release(k);
         }
         for k in &keys {
-            if let Some(si) = s.imports.get(k).filter(|si| !ours(si)) {
+            if let Some(si) = s.imports.get(k).filter(|si| !si.ours) {
                 self.hold_theirs(k, parsed(si));
             }
         }
         let mut keep: HashMap<ObjKey, Vec<String>> = HashMap::new();
         for k in &keys {
-            let Some(si) = s.imports.get(k).filter(|si| ours(si)) else {
+            let Some(si) = s.imports.get(k).filter(|si| si.ours) else {
                 continue;
             };
             let ips = parsed(si);
@@ -410,7 +461,7 @@ impl Reconciler {
             if shape.headless {
                 continue;
             }
-            let fits = ips.len() == si.spec.ips.len()
+            let fits = ips.len() == si.ips.len()
                 && ips.len() == shape.ip_families.len()
                 && ips
                     .iter()
@@ -420,7 +471,7 @@ impl Reconciler {
                 && distinct(&ips);
             if fits {
                 self.hold_ours(k, ips);
-                keep.insert(k.clone(), si.spec.ips.clone());
+                keep.insert(k.clone(), si.ips.clone());
             }
         }
 
@@ -552,7 +603,7 @@ impl Reconciler {
             name: k.1.clone(),
         };
         if let Some(si) = s.imports.get(k)
-            && !ours(si)
+            && !si.ours
         {
             self.want.problem(
                 k,
@@ -640,15 +691,11 @@ impl Reconciler {
         }
         let mut si = import(&key, shape, ips, families);
         let reach = reach_condition(s, &shape.clusters);
-        let old = s.imports.get(k).and_then(|old| old.status.as_ref());
+        let old = s.imports.get(k).map(|old| &old.conditions);
         let condition = |(type_, (status, reason, message)): (&str, (&str, &str, String))| {
             let since = old
-                .and_then(|st| {
-                    st.conditions
-                        .iter()
-                        .find(|c| c.type_ == type_ && c.status == status)
-                })
-                .map_or_else(|| s.now.clone(), |c| c.last_transition_time.clone());
+                .and_then(|c| c.since(type_, status))
+                .map_or_else(|| s.now.clone(), Clone::clone);
             Condition {
                 type_: type_.into(),
                 status: status.into(),
@@ -677,7 +724,7 @@ impl Reconciler {
             let svc = m.services.get(k);
             // This cluster's ports that the import carries as it defines them (a port it
             // defines differently gets no traffic from here), once per service.
-            let served: Vec<String> = svc
+            let served: Arc<[String]> = svc
                 .map_or(&[][..], |svc| &svc.ports)
                 .iter()
                 .filter(|sp| {
@@ -712,18 +759,15 @@ impl Reconciler {
                     }
                     continue;
                 }
-                if let Some(mcs) = mcs_slice(&key, &m.id, es, &served, computed) {
-                    let sk = (
-                        key.namespace.clone(),
-                        mcs.metadata.name.clone().unwrap_or_default(),
-                    );
-                    self.want.slices.insert(sk.clone(), Box::new(mcs));
+                if let Some(mcs) = WantSlice::new(&key, &m.id, es, &served, computed) {
+                    let sk = (key.namespace.clone(), mcs.name.clone());
+                    self.want.slices.insert(sk.clone(), mcs);
                     slices.insert(sk);
                 }
             }
         }
         if withheld > 0 {
-            self.want.withheld.insert(k.clone(), withheld);
+            self.want.withhold(k, withheld);
         }
         if !slices.is_empty() {
             self.want.slices_of.insert(k.clone(), slices);
@@ -764,9 +808,7 @@ impl Reconciler {
                 message: "the Service has no selector: its EndpointSlices (mirrored from Endpoints, or written by hand) are not exported unless every cluster's mcs-controller runs with --export-selectorless-slices".into(),
             };
         }
-        self.want
-            .export_conditions
-            .insert(k.clone(), conditions(&c, se, &s.now));
+        self.want.export_conditions(k, conditions(&c, se, &s.now));
     }
 }
 
@@ -821,21 +863,12 @@ struct Here {
     selectorless: bool,
 }
 
-fn parsed(si: &ServiceImport) -> Vec<IpAddr> {
-    si.spec.ips.iter().filter_map(|i| i.parse().ok()).collect()
+fn parsed(si: &HeldImport) -> Vec<IpAddr> {
+    si.ips.iter().filter_map(|i| i.parse().ok()).collect()
 }
 
 fn distinct(ips: &[IpAddr]) -> bool {
     ips.iter().enumerate().all(|(i, ip)| !ips[..i].contains(ip))
-}
-
-/// Whether this controller manages `si`.
-pub fn ours(si: &ServiceImport) -> bool {
-    si.metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(MANAGED_LABEL))
-        .is_some_and(|v| v == MANAGER)
 }
 
 fn family(ip: IpAddr) -> &'static str {
@@ -919,71 +952,115 @@ fn selectorless_source(es: &EndpointSlice) -> &str {
     }
 }
 
-/// The MCS slice for `es` of cluster `cluster`: its endpoints, and the ports the import has
-/// for that cluster (a port this cluster defines differently from the import is left out, so
-/// the conflicting definition gets no traffic); `computed`: Kubernetes' EndpointSlice
-/// controller computed `es` from the Service's selector. `None` when no port is left.
-fn mcs_slice(
-    key: &ServiceKey,
-    cluster: &str,
-    es: &EndpointSlice,
-    served: &[String],
+/// An MCS EndpointSlice wanted: the member's slice it copies (shared with that member's
+/// store, not copied) and what is taken of it. The object is made when it is compared or
+/// written ([`WantSlice::object`]): the desired state holds no copy of any endpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WantSlice {
+    /// Its name.
+    pub name: String,
+    /// The service's namespace.
+    namespace: String,
+    /// The service's name.
+    service: String,
+    /// The exporting cluster.
+    cluster: String,
+    /// That cluster's slice.
+    source: Arc<EndpointSlice>,
+    /// The names of the ports the import has for that cluster.
+    served: Arc<[String]>,
+    /// Kubernetes' EndpointSlice controller computed `source` from the Service's selector.
     computed: bool,
-) -> Option<EndpointSlice> {
-    let src_ports = es.ports.as_deref().unwrap_or_default();
-    let ports: Vec<EndpointPort> = src_ports
-        .iter()
-        .filter(|p| served.contains(&p.name.clone().unwrap_or_default()))
-        .cloned()
-        .collect();
-    if ports.is_empty() && !src_ports.is_empty() {
-        return None;
+}
+
+impl WantSlice {
+    /// The MCS slice for `es` of cluster `cluster`: its endpoints, and the ports the import
+    /// has for that cluster (`served`: a port this cluster defines differently from the
+    /// import is left out, so the conflicting definition gets no traffic); `computed`:
+    /// Kubernetes' EndpointSlice controller computed `es` from the Service's selector. `None`
+    /// when no port is left.
+    fn new(
+        key: &ServiceKey,
+        cluster: &str,
+        es: &Arc<EndpointSlice>,
+        served: &Arc<[String]>,
+        computed: bool,
+    ) -> Option<Self> {
+        let src_ports = es.ports.as_deref().unwrap_or_default();
+        if !src_ports.is_empty()
+            && !src_ports
+                .iter()
+                .any(|p| served.contains(&p.name.clone().unwrap_or_default()))
+        {
+            return None;
+        }
+        let src = es.metadata.name.as_deref().unwrap_or_default();
+        let hash = mcs_merge::alloc::fnv1a(format!("{cluster}/{src}").as_bytes());
+        Some(Self {
+            name: format!(
+                "{}-{}-{hash:08x}",
+                trim(&key.name, 40),
+                trim(cluster, 40),
+                hash = hash as u32
+            ),
+            namespace: key.namespace.clone(),
+            service: key.name.clone(),
+            cluster: cluster.to_string(),
+            source: es.clone(),
+            served: served.clone(),
+            computed,
+        })
     }
-    let src = es.metadata.name.clone().unwrap_or_default();
-    let hash = mcs_merge::alloc::fnv1a(format!("{cluster}/{src}").as_bytes());
-    let name = format!(
-        "{}-{}-{hash:08x}",
-        trim(&key.name, 40),
-        trim(cluster, 40),
-        hash = hash as u32
-    );
-    let labels = BTreeMap::from([
-        (LABEL_SERVICE_NAME.to_string(), key.name.clone()),
-        (LABEL_SOURCE_CLUSTER.to_string(), cluster.to_string()),
-        (LABEL_MANAGED_BY.to_string(), MANAGER.to_string()),
-        (
-            LABEL_SOURCE_MANAGED_BY.to_string(),
-            if computed {
-                DEFAULT_SLICE_CONTROLLER
-            } else {
-                selectorless_source(es)
-            }
-            .to_string(),
-        ),
-    ]);
-    Some(EndpointSlice {
-        metadata: ObjectMeta {
-            name: Some(name),
-            namespace: Some(key.namespace.clone()),
-            labels: Some(labels),
-            ..Default::default()
-        },
-        address_type: es.address_type.clone(),
-        endpoints: es.endpoints.as_ref().map(|eps| {
-            eps.iter()
-                .map(|e| Endpoint {
-                    addresses: e.addresses.clone(),
-                    conditions: e.conditions.clone(),
-                    hostname: e.hostname.clone(),
-                    node_name: e.node_name.clone(),
-                    zone: e.zone.clone(),
-                    hints: e.hints.clone(),
-                    ..Default::default()
-                })
-                .collect()
-        }),
-        ports: Some(ports),
-    })
+
+    /// The EndpointSlice to write.
+    pub fn object(&self) -> EndpointSlice {
+        let es = &self.source;
+        let ports: Vec<EndpointPort> = es
+            .ports
+            .as_deref()
+            .unwrap_or_default()
+            .iter()
+            .filter(|p| self.served.contains(&p.name.clone().unwrap_or_default()))
+            .cloned()
+            .collect();
+        let labels = BTreeMap::from([
+            (LABEL_SERVICE_NAME.to_string(), self.service.clone()),
+            (LABEL_SOURCE_CLUSTER.to_string(), self.cluster.clone()),
+            (LABEL_MANAGED_BY.to_string(), MANAGER.to_string()),
+            (
+                LABEL_SOURCE_MANAGED_BY.to_string(),
+                if self.computed {
+                    DEFAULT_SLICE_CONTROLLER
+                } else {
+                    selectorless_source(es)
+                }
+                .to_string(),
+            ),
+        ]);
+        EndpointSlice {
+            metadata: ObjectMeta {
+                name: Some(self.name.clone()),
+                namespace: Some(self.namespace.clone()),
+                labels: Some(labels),
+                ..Default::default()
+            },
+            address_type: es.address_type.clone(),
+            endpoints: es.endpoints.as_ref().map(|eps| {
+                eps.iter()
+                    .map(|e| Endpoint {
+                        addresses: e.addresses.clone(),
+                        conditions: e.conditions.clone(),
+                        hostname: e.hostname.clone(),
+                        node_name: e.node_name.clone(),
+                        zone: e.zone.clone(),
+                        hints: e.hints.clone(),
+                        ..Default::default()
+                    })
+                    .collect()
+            }),
+            ports: Some(ports),
+        }
+    }
 }
 
 /// At most `n` bytes of a DNS label or subdomain as part of one DNS label: dots become
@@ -1000,13 +1077,12 @@ fn trim(s: &str, n: usize) -> String {
 /// The conditions of a local export, keeping each one's transition time while its status
 /// stays.
 fn conditions(c: &ExportConditions, se: &LeanExport, now: &Time) -> Vec<Condition> {
-    let old = &se.conditions;
     let make = |type_: &str, m: &mcs_merge::Condition| {
         let status = if m.status { "True" } else { "False" };
-        let since = old
-            .iter()
-            .find(|o| o.type_ == type_ && o.status == status)
-            .map_or_else(|| now.clone(), |o| o.last_transition_time.clone());
+        let since = se
+            .conditions
+            .since(type_, status)
+            .map_or_else(|| now.clone(), Clone::clone);
         Condition {
             type_: type_.into(),
             status: status.into(),
@@ -1140,7 +1216,7 @@ mod tests {
         services: Vec<Store<ServiceShape>>,
         slices: Vec<Store<EndpointSlice>>,
         namespaces: Store<Namespace>,
-        imports: Store<ServiceImport>,
+        imports: Store<HeldImport>,
         reach: [Reach; 3],
         policy: Policy,
     }
@@ -1307,7 +1383,8 @@ mod tests {
                     si.metadata.namespace = Some(ns.clone());
                     si.metadata.labels =
                         Some(BTreeMap::from([(MANAGED_LABEL.into(), "someone".into())]));
-                    self.imports.apply((ns, name), Arc::new(si));
+                    self.imports
+                        .apply((ns, name), Arc::new(HeldImport::new(&si)));
                 }
                 Change::ImportGone { k } => self.imports.remove(&ok(k)),
                 Change::MemberReach { m, reach } => {
@@ -1346,6 +1423,7 @@ mod tests {
                         id: (*id).into(),
                         reach,
                         exports: &g.0.map,
+                        exports_generation: g.0.generation,
                         services: &g.1.map,
                         slices: &g.2,
                     })
@@ -1369,10 +1447,10 @@ mod tests {
             };
             for k in keys {
                 match (r.want.imports.get(&k), have.get(&k)) {
-                    (Some(si), h) if h.is_none_or(|h| json(h) != json(si)) => {
-                        self.imports.apply(k, Arc::new((**si).clone()));
+                    (Some(si), h) if h.is_none_or(|h| !h.same(si, true)) => {
+                        self.imports.apply(k, Arc::new(HeldImport::new(si)));
                     }
-                    (None, Some(h)) if ours(h) => self.imports.remove(&k),
+                    (None, Some(h)) if h.ours => self.imports.remove(&k),
                     _ => {}
                 }
             }
@@ -1455,6 +1533,10 @@ mod tests {
             prop_assert_eq!(&r.want.slices, &full.slices);
             prop_assert_eq!(&r.want.slices_of, &full.slices_of);
             prop_assert_eq!(&r.want.export_conditions, &full.export_conditions);
+            prop_assert_eq!(&r.want.counts, &full.counts);
+            prop_assert_eq!(r.want.problem_count(), r.want.problems.values().map(Vec::len).sum::<usize>());
+            prop_assert_eq!(r.want.withheld_count(), r.want.withheld.values().sum::<usize>());
+            prop_assert_eq!(r.want.invalid_export_count(), r.want.export_conditions.values().filter(|c| invalid(c)).count());
             prop_assert_eq!(&r.want.withheld, &full.withheld);
             prop_assert_eq!(&r.want.problems, &full.problems);
         }

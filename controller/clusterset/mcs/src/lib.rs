@@ -10,6 +10,8 @@
 //!
 //! - [`objects`]: what is kept of each watched object, and the keys.
 //! - [`members`]: watched copies of each member's objects, and whether it answers.
+//! - [`held`]: what is kept of the objects it wrote (fingerprints of what the writer
+//!   compares).
 //! - [`desired`]: snapshot → the local cluster's desired imports, slices, conditions.
 //! - [`writer`]: writes the difference (server-side apply).
 //! - [`lease`]: one leader per cluster.
@@ -18,6 +20,7 @@
 
 pub mod budget;
 pub mod desired;
+pub mod held;
 pub mod lease;
 pub mod members;
 pub mod objects;
@@ -436,6 +439,7 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
                         id: m.id.clone(),
                         reach: *reach,
                         exports: &g.0.map,
+                        exports_generation: g.0.generation,
                         services: &g.1.map,
                         slices: &g.2,
                     })
@@ -478,12 +482,9 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
         metrics.problems.set(want.problem_count() as u64);
         metrics.slices_withheld.set(want.withheld_count() as i64);
         metrics.retries_waiting.set(backoff.len() as i64);
-        metrics.invalid_exports.set(
-            want.export_conditions
-                .values()
-                .filter(|c| c.iter().any(|c| c.type_ == "Valid" && c.status == "False"))
-                .count() as i64,
-        );
+        metrics
+            .invalid_exports
+            .set(want.invalid_export_count() as i64);
         for (kind, n) in [
             ("ServiceImport", w.imports + w.imports_deleted),
             ("EndpointSlice", w.slices + w.slices_deleted),

@@ -30,10 +30,10 @@ use kube::{
     Api, Client, Resource, ResourceExt as _,
     runtime::{utils::Backoff as _, watcher},
 };
-use mcs_api::ServiceImport;
 use mcs_merge::ServiceShape;
 
 use crate::budget::{MetaBudget, MetaLimits};
+use crate::held::{HeldImport, HeldSlice};
 use crate::objects::{LABEL_K8S_SERVICE_NAME, LeanExport, ObjKey, WireExport, shape};
 use mcs_runtime::retry::WatchRetry;
 use serde::de::DeserializeOwned;
@@ -47,6 +47,9 @@ pub struct Objects<K> {
     /// (namespace, service) → the keys of its objects, for kinds with more than one object
     /// per service (EndpointSlices, by their service-name label).
     pub by_service: HashMap<ObjKey, BTreeSet<ObjKey>>,
+    /// How many times it changed (an object stored or removed, a list replaced): what is
+    /// derived from all of its objects is computed again only when this moved.
+    pub generation: u64,
 }
 
 impl<K> Default for Objects<K> {
@@ -54,6 +57,7 @@ impl<K> Default for Objects<K> {
         Self {
             map: HashMap::new(),
             by_service: HashMap::new(),
+            generation: 0,
         }
     }
 }
@@ -88,8 +92,9 @@ pub struct Store<K> {
     admission: Option<Arc<dyn Admission<K>>>,
     /// Set once its watcher has completed a first list.
     listed: AtomicBool,
-    /// The service an object belongs to (`None`: its own key is the service's).
-    service_of: Option<fn(&K) -> Option<ObjKey>>,
+    /// The service an object (under its key) belongs to (`None`: its own key is the
+    /// service's).
+    service_of: Option<fn(&ObjKey, &K) -> Option<ObjKey>>,
     /// Where each change is recorded for the next pass.
     changes: Arc<Changes>,
 }
@@ -98,7 +103,10 @@ impl<K> Store<K> {
     /// An empty store whose objects belong to the service of their own key (exports,
     /// Services, imports; a cluster-scoped key, a Namespace, stands for all of its services),
     /// or to `service_of` (slices by label).
-    pub fn new(changes: Arc<Changes>, service_of: Option<fn(&K) -> Option<ObjKey>>) -> Self {
+    pub fn new(
+        changes: Arc<Changes>,
+        service_of: Option<fn(&ObjKey, &K) -> Option<ObjKey>>,
+    ) -> Self {
         Self {
             objects: RwLock::new(Objects::default()),
             admission: None,
@@ -137,7 +145,7 @@ impl<K> Store<K> {
         match self.service_of {
             None if key.0.is_empty() => Some(Touch::Namespace(key.1.clone())),
             None => Some(Touch::Service(key.clone())),
-            Some(f) => f(o).map(Touch::Service),
+            Some(f) => f(key, o).map(Touch::Service),
         }
     }
 
@@ -149,6 +157,7 @@ impl<K> Store<K> {
             None => o,
         };
         let joins = self.touch(&key, &o);
+        w.generation += 1;
         let old = w.map.insert(key.clone(), o);
         let leaves = old.as_ref().and_then(|old| self.touch(&key, old));
         if leaves != joins {
@@ -168,6 +177,7 @@ impl<K> Store<K> {
     pub fn remove(&self, key: &ObjKey) {
         let mut w = self.write();
         let Some(old) = w.map.remove(key) else { return };
+        w.generation += 1;
         if let Some(a) = &self.admission {
             a.release(key);
         }
@@ -197,7 +207,7 @@ impl<K> Store<K> {
         let mut by_service: HashMap<ObjKey, BTreeSet<ObjKey>> = HashMap::new();
         if let Some(f) = self.service_of {
             for (k, o) in &fresh {
-                if let Some(svc) = f(o) {
+                if let Some(svc) = f(k, o) {
                     by_service.entry(svc).or_default().insert(k.clone());
                 }
             }
@@ -205,6 +215,7 @@ impl<K> Store<K> {
         *w = Objects {
             map: fresh,
             by_service,
+            generation: w.generation + 1,
         };
         drop(w);
         self.changes.all();
@@ -295,12 +306,10 @@ pub struct Member {
 pub struct Local {
     /// Namespaces: name and deletion timestamp.
     pub namespaces: Arc<Store<Namespace>>,
-    /// ServiceImports (all; ours carry [`crate::MANAGED_LABEL`]): spec, status, and of the
-    /// metadata only what the writer compares (name, namespace, labels, annotations).
-    pub imports: Arc<Store<ServiceImport>>,
-    /// MCS EndpointSlices this controller wrote (`managed-by` = ours), with the same
-    /// metadata only.
-    pub slices: Arc<Store<EndpointSlice>>,
+    /// ServiceImports (all; ours carry [`crate::MANAGED_LABEL`]), as [`HeldImport`]s.
+    pub imports: Arc<Store<HeldImport>>,
+    /// MCS EndpointSlices this controller wrote (`managed-by` = ours), as [`HeldSlice`]s.
+    pub slices: Arc<Store<HeldSlice>>,
 }
 
 impl Local {
@@ -477,14 +486,11 @@ pub fn start(
             },
         ));
         tokio::spawn(watch(
-            Api::<ServiceImport>::all(client.clone()),
+            Api::<mcs_api::ServiceImport>::all(client.clone()),
             all(),
             ctx(),
             local.imports.clone(),
-            |si| ServiceImport {
-                metadata: what_we_compare(si.metadata),
-                ..si
-            },
+            |si| HeldImport::new(&si),
         ));
         let ours = format!("{}={}", mcs_api::LABEL_MANAGED_BY, crate::MANAGER);
         tokio::spawn(watch(
@@ -492,26 +498,10 @@ pub fn start(
             all().labels(&ours),
             ctx(),
             local.slices.clone(),
-            |es| EndpointSlice {
-                metadata: what_we_compare(es.metadata),
-                ..es
-            },
+            |es| HeldSlice::new(&es),
         ));
     }
     m
-}
-
-/// Of an object of ours in the local cluster (an import, an MCS slice), the metadata the
-/// writer compares with what it wants (name, namespace, labels, annotations); the rest
-/// (managed fields, uid, versions, times, owners) is not kept.
-fn what_we_compare(m: ObjectMeta) -> ObjectMeta {
-    ObjectMeta {
-        name: m.name,
-        namespace: m.namespace,
-        labels: m.labels,
-        annotations: m.annotations,
-        ..Default::default()
-    }
 }
 
 /// Reads again, one by one, the exports of `m` that its budget refused and that would fit
@@ -564,7 +554,7 @@ struct Ctx {
 
 /// The service a member's slice belongs to: its `kubernetes.io/service-name` (none for a
 /// slice that says it is ours: it is never copied).
-pub fn member_slice_service(es: &EndpointSlice) -> Option<ObjKey> {
+pub fn member_slice_service(key: &ObjKey, es: &EndpointSlice) -> Option<ObjKey> {
     let labels = es.metadata.labels.as_ref()?;
     if labels
         .get(mcs_api::LABEL_MANAGED_BY)
@@ -573,23 +563,12 @@ pub fn member_slice_service(es: &EndpointSlice) -> Option<ObjKey> {
         return None;
     }
     let svc = labels.get(LABEL_K8S_SERVICE_NAME)?;
-    Some((
-        es.metadata.namespace.clone().unwrap_or_default(),
-        svc.clone(),
-    ))
+    Some((key.0.clone(), svc.clone()))
 }
 
 /// The service one of our MCS slices belongs to: its `multicluster.kubernetes.io/service-name`.
-pub fn mcs_slice_service(es: &EndpointSlice) -> Option<ObjKey> {
-    let svc = es
-        .metadata
-        .labels
-        .as_ref()?
-        .get(mcs_api::LABEL_SERVICE_NAME)?;
-    Some((
-        es.metadata.namespace.clone().unwrap_or_default(),
-        svc.clone(),
-    ))
+pub fn mcs_slice_service(key: &ObjKey, es: &HeldSlice) -> Option<ObjKey> {
+    Some((key.0.clone(), es.service.clone()?))
 }
 
 /// What is kept of a member's Service EndpointSlice: name, namespace, the two labels read

@@ -3,11 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::{
-    api::core::v1::Service,
-    apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta},
-};
+use k8s_openapi::{api::core::v1::Service, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use kube::Resource;
+
+use crate::held::HeldConditions;
 use mcs_api::{ServiceExport, ServiceExportSpec, ServiceExportStatus};
 use mcs_merge::{Port, ServiceKind, ServiceShape, meta::Refusal};
 use serde::Deserialize;
@@ -67,8 +66,8 @@ pub struct LeanExport {
     pub generation: Option<i64>,
     /// `metadata.uid`.
     pub uid: Option<String>,
-    /// `status.conditions`.
-    pub conditions: Vec<Condition>,
+    /// `status.conditions`: each one's transition time, and a fingerprint of the rest.
+    pub conditions: HeldConditions,
     /// `spec.exportedLabels` (empty when refused).
     pub labels: BTreeMap<String, String>,
     /// `spec.exportedAnnotations` (empty when refused).
@@ -100,7 +99,7 @@ impl LeanExport {
             deleting: se.metadata.deletion_timestamp.is_some(),
             generation: se.metadata.generation,
             uid: se.metadata.uid,
-            conditions: se.status.map(|s| s.conditions).unwrap_or_default(),
+            conditions: HeldConditions::new(se.status.as_ref().map_or(&[][..], |s| &s.conditions)),
             labels,
             annotations,
             refused,

@@ -25,7 +25,8 @@ use mcs_api::{ServiceExport, ServiceImport};
 use serde_json::json;
 
 use crate::{
-    desired::{Computed, Desired, ours},
+    desired::{Computed, Desired},
+    held::{HeldSlice, slice_content},
     members::{Local, Member},
     objects::ObjKey,
 };
@@ -122,49 +123,6 @@ impl Written {
 
 fn apply() -> PatchParams {
     PatchParams::apply(FIELD_MANAGER).force()
-}
-
-/// Whether `have` already holds what we manage of `want` (spec, our labels and annotations,
-/// status clusters). Typed comparisons: no JSON per object per pass.
-fn import_same(have: &ServiceImport, want: &ServiceImport, with_status: bool) -> bool {
-    let labels_same = want
-        .metadata
-        .labels
-        .iter()
-        .flatten()
-        .all(|(k, v)| have.metadata.labels.as_ref().and_then(|l| l.get(k)) == Some(v));
-    let status_same = !with_status
-        || (have.status.as_ref().map(|s| &s.clusters) == want.status.as_ref().map(|s| &s.clusters)
-            && conditions_view(have.status.as_ref().map_or(&[][..], |s| &s.conditions))
-                == conditions_view(want.status.as_ref().map_or(&[][..], |s| &s.conditions)));
-    have.spec == want.spec
-        && labels_same
-        && have.metadata.annotations == want.metadata.annotations
-        && status_same
-}
-
-fn slice_same(have: &EndpointSlice, want: &EndpointSlice) -> bool {
-    have.metadata.labels == want.metadata.labels
-        && have.address_type == want.address_type
-        && have.endpoints == want.endpoints
-        && have.ports == want.ports
-}
-
-fn conditions_view(c: &[Condition]) -> Vec<(String, String, String, String, Option<i64>)> {
-    let mut v: Vec<_> = c
-        .iter()
-        .map(|c| {
-            (
-                c.type_.clone(),
-                c.status.clone(),
-                c.reason.clone(),
-                c.message.clone(),
-                c.observed_generation,
-            )
-        })
-        .collect();
-    v.sort();
-    v
 }
 
 /// Writes in flight at once (the API server handles them in parallel; one at a time, 1,000
@@ -304,11 +262,11 @@ pub async fn sync(
         }
     }
     // The service a slice of ours belongs to.
-    let service_of = |sk: &ObjKey, es: &EndpointSlice| -> ObjKey {
+    let service_of = |sk: &ObjKey, es: &HeldSlice| -> ObjKey {
         slices_of
             .as_ref()
             .and_then(|m| m.get(sk).cloned())
-            .or_else(|| crate::members::mcs_slice_service(es))
+            .or_else(|| crate::members::mcs_slice_service(sk, es))
             .unwrap_or_else(|| sk.clone())
     };
 
@@ -317,14 +275,14 @@ pub async fn sync(
     for ((ns, name), si) in of(&want.imports, looked_at) {
         let key = (ns.clone(), name.clone());
         let have = have_imports.get(&key);
-        if have.is_some_and(|h| import_same(h, si, true)) {
+        if have.is_some_and(|h| h.same(si, true)) {
             continue;
         }
         let target = (IMPORT, key.clone());
         if !pass.due(target.clone()) {
             continue;
         }
-        let spec_same = have.is_some_and(|h| import_same(h, si, false));
+        let spec_same = have.is_some_and(|h| h.same(si, false));
         let mut body = si.clone();
         body.status = None;
         let api: Api<ServiceImport> = Api::namespaced(client.clone(), ns);
@@ -368,10 +326,13 @@ pub async fn sync(
         .flat_map(|(svc, sks)| sks.iter().map(move |sk| (svc, sk)))
         .collect();
     for (svc, sk) in wanted_slices {
-        let Some(es) = want.slices.get(sk) else {
+        let Some(es) = want.slices.get(sk).map(|w| w.object()) else {
             continue;
         };
-        if have_slices.get(sk).is_some_and(|h| slice_same(h, es)) {
+        if have_slices
+            .get(sk)
+            .is_some_and(|h| h.content == slice_content(&es))
+        {
             continue;
         }
         let target = (SLICE, sk.clone());
@@ -382,7 +343,7 @@ pub async fn sync(
         let api: Api<EndpointSlice> = Api::namespaced(client.clone(), ns);
         let svc = svc.clone();
         writes.push(async move {
-            let outcome = match api.patch(name, &apply(), &Patch::Apply(es)).await {
+            let outcome = match api.patch(name, &apply(), &Patch::Apply(&es)).await {
                 Ok(_) => Outcome::Slice,
                 Err(e) => {
                     tracing::warn!(slice = %format!("{ns}/{name}"), error = %e, "writing EndpointSlice");
@@ -424,7 +385,7 @@ pub async fn sync(
     // Imports of ours no longer wanted.
     let mut writes = Vec::new();
     for (key, si) in &have_imports {
-        if !ours(si) || want.imports.contains_key(key) {
+        if !si.ours || want.imports.contains_key(key) {
             continue;
         }
         let target = (IMPORT, key.clone());
@@ -461,7 +422,7 @@ pub async fn sync(
     let mut writes = Vec::new();
     for (key, conds) in of(&want.export_conditions, looked_at) {
         let Some(se) = exports.get(key) else { continue };
-        if conditions_view(&se.conditions) == conditions_view(conds) {
+        if se.conditions.same(conds) {
             continue;
         }
         let target = (EXPORT, key.clone());
