@@ -44,7 +44,6 @@ use crate::harness::procs::{Proc, catch_signals, cpu_seconds, interrupted, rss_m
 
 const NS: &str = "scale";
 const RANGE: &str = "198.18.64.0/18";
-const WAIT: Duration = Duration::from_secs(600);
 
 /// What was measured.
 #[derive(Debug, Serialize)]
@@ -369,10 +368,11 @@ impl Seen {
 }
 
 /// Waits until `done` holds, woken by any watch event (`changed`, and at least every
-/// 100 ms), or fails after `WAIT` since `t0` with `what`.
+/// 100 ms), or fails after `wait` since `t0` with `what`.
 async fn until(
     changed: &tokio::sync::Notify,
     t0: Instant,
+    wait: Duration,
     what: &str,
     done: impl Fn() -> bool,
 ) -> anyhow::Result<()> {
@@ -383,8 +383,8 @@ async fn until(
         if done() {
             return Ok(());
         }
-        if t0.elapsed() > WAIT {
-            bail!("{what} after {WAIT:?}");
+        if t0.elapsed() > wait {
+            bail!("{what} after {wait:?}");
         }
         interrupted()?;
         let _ = tokio::time::timeout(Duration::from_millis(100), woken).await;
@@ -399,6 +399,7 @@ pub fn run(
     samples: usize,
     controller: Option<PathBuf>,
     with_controllers: bool,
+    wait: Duration,
 ) -> anyhow::Result<Report> {
     apiserver::prerequisites().map_err(anyhow::Error::msg)?;
     anyhow::ensure!(clusters >= 2, "--clusters must be at least 2");
@@ -494,11 +495,25 @@ pub fn run(
     }
     // Converged: every cluster holds every import (address and status) and slice, and every
     // export's conditions say it is valid and ready.
-    rt.block_on(until(&changed, t0, "not converged", || {
+    let converged = rt.block_on(until(&changed, t0, wait, "not converged", || {
         let c: Vec<_> = seen.iter().map(|s| s.counts()).collect();
         c.iter().all(|&(i, s, _)| i == exports && s == exports)
             && c.iter().map(|c| c.2).sum::<usize>() == exports
-    }))?;
+    }));
+    if let Err(e) = converged {
+        let got: Vec<String> = ids
+            .iter()
+            .zip(&seen)
+            .map(|(id, s)| {
+                let (i, sl, ex) = s.counts();
+                format!("{id}: {i} imports, {sl} slices, {ex} exports ready")
+            })
+            .collect();
+        bail!(
+            "{e} (of {exports}: {}; a larger ClusterSet needs a longer --wait-secs)",
+            got.join("; ")
+        );
+    }
     let converge_s = t0.elapsed().as_secs_f64();
     let controller_cpu_s = cpu(&procs) - cpu0;
     let (apiserver_cpu_s, requests) = rt.block_on(load(&clients))?.since(&load0);
@@ -518,7 +533,7 @@ pub fn run(
             let t = Instant::now();
             service_export(k, &name).await?;
             let what = format!("{name} not imported everywhere");
-            until(&changed, t, &what, || {
+            until(&changed, t, wait, &what, || {
                 seen.iter().all(|s| s.imported(&name).is_some())
             })
             .await?;
@@ -584,7 +599,7 @@ pub fn run(
                         == Some(false)
                 })
             };
-            tokio::time::timeout(WAIT, async {
+            tokio::time::timeout(wait, async {
                 while let Some(ev) = seen.try_next().await? {
                     if let watcher::Event::Apply(s) | watcher::Event::InitApply(s) = &ev
                         && not_ready(s)
@@ -596,7 +611,7 @@ pub fn run(
                 bail!("the watch of {name}'s slices ended")
             })
             .await
-            .with_context(|| format!("{name}'s endpoint change not seen within {WAIT:?}"))??;
+            .with_context(|| format!("{name}'s endpoint change not seen within {wait:?}"))??;
             anyhow::Ok(t.elapsed().as_secs_f64() * 1e3)
         })?;
         eprintln!(

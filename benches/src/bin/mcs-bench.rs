@@ -146,6 +146,9 @@ enum Tool {
         /// The mcs-controller binary (default: next to this one).
         #[arg(long)]
         controller: Option<PathBuf>,
+        /// The longest wait for convergence (from the first write) and for each sample.
+        #[arg(long, default_value_t = 600)]
+        wait_secs: u64,
         /// Run the same writes with no controller (the baseline of the write time and of
         /// the API servers' load).
         #[arg(long)]
@@ -264,22 +267,28 @@ fn main() -> ExitCode {
             samples,
             controller,
             no_controller,
+            wait_secs,
             out,
-        }) => {
-            mcs_bench::controller_scale::run(clusters, exports, samples, controller, !no_controller)
-                .and_then(|r| {
-                    let command = std::env::args().collect::<Vec<_>>().join(" ");
-                    let md = mcs_bench::controller_scale::markdown(&r, &command);
-                    println!("{md}");
-                    std::fs::create_dir_all(&out)?;
-                    std::fs::write(out.join("controller-scale.md"), &md)?;
-                    std::fs::write(
-                        out.join("controller-scale.json"),
-                        serde_json::to_string_pretty(&r)?,
-                    )?;
-                    Ok(())
-                })
-        }
+        }) => mcs_bench::controller_scale::run(
+            clusters,
+            exports,
+            samples,
+            controller,
+            !no_controller,
+            std::time::Duration::from_secs(wait_secs),
+        )
+        .and_then(|r| {
+            let command = std::env::args().collect::<Vec<_>>().join(" ");
+            let md = mcs_bench::controller_scale::markdown(&r, &command);
+            println!("{md}");
+            std::fs::create_dir_all(&out)?;
+            std::fs::write(out.join("controller-scale.md"), &md)?;
+            std::fs::write(
+                out.join("controller-scale.json"),
+                serde_json::to_string_pretty(&r)?,
+            )?;
+            Ok(())
+        }),
         Some(Tool::Dns {
             services,
             seconds,
