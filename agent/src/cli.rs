@@ -270,7 +270,9 @@ pub struct ProxyArgs {
     /// Timeout of one backend connect attempt, in milliseconds.
     #[arg(long, default_value_t = 2000)]
     pub connect_timeout_ms: u64,
-    /// Backends tried per connection (first pick plus retries).
+    /// Backends tried per connection (first pick plus retries) among the selected ones; when
+    /// every one tried refused, as many again among the fallback ones (another cluster's or
+    /// zone's).
     #[arg(long, default_value_t = 3)]
     pub connect_attempts: usize,
     /// A connection to a removed backend (or open at shutdown) lives at most this long.

@@ -114,6 +114,49 @@ fn retries_a_refusing_backend_and_keeps_affinity_per_client() {
     sb.stop_agent();
 }
 
+/// Every backend of the local cluster refuses while its EndpointSlice still says ready (the
+/// pods died a moment ago): each connection is tried on c1's backends, then taken by c2's,
+/// and the client never sees a reset.
+#[test]
+fn when_every_local_backend_refuses_the_next_clusters_backends_take_the_connection() {
+    if !prerequisites() {
+        return;
+    }
+    // c1's web endpoints (198.18.1.2 and .3, ready in its slice) have no listener.
+    let mut sb = Sandbox::new(&["198.18.2.2:8080", "198.18.2.3:8080"]);
+    sb.start_agent(&[]);
+    let mut served = std::collections::BTreeMap::new();
+    for i in 0..20 {
+        let r = sb
+            .tcp("198.18.100.10:80", &format!("m{i}"))
+            .unwrap_or_else(|e| panic!("request {i} failed: {e}"));
+        assert!(r.ends_with(&format!(" m{i}")), "cut reply: {r:?}");
+        *served
+            .entry(r.split_whitespace().next().unwrap().to_string())
+            .or_insert(0) += 1;
+    }
+    assert!(
+        served.keys().all(|b| b.starts_with("198.18.2.")),
+        "{served:?}"
+    );
+    let (_, metrics) = sb.http("/metrics").unwrap();
+    assert!(
+        metrics
+            .contains("mcs_proxy_fallback_connections_total{frontend=\"198.18.100.10:80/TCP\"} 20"),
+        "{metrics}"
+    );
+    // c1's backends were tried first, every time (its slice says ready: they stay selected).
+    for b in ["198.18.1.2:8080", "198.18.1.3:8080"] {
+        assert!(
+            metrics.contains(&format!(
+                "mcs_proxy_connect_failures_total{{frontend=\"198.18.100.10:80/TCP\",backend=\"{b}\"}} 20"
+            )),
+            "{b}: {metrics}"
+        );
+    }
+    sb.stop_agent();
+}
+
 #[test]
 fn drain_keeps_an_open_stream_while_new_connections_go_elsewhere() {
     if !prerequisites() {

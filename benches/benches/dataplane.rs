@@ -67,10 +67,10 @@ fn routes(c: &mut Criterion) {
         .clone();
     assert!(aff.affinity.is_some());
     c.bench_function("backend_pick", |b| {
-        b.iter(|| plain.pick(black_box(client), 0))
+        b.iter(|| plain.pick(black_box(client), 0, 3))
     });
     c.bench_function("backend_pick_client_ip_affinity", |b| {
-        b.iter(|| aff.pick(black_box(client), 0))
+        b.iter(|| aff.pick(black_box(client), 0, 3))
     });
 }
 

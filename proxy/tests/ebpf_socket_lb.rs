@@ -309,6 +309,7 @@ fn service(name: &str, backends: &[SocketAddr]) -> mcs_model::Service {
                 serving: true,
                 terminating: false,
                 selected: true,
+                fallback: false,
             })
             .collect(),
     }

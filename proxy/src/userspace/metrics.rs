@@ -167,6 +167,9 @@ pub struct FrontendCells {
     pub retries: Count,
     /// `refused`: no route, no backend, or over the connection cap.
     pub refused: Count,
+    /// `fallback_connections`: connections a fallback backend (another cluster's or zone's)
+    /// took after every selected backend tried refused.
+    pub fallbacks: Count,
 }
 
 /// Counters of a frontend.
@@ -275,7 +278,7 @@ const BACKEND_FAMILIES: [FamilyOf<BackendCells>; 4] = [
 ];
 
 /// The per-frontend counter families.
-const FRONTEND_FAMILIES: [FamilyOf<FrontendCells>; 2] = [
+const FRONTEND_FAMILIES: [FamilyOf<FrontendCells>; 3] = [
     ("retries", "Connections retried on another backend", |c| {
         &c.retries
     }),
@@ -283,6 +286,11 @@ const FRONTEND_FAMILIES: [FamilyOf<FrontendCells>; 2] = [
         "refused",
         "Connections refused (no route, no backend, cap)",
         |c| &c.refused,
+    ),
+    (
+        "fallback_connections",
+        "Connections taken by a fallback backend (another cluster's or zone's) after every selected backend tried refused",
+        |c| &c.fallbacks,
     ),
 ];
 

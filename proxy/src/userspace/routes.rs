@@ -20,9 +20,13 @@ use crate::maglev::{self, Maglev};
 pub struct Route {
     /// The frontend, as text (metric label).
     pub frontend: Arc<str>,
-    /// Selected backends in the table's order, each with its counters.
+    /// Selected backends in the table's order, then the fallback ones (usable, not
+    /// selected: another cluster's or zone's, tried when every selected one refuses), each
+    /// with its counters.
     pub backends: Backends,
-    /// Maglev table over `backends`, built at the route's first connection: on a node with
+    /// How many of `backends` are selected (the first ones).
+    selected: usize,
+    /// Maglev table over the selected backends, built at the route's first connection: on a node with
     /// many services most are never used from it, and a route is rebuilt at every change of
     /// its backends. Read lock-free once built.
     maglev: OnceLock<Maglev>,
@@ -35,21 +39,23 @@ pub struct Route {
 }
 
 impl Route {
-    /// Builds the route of a service (only selected backends get traffic).
+    /// Builds the route of a service (selected backends get traffic; the fallback ones only
+    /// when every selected one refused).
     pub fn new(
         frontend: &Frontend,
         service: &Service,
         table_size: usize,
         metrics: &ProxyMetrics,
     ) -> Self {
-        let backends: Vec<SocketAddr> = service
-            .selected()
-            .map(|b| SocketAddr::new(b.address, b.port))
-            .collect();
+        let addr = |b: &mcs_model::Backend| SocketAddr::new(b.address, b.port);
+        let mut backends: Vec<SocketAddr> = service.selected().map(addr).collect();
+        let selected = backends.len();
+        backends.extend(service.fallback().map(addr));
         let (frontend_label, frontend_counters, backends) =
             metrics.route(&frontend.to_string(), &backends);
         Self {
-            maglev_size: maglev::table_size_for(backends.len(), table_size),
+            maglev_size: maglev::table_size_for(selected, table_size),
+            selected,
             maglev: OnceLock::new(),
             frontend_counters,
             frontend: frontend_label,
@@ -60,16 +66,47 @@ impl Route {
         }
     }
 
-    /// The backend for a client, and the order in which to try the others when it fails:
-    /// `attempt` 0 is the Maglev pick, later attempts walk the backends from there.
+    /// How many connects a client's connection may try with at most `tries` per stage: up
+    /// to `tries` selected backends, then (when a backend is selected at all) up to `tries`
+    /// fallback ones.
     #[inline]
-    pub fn pick(&self, client: SocketAddr, attempt: usize) -> Option<(usize, SocketAddr)> {
-        let n = self.backends.len();
-        let first = self
-            .maglev()
-            .pick(flow_hash(client, self.affinity.is_some()))?;
-        let i = (first + attempt) % n;
+    pub fn attempts(&self, tries: usize) -> usize {
+        if self.selected == 0 {
+            return 0;
+        }
+        tries.min(self.selected) + tries.min(self.backends.len() - self.selected)
+    }
+
+    /// The backend of attempt `attempt` (of [`Self::attempts`]`(tries)`) for a client:
+    /// attempt 0 is the Maglev pick among the selected backends and the next ones walk them
+    /// from there; past `tries` (or all of them) the fallback backends are walked from a
+    /// place set by the client's flow hash.
+    #[inline]
+    pub fn pick(
+        &self,
+        client: SocketAddr,
+        attempt: usize,
+        tries: usize,
+    ) -> Option<(usize, SocketAddr)> {
+        let n = self.selected;
+        let stage = tries.min(n);
+        let hash = flow_hash(client, self.affinity.is_some());
+        let i = if attempt < stage {
+            (self.maglev().pick(hash)? + attempt) % n
+        } else {
+            let spare = self.backends.len() - n;
+            if n == 0 || spare == 0 {
+                return None;
+            }
+            n + (hash as usize).wrapping_add(attempt - stage) % spare
+        };
         Some((i, self.backends.addr(i)))
+    }
+
+    /// Whether attempt `i` (a backend index) is a fallback backend.
+    #[inline]
+    pub fn is_fallback(&self, i: usize) -> bool {
+        i >= self.selected
     }
 
     /// The route's Maglev table (built now if this is its first use).
@@ -77,13 +114,19 @@ impl Route {
     pub fn maglev(&self) -> &Maglev {
         self.maglev.get_or_init(|| {
             // Keyed by the backends' `addr:port` text, as the metric labels spell them.
-            let labels: Vec<String> = self.backends.addrs().map(|a| a.to_string()).collect();
+            let labels: Vec<String> = self
+                .backends
+                .addrs()
+                .take(self.selected)
+                .map(|a| a.to_string())
+                .collect();
             let keys: Vec<&[u8]> = labels.iter().map(|l| l.as_bytes()).collect();
             Maglev::new(&keys, self.maglev_size)
         })
     }
 
-    /// Whether `backend` is still a selected backend of this route.
+    /// Whether `backend` is still a backend of this route (selected or fallback: still
+    /// usable, so a connection to it is not drained).
     pub fn has_backend(&self, backend: SocketAddr) -> bool {
         self.backends.addrs().any(|a| a == backend)
     }
@@ -227,10 +270,57 @@ mod tests {
                         serving: true,
                         terminating: false,
                         selected: true,
+                        fallback: false,
                     }
                 })
                 .collect(),
         }
+    }
+
+    #[test]
+    fn a_connection_tries_the_selected_backends_then_the_fallback_ones() {
+        let (metrics, _registry, _routes, f) = bed();
+        let mut svc = service(&[
+            "198.18.1.2:80",
+            "198.18.1.3:80",
+            "198.18.2.2:80",
+            "198.18.2.3:80",
+            "198.18.2.4:80",
+        ]);
+        for b in &mut svc.backends[2..] {
+            (b.selected, b.fallback) = (false, true);
+        }
+        let route = Route::new(&f, &svc, 1021, &metrics);
+        assert_eq!(route.attempts(3), 2 + 3);
+        assert_eq!(route.attempts(1), 1 + 1);
+        for port in 1000..1100 {
+            let client: SocketAddr = format!("198.18.9.9:{port}").parse().unwrap();
+            let tried: Vec<(usize, SocketAddr)> = (0..route.attempts(3))
+                .map(|a| route.pick(client, a, 3).unwrap())
+                .collect();
+            let mut seen: Vec<usize> = tried.iter().map(|t| t.0).collect();
+            assert!(seen[..2].iter().all(|&i| i < 2 && !route.is_fallback(i)));
+            assert!(seen[2..].iter().all(|&i| route.is_fallback(i)));
+            assert!(
+                tried[2..]
+                    .iter()
+                    .all(|t| t.1.to_string().starts_with("198.18.2."))
+            );
+            seen.sort_unstable();
+            seen.dedup();
+            assert_eq!(seen.len(), 5, "each backend once: {tried:?}");
+            // One try a stage: the Maglev pick, then one fallback backend.
+            let one: Vec<usize> = (0..route.attempts(1))
+                .map(|a| route.pick(client, a, 1).unwrap().0)
+                .collect();
+            assert!(one[0] < 2 && one[1] >= 2, "{one:?}");
+        }
+        // Nothing selected: nothing tried (the fallback only backs up a selection).
+        for b in &mut svc.backends {
+            b.selected = false;
+        }
+        let none = Route::new(&f, &svc, 1021, &metrics);
+        assert_eq!(none.attempts(3), 0);
     }
 
     fn exposed(registry: &prometheus_client::registry::Registry) -> String {

@@ -220,7 +220,8 @@ async fn handle(
         reset(&client_stream);
         return;
     };
-    let attempts = shared.config.connect_attempts.min(route.backends.len());
+    let tries = shared.config.connect_attempts;
+    let attempts = route.attempts(tries);
     if attempts == 0 {
         route.frontend_counters.refused.inc();
         reset(&client_stream);
@@ -228,7 +229,7 @@ async fn handle(
     }
     let mut upstream = None;
     for attempt in 0..attempts {
-        let Some((i, backend)) = route.pick(client, attempt) else {
+        let Some((i, backend)) = route.pick(client, attempt, tries) else {
             break;
         };
         if attempt > 0 {
@@ -236,6 +237,10 @@ async fn handle(
         }
         match tokio::time::timeout(shared.config.connect_timeout, connect(backend)).await {
             Ok(Ok(s)) => {
+                if route.is_fallback(i) {
+                    route.frontend_counters.fallbacks.inc();
+                    tracing::debug!(frontend = %route.frontend, %client, %backend, "every selected backend tried refused; a fallback backend took the connection");
+                }
                 upstream = Some((i, backend, s));
                 break;
             }

@@ -608,9 +608,9 @@ impl<'s> Worker<'s> {
             let Some(c) = self.conns[i].as_deref_mut() else {
                 return;
             };
-            let n = attempts.min(c.route.backends.len());
+            let n = c.route.attempts(attempts);
             let picked = (c.attempt < n)
-                .then(|| c.route.pick(c.client_addr, c.attempt))
+                .then(|| c.route.pick(c.client_addr, c.attempt, attempts))
                 .flatten();
             let Some((bi, backend)) = picked else {
                 c.route.frontend_counters.refused.inc();
@@ -848,6 +848,10 @@ impl<'s> Worker<'s> {
             op::CONNECT if open => {
                 if res == 0 {
                     c.route.backends.cells(c.backend.0).connections.inc();
+                    if c.route.is_fallback(c.backend.0) {
+                        c.route.frontend_counters.fallbacks.inc();
+                        tracing::debug!(frontend = %c.route.frontend, client = %c.client_addr, backend = %c.backend.1, "every selected backend tried refused; a fallback backend took the connection");
+                    }
                     self.recv(i, 0);
                     self.recv(i, 1);
                 } else {

@@ -483,6 +483,7 @@ impl Index {
                         serving: ep.serving,
                         terminating: ep.terminating,
                         selected: false,
+                        fallback: false,
                     };
                     let k = (b.address, b.port);
                     let better = match best.get(&k) {

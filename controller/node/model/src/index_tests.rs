@@ -93,6 +93,13 @@ pub(crate) fn selected(t: &ForwardingTable, f: &Frontend) -> Vec<String> {
         .collect()
 }
 
+pub(crate) fn fallback(t: &ForwardingTable, f: &Frontend) -> Vec<String> {
+    t.frontends[f]
+        .fallback()
+        .map(|b| format!("{}:{}@{}", b.address, b.port, b.cluster))
+        .collect()
+}
+
 #[test]
 fn one_frontend_per_ip_and_port_with_family_matched_backends() {
     let imp = mk_import(
@@ -212,6 +219,8 @@ fn local_cluster_first_then_remote_failover() {
     idx.flush();
     let f = fe("198.18.0.10", 80);
     assert_eq!(selected(idx.table(), &f), vec!["198.18.1.2:8080@c1"]);
+    // The remote one is what a forwarder tries when the local one refuses.
+    assert_eq!(fallback(idx.table(), &f), vec!["198.18.2.2:8080@c2"]);
     // Local endpoint not ready: the remote cluster takes over.
     let mut down = local;
     down.endpoints[0].ready = Some(false);
@@ -219,6 +228,10 @@ fn local_cluster_first_then_remote_failover() {
     let d = idx.flush();
     assert_eq!(d.upsert.len(), 1);
     assert_eq!(selected(idx.table(), &f), vec!["198.18.2.2:8080@c2"]);
+    assert!(
+        fallback(idx.table(), &f).is_empty(),
+        "not ready: never tried"
+    );
     // Backends keep a stable order: (cluster, address, port).
     let clusters: Vec<&str> = idx.table().frontends[&f]
         .backends
@@ -273,6 +286,7 @@ fn prefer_close_picks_the_node_zone_when_it_has_one() {
     let f = fe("198.18.0.10", 80);
     let (t, _) = compute(node("c1"), [imp.clone()], [s.clone()]);
     assert_eq!(selected(&t, &f), vec!["198.18.1.2:80@c1"]);
+    assert_eq!(fallback(&t, &f), vec!["198.18.1.3:80@c1"]);
     imp.traffic_distribution = None;
     let (t, _) = compute(node("c1"), [imp], [s]);
     assert_eq!(selected(&t, &f).len(), 2);

@@ -107,6 +107,9 @@ pub struct Backend {
     pub terminating: bool,
     /// Whether the selection policy sends new connections here.
     pub selected: bool,
+    /// Usable but not selected (another cluster's or zone's): a dataplane that can retry
+    /// tries these when every selected backend refuses ([`select`]).
+    pub fallback: bool,
 }
 
 /// ClientIP session affinity.
@@ -132,6 +135,11 @@ impl Service {
     /// The backends the selection policy sends new connections to.
     pub fn selected(&self) -> impl Iterator<Item = &Backend> {
         self.backends.iter().filter(|b| b.selected)
+    }
+
+    /// The backends to try when every selected one refuses.
+    pub fn fallback(&self) -> impl Iterator<Item = &Backend> {
+        self.backends.iter().filter(|b| b.fallback)
     }
 }
 

@@ -4,7 +4,7 @@
 use crate::{
     Guard, IpCidr, Limits, NodeConfig,
     index::{Index, compute},
-    index_tests::{ep, fe, mk_import, mk_slice, node, selected},
+    index_tests::{ep, fallback, fe, mk_import, mk_slice, node, selected},
     validate::{LABEL_MANAGED_BY, Reason, Rejection},
 };
 
@@ -318,12 +318,15 @@ fn internal_traffic_policy_local_selects_only_endpoints_on_this_node() {
     let s = mk_slice("s", "web", "c1", &[("http", 8080)], vec![here, there]);
     let (t, _) = compute(node("c1"), [imp.clone()], [s]);
     assert_eq!(selected(&t, &fe("198.18.0.10", 80)), ["198.18.1.2:8080@c1"]);
+    // Traffic stays on the node: the endpoint elsewhere is no fallback either.
+    assert!(fallback(&t, &fe("198.18.0.10", 80)).is_empty());
     // None on this node: nothing is selected (no fallback), as with kube-proxy.
     let mut elsewhere = ep("198.18.1.3", true);
     elsewhere.node_name = Some("node-z2".into());
     let s = mk_slice("s", "web", "c1", &[("http", 8080)], vec![elsewhere]);
     let (t, _) = compute(node("c1"), [imp.clone()], [s]);
     assert!(selected(&t, &fe("198.18.0.10", 80)).is_empty());
+    assert!(fallback(&t, &fe("198.18.0.10", 80)).is_empty());
     imp.internal_traffic_policy = Some("Sometimes".into());
     let (_, rej) = compute(node("c1"), [imp], []);
     assert_eq!(rej[0].reason, Reason::InvalidPolicy);

@@ -5,6 +5,11 @@
 //! 2. Locality: endpoints of the local cluster when it has a usable one; else every cluster.
 //! 3. Zone: with `trafficDistribution: PreferClose`, endpoints in the node's zone when there is
 //!    one among those left; else all of them.
+//! 4. Fallback: the usable endpoints that 2 and 3 left out (other clusters', other zones')
+//!    are marked `fallback`: a dataplane that sees a refusal (the userspace forwarder) tries
+//!    them when every selected endpoint refuses, rather than resetting the client while the
+//!    local cluster's EndpointSlices still say ready. None with `internalTrafficPolicy:
+//!    Local` (traffic stays on the node, as kube-proxy keeps it).
 
 use std::{collections::BTreeSet, net::IpAddr};
 
@@ -39,10 +44,12 @@ pub fn mark_selected(
     if let Some(on_node) = node_local {
         for b in backends.iter_mut() {
             b.selected = usable(b) && on_node.contains(&(b.address, b.port));
+            b.fallback = false;
         }
         return;
     }
     for b in backends.iter_mut() {
         b.selected = in_scope(b) && (!zone_pref || b.zone.as_deref() == zone);
+        b.fallback = usable(b) && !b.selected;
     }
 }

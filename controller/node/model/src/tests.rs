@@ -27,6 +27,7 @@ fn service(name: &str, backends: &[(u8, bool)]) -> Arc<Service> {
                 serving: true,
                 terminating: false,
                 selected,
+                fallback: false,
             })
             .collect(),
     })
