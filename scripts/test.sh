@@ -80,7 +80,7 @@ dns=$?
 set -e
 if ((dns == 0)); then echo "DNS bench smoke: ok"; else echo "DNS bench smoke: FAILED"; status=1; fi
 
-step "real ClusterSet: two clusters with kubelets (scripts/clusterset.sh up: our image, our chart, CoreDNS), end to end on real pods, the whole upstream conformance suite, down"
+step "real ClusterSet: two clusters with kubelets (scripts/clusterset.sh up: our image, our chart, CoreDNS), end to end on real pods, the whole upstream conformance suite, helm uninstall, down"
 set +e
 # Whatever happens below (a failure, a timeout's TERM), the clusters go.
 trap 'bash scripts/clusterset.sh down >/dev/null 2>&1 || true' EXIT
@@ -114,6 +114,10 @@ if ((up == 0)); then
   MCS_CONFORMANCE_MODE=real bash scripts/conformance.sh
   conformance=$?
   if ((conformance == 0)); then echo "conformance: ok"; else echo "conformance: FAILED"; status=1; fi
+  # Last (it removes the chart): helm uninstall leaves no program, pin, table or rule on a node.
+  bash scripts/clusterset-uninstall.sh
+  uninstall=$?
+  if ((uninstall == 0)); then echo "clusterset helm uninstall (nodes clean): ok"; else echo "clusterset helm uninstall (nodes clean): FAILED"; status=1; fi
 else
   echo "clusterset up: FAILED"; status=1
 fi

@@ -153,6 +153,14 @@ pub struct RunArgs {
     /// How often `file:DIR` is re-read, in milliseconds.
     #[arg(long, default_value_t = 500)]
     pub file_poll_ms: u64,
+    /// The DaemonSet that runs this agent (`--source kube` only; the chart sets it). Watched:
+    /// when it is deleted (an uninstall), the agent removes its eBPF programs and pins at
+    /// stop; while it exists (a restart, an upgrade) they stay, so traffic keeps flowing.
+    #[arg(long, env = "MCS_OWNER_DAEMONSET", requires = "owner_namespace")]
+    pub owner_daemonset: Option<String>,
+    /// The namespace of `--owner-daemonset`.
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub owner_namespace: Option<String>,
     #[command(flatten)]
     pub proxy: ProxyArgs,
     #[command(flatten)]

@@ -114,6 +114,24 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         .with_context(|| format!("binding the metrics address {}", args.metrics_addr))?;
     tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
 
+    // Uninstall or restart: told by whether the DaemonSet is deleted (mcs_sync::owner).
+    let owner = match (
+        &prepared.client,
+        &args.owner_daemonset,
+        &args.owner_namespace,
+    ) {
+        (Some(client), Some(name), Some(ns)) => {
+            Some(mcs_sync::owner::watch(client.clone(), ns, name))
+        }
+        (None, Some(name), _) => {
+            tracing::warn!(
+                daemonset = %name,
+                "--owner-daemonset is read with --source kube only; ignored"
+            );
+            None
+        }
+        _ => None,
+    };
     let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
     let events = prepared
         .client
@@ -146,13 +164,35 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
     match sync_loop.into_dataplane() {
         AnyDataplane::Userspace(u) => u.shutdown().await,
-        AnyDataplane::Ebpf(_) => tracing::warn!(
-            cgroup = %args.cgroup_root.display(),
-            pins = %args.pins.bpf_pin_dir.display(),
-            "the eBPF programs stay attached to {} and keep rewriting connects to the ClusterSetIPs (so traffic survives restarts); to remove them: mcs-agent uninstall --bpf-pin-dir {}",
-            args.cgroup_root.display(),
-            args.pins.bpf_pin_dir.display()
-        ),
+        AnyDataplane::Ebpf(lb) => match owner.as_ref().filter(|o| o.removed()) {
+            Some(o) => {
+                // Unpinned here, detached when this process closes the links.
+                let pins = &args.pins.bpf_pin_dir;
+                match SocketLb::uninstall(pins) {
+                    Ok(n) => tracing::info!(
+                        daemonset = %o.describe(),
+                        pins = %pins.display(),
+                        removed = n,
+                        "uninstall: the agent's DaemonSet is deleted, so the eBPF programs are detached and their pins removed"
+                    ),
+                    Err(e) => tracing::error!(
+                        daemonset = %o.describe(),
+                        pins = %pins.display(),
+                        error = %e,
+                        "uninstall: could not remove the pins; the programs may stay attached (mcs-agent uninstall --bpf-pin-dir)"
+                    ),
+                }
+                drop(lb);
+            }
+            None => tracing::warn!(
+                cgroup = %args.cgroup_root.display(),
+                pins = %args.pins.bpf_pin_dir.display(),
+                "the eBPF programs stay attached to {} and keep rewriting connects to the ClusterSetIPs (so traffic survives restarts; the agent's DaemonSet is not deleted{}); to remove them: mcs-agent uninstall --bpf-pin-dir {}",
+                args.cgroup_root.display(),
+                if owner.is_none() { ", or not known: --owner-daemonset" } else { "" },
+                args.pins.bpf_pin_dir.display()
+            ),
+        },
         AnyDataplane::Log(_) => {}
     }
     tracing::info!("stopped");

@@ -149,6 +149,8 @@ fn kustomize_base_and_helm_chart_render_the_same_objects() {
             "ConfigMap",
             "DaemonSet",
             "Namespace",
+            "Role",
+            "RoleBinding",
             "Service",
             "Service",
             "ServiceAccount"

@@ -14,12 +14,14 @@
 //! - [`sync_loop`]: the loop that coalesces bursts, flushes the index and applies diffs.
 //! - [`metrics`]: Prometheus metrics; [`http`] (from `mcs-runtime`): `/metrics`, `/healthz`, `/readyz`.
 //! - [`events`]: rate-limited Kubernetes Events for rejected objects.
+//! - [`owner`]: whether the agent's DaemonSet is being removed (an uninstall, not a restart).
 #![forbid(unsafe_code)]
 
 pub mod convert;
 pub mod events;
 pub use mcs_runtime::http;
 pub mod metrics;
+pub mod owner;
 pub mod source;
 pub mod sync_loop;
 

@@ -12,7 +12,7 @@ use k8s_openapi::api::{
     authorization::v1::{ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec},
     core::v1::Secret,
     discovery::v1::EndpointSlice,
-    rbac::v1::{ClusterRole, ClusterRoleBinding},
+    rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding},
 };
 use kube::{
     Api, Client,
@@ -292,7 +292,8 @@ async fn apiserver_restart_loses_nothing_and_reprograms_nothing() {
     let _ = run.stop.send(true);
 }
 
-/// Applies deploy/kustomize/base/rbac.yaml (ServiceAccount, ClusterRole, ClusterRoleBinding) as admin.
+/// Applies deploy/kustomize/base/rbac.yaml (ServiceAccount, ClusterRole, ClusterRoleBinding,
+/// Role, RoleBinding) as admin.
 async fn apply_rbac(admin: Client) {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -337,6 +338,22 @@ async fn apply_rbac(admin: Client) {
                 .patch(&name, &pp, &Patch::Apply(&r))
                 .await
                 .unwrap();
+            }
+            "Role" => {
+                let r: Role = serde_json::from_value(v).unwrap();
+                let name = r.metadata.name.clone().unwrap();
+                Api::<Role>::namespaced(admin.clone(), "mcs-system")
+                    .patch(&name, &pp, &Patch::Apply(&r))
+                    .await
+                    .unwrap();
+            }
+            "RoleBinding" => {
+                let r: RoleBinding = serde_json::from_value(v).unwrap();
+                let name = r.metadata.name.clone().unwrap();
+                Api::<RoleBinding>::namespaced(admin.clone(), "mcs-system")
+                    .patch(&name, &pp, &Patch::Apply(&r))
+                    .await
+                    .unwrap();
             }
             other => panic!("unexpected kind {other} in deploy/kustomize/base/rbac.yaml"),
         }
@@ -401,6 +418,20 @@ async fn agent_works_under_exactly_the_deployed_cluster_role() {
     }
     assert!(allowed(&agent, Some(&ns), "events.k8s.io", "events", "create").await);
     assert!(allowed(&agent, Some(&ns), "events.k8s.io", "events", "patch").await);
+    // Its own namespace's DaemonSets, read only (uninstall or restart: mcs_sync::owner).
+    for verb in ["get", "list", "watch"] {
+        assert!(allowed(&agent, Some("mcs-system"), "apps", "daemonsets", verb).await);
+        assert!(
+            !allowed(&agent, Some(&ns), "apps", "daemonsets", verb).await,
+            "{verb} daemonsets elsewhere must be denied"
+        );
+    }
+    for verb in ["create", "update", "patch", "delete"] {
+        assert!(
+            !allowed(&agent, Some("mcs-system"), "apps", "daemonsets", verb).await,
+            "{verb} daemonsets must be denied"
+        );
+    }
     // Nothing more.
     for (group, resource, verb) in [
         ("", "secrets", "get"),
@@ -823,4 +854,63 @@ async fn protobuf_and_json_read_the_same_slices() {
         }
         other => panic!("expected the deletion, got {other:?}"),
     }
+}
+
+/// Polls `f` (every 20 ms) until it holds; fails after [`WAIT`].
+async fn until(what: &str, f: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while !f() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn daemonset(name: &str) -> k8s_openapi::api::apps::v1::DaemonSet {
+    serde_json::from_value(serde_json::json!({
+        "metadata": { "name": name, "namespace": "mcs-system" },
+        "spec": {
+            "selector": { "matchLabels": { "app": name } },
+            "template": {
+                "metadata": { "labels": { "app": name } },
+                "spec": { "containers": [{ "name": "agent", "image": "mcs-dataplane/mcs-agent:test" }] }
+            }
+        }
+    }))
+    .unwrap()
+}
+
+/// Under the deployed role, the agent sees its DaemonSet deleted (an uninstall) and created
+/// again (a restart after all); a name that never existed is never taken for an uninstall.
+#[tokio::test]
+async fn the_agent_tells_its_daemonset_deleted_from_present() {
+    let Some(api) = apiserver::shared() else {
+        return;
+    };
+    let admin = api.client().await;
+    let agent = api.client_as(User::Agent).await;
+    apply_rbac(admin.clone()).await;
+    let ds = Api::<k8s_openapi::api::apps::v1::DaemonSet>::namespaced(admin.clone(), "mcs-system");
+    let name = "mcs-agent-owner-test";
+    let _ = ds.delete(name, &DeleteParams::default()).await;
+    ds.create(&PostParams::default(), &daemonset(name))
+        .await
+        .unwrap();
+    let owner = mcs_sync::owner::watch(agent.clone(), "mcs-system", name);
+    let wrong = mcs_sync::owner::watch(agent.clone(), "mcs-system", "no-such-daemonset");
+    until("the DaemonSet seen", || owner.seen()).await;
+    assert!(!owner.removed(), "present: a stop is a restart");
+    ds.delete(name, &DeleteParams::default()).await.unwrap();
+    until("the delete seen", || owner.removed()).await;
+    ds.create(&PostParams::default(), &daemonset(name))
+        .await
+        .unwrap();
+    until("the DaemonSet seen again", || !owner.removed()).await;
+    assert!(
+        !wrong.removed(),
+        "a DaemonSet that never existed is not an uninstall"
+    );
+    ds.delete(name, &DeleteParams::default()).await.unwrap();
 }

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# `helm uninstall` on the real ClusterSet, then every node must be clean: no program of ours
+# attached to the kubelet's cgroup, no pins, no nftables table, no policy rule or route of
+# ours (checked with bpftool, nft and ip inside each node's network namespace). A restart
+# keeps the pinned eBPF programs on purpose (traffic survives it); an uninstall is told
+# apart by the agent watching its own DaemonSet (mcs_sync::owner), so it must leave nothing.
+#
+# Run last, after the suites that share the ClusterSet (it removes the chart), before
+# `scripts/clusterset.sh down`. Usage: bash scripts/clusterset-uninstall.sh
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+# shellcheck source=scripts/env.sh
+. scripts/env.sh
+STATE="${MCS_CLUSTERSET_DIR:-/var/lib/mcs-clusterset}"
+export KUBECONFIG="$STATE/kubeconfig"
+[[ -f $KUBECONFIG ]] || { echo "uninstall: no clusterset (bash scripts/clusterset.sh up)" >&2; exit 1; }
+[[ $EUID -eq 0 ]] || { echo "uninstall: needs root (bpftool, nft and ip in the nodes' namespaces)" >&2; exit 1; }
+
+failures=0
+say() { printf '\033[1muninstall:\033[0m %s\n' "$*"; }
+fail() { printf 'uninstall: FAILED: %s\n' "$*" >&2; failures=$((failures + 1)); }
+kc() { local c=$1; shift; kubectl --context "$c" "$@"; }
+
+# What of ours node c$i holds, one word each ("" when clean).
+leftovers() {
+  local i=$1 ns="mcs-cs-c$1" left=""
+  local pins="/sys/fs/bpf/mcs-clusterset-c$i" cg="/sys/fs/cgroup/unified/mcs-c$i"
+  [[ -n $(find "$pins" -mindepth 1 2>/dev/null | head -1) ]] && left+=" pins($pins)"
+  [[ -d $cg ]] && bpftool cgroup tree "$cg" 2>/dev/null | grep -q ' mcs_' && left+=" programs(on $cg)"
+  ip netns exec "$ns" nft list table inet mcs_dataplane >/dev/null 2>&1 && left+=" nft(inet mcs_dataplane)"
+  ip -n "$ns" rule 2>/dev/null | grep -q 'fwmark 0x4d43' && left+=" rule(fwmark 0x4d43)"
+  ip -n "$ns" route show table 0x4d43 2>/dev/null | grep -q . && left+=" routes(table 0x4d43)"
+  echo "$left"
+}
+
+clusters=$(kubectl config get-contexts -o name | grep -E '^c[0-9]+$' | sort -V)
+for c in $clusters; do
+  i=${c#c}
+  before=$(leftovers "$i")
+  # The suites end on the eBPF dataplane: its programs are attached and pinned now.
+  [[ $before == *programs* && $before == *pins* ]] ||
+    fail "$c: before the uninstall, expected the eBPF programs attached and pinned; found:${before:- nothing}"
+  # Follow the agents' logs to their end: their last words say what they removed.
+  for pod in $(kc "$c" -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent -o name); do
+    kc "$c" -n mcs-system logs -f "$pod" >"$STATE/$c-${pod#pod/}-uninstall.log" 2>&1 &
+  done
+  say "$c: installed:$before; helm uninstall"
+  helm --kube-context "$c" uninstall mcs-dataplane --wait --timeout 120s >/dev/null ||
+    fail "$c: helm uninstall failed"
+done
+# The log followers end with their containers (bounded by the pods' wait below).
+trap 'jobs -p | xargs -r kill 2>/dev/null || true' EXIT
+for c in $clusters; do
+  i=${c#c}
+  # The agents stop when the garbage collector deletes their pods (after the DaemonSet).
+  deadline=$((SECONDS + 120))
+  while [[ -n $(kc "$c" -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent -o name 2>/dev/null) ]]; do
+    ((SECONDS > deadline)) && { fail "$c: agent pods still there 120 s after the uninstall"; break; }
+    sleep 0.5
+  done
+  # A stopping agent removes its pins as it exits; poll (bounded) for the last of it.
+  deadline=$((SECONDS + 30))
+  left=$(leftovers "$i")
+  while [[ -n $left ]] && ((SECONDS <= deadline)); do
+    sleep 0.5
+    left=$(leftovers "$i")
+  done
+  wait_logs=$((SECONDS + 10))
+  while [[ -n $(jobs -rp) ]] && ((SECONDS <= wait_logs)); do sleep 0.2; done
+  if [[ -n $left ]]; then
+    fail "$c: left behind after helm uninstall:$left (agent logs: $STATE/$c-*-uninstall.log)"
+  else
+    say "$c: node clean (no program attached, no pins, no nftables table, no rule or route of ours)"
+  fi
+  # And it was the agent that removed them, on seeing its DaemonSet deleted.
+  for f in "$STATE/$c"-*-uninstall.log; do
+    grep -q "uninstall: the agent's DaemonSet is deleted" "$f" ||
+      fail "$c: the agent did not log its uninstall ($f: $(tail -3 "$f" | tr '\n' ' '))"
+  done
+  # What stays, by Helm's rules: the CRDs (chart crds/) and the objects of them.
+  crds=$(kc "$c" get crd -o name 2>/dev/null | grep -c 'multicluster.x-k8s.io' || true)
+  say "$c: CRDs kept by Helm: $crds (ServiceImports stay until deleted; docs/install.md)"
+done
+if ((failures > 0)); then
+  echo "uninstall: $failures failure(s)" >&2
+  exit 1
+fi
+say "every node clean after helm uninstall"
