@@ -103,7 +103,7 @@ impl Route {
         Some((i, self.backends.addr(i)))
     }
 
-    /// Whether attempt `i` (a backend index) is a fallback backend.
+    /// Whether backend `i` (an index from [`Self::pick`]) is a fallback backend.
     #[inline]
     pub fn is_fallback(&self, i: usize) -> bool {
         i >= self.selected
