@@ -987,11 +987,7 @@ impl WantSlice {
         computed: bool,
     ) -> Option<Self> {
         let src_ports = es.ports.as_deref().unwrap_or_default();
-        if !src_ports.is_empty()
-            && !src_ports
-                .iter()
-                .any(|p| served.contains(&p.name.clone().unwrap_or_default()))
-        {
+        if !src_ports.is_empty() && !src_ports.iter().any(|p| serves(served, p)) {
             return None;
         }
         let src = es.metadata.name.as_deref().unwrap_or_default();
@@ -1020,7 +1016,7 @@ impl WantSlice {
             .as_deref()
             .unwrap_or_default()
             .iter()
-            .filter(|p| self.served.contains(&p.name.clone().unwrap_or_default()))
+            .filter(|p| serves(&self.served, p))
             .cloned()
             .collect();
         let labels = BTreeMap::from([
@@ -1061,6 +1057,12 @@ impl WantSlice {
             ports: Some(ports),
         }
     }
+}
+
+/// Whether `p` is one of the `served` ports (by name; unnamed is `""`).
+fn serves(served: &[String], p: &EndpointPort) -> bool {
+    let name = p.name.as_deref().unwrap_or_default();
+    served.iter().any(|s| s == name)
 }
 
 /// At most `n` bytes of a DNS label or subdomain as part of one DNS label: dots become
@@ -1447,7 +1449,7 @@ mod tests {
             };
             for k in keys {
                 match (r.want.imports.get(&k), have.get(&k)) {
-                    (Some(si), h) if h.is_none_or(|h| !h.same(si, true)) => {
+                    (Some(si), h) if h.is_none_or(|h| !h.same(si)) => {
                         self.imports.apply(k, Arc::new(HeldImport::new(si)));
                     }
                     (None, Some(h)) if h.ours => self.imports.remove(&k),

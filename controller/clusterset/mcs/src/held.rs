@@ -200,21 +200,30 @@ impl HeldImport {
             .map(|i| self.labels[i].1.as_str())
     }
 
-    /// Whether it holds what we manage of `want`: spec and annotations, our labels (it may
-    /// carry others), and with `with_status` the status (clusters and conditions).
-    pub fn same(&self, want: &ServiceImport, with_status: bool) -> bool {
-        let labels_same = want
-            .metadata
-            .labels
-            .iter()
-            .flatten()
-            .all(|(k, v)| self.label(k) == Some(v.as_str()));
-        let status_same = !with_status
-            || (self.clusters == import_clusters(want)
-                && self
-                    .conditions
-                    .same(want.status.as_ref().map_or(&[][..], |s| &s.conditions)));
-        labels_same && self.spec == import_spec(want) && status_same
+    /// Whether it holds what we manage of `want`'s spec write: spec and annotations, and our
+    /// labels (it may carry others).
+    pub fn spec_same(&self, want: &ServiceImport) -> bool {
+        self.spec == import_spec(want)
+            && want
+                .metadata
+                .labels
+                .iter()
+                .flatten()
+                .all(|(k, v)| self.label(k) == Some(v.as_str()))
+    }
+
+    /// Whether it holds `want`'s status (clusters and conditions, times aside).
+    pub fn status_same(&self, want: &ServiceImport) -> bool {
+        self.clusters == import_clusters(want)
+            && self
+                .conditions
+                .same(want.status.as_ref().map_or(&[][..], |s| &s.conditions))
+    }
+
+    /// Whether it holds all we manage of `want` ([`Self::spec_same`] and
+    /// [`Self::status_same`]).
+    pub fn same(&self, want: &ServiceImport) -> bool {
+        self.spec_same(want) && self.status_same(want)
     }
 }
 
@@ -343,17 +352,14 @@ mod tests {
         assert!(held.ours);
         assert_eq!(held.ips, ["198.19.56.1"]);
         assert_eq!(held.label("team"), Some("a"));
-        assert!(
-            held.same(&want, true),
-            "a label of someone else's is left alone"
-        );
-        assert!(!held.same(&import(&["198.19.56.2"], "Ready", false), false));
-        assert!(!held.same(&import(&["198.19.56.1"], "Other", false), true));
-        assert!(held.same(&import(&["198.19.56.1"], "Other", false), false));
+        assert!(held.same(&want), "a label of someone else's is left alone");
+        assert!(!held.spec_same(&import(&["198.19.56.2"], "Ready", false)));
+        assert!(!held.same(&import(&["198.19.56.1"], "Other", false)));
+        assert!(held.spec_same(&import(&["198.19.56.1"], "Other", false)));
         let mut later = want.clone();
         later.status.as_mut().unwrap().conditions[0].last_transition_time =
             Time(Timestamp::from_second(60).unwrap());
-        assert!(held.same(&later, true), "transition times are not compared");
+        assert!(held.same(&later), "transition times are not compared");
         assert_eq!(
             held.conditions.since("Ready", "True"),
             Some(&Time(Timestamp::UNIX_EPOCH))
@@ -361,11 +367,11 @@ mod tests {
         assert_eq!(held.conditions.since("Ready", "False"), None);
         let mut annotated = want.clone();
         annotated.metadata.annotations = Some(BTreeMap::from([("a".into(), "b".into())]));
-        assert!(!held.same(&annotated, false));
+        assert!(!held.spec_same(&annotated));
         // Our label missing: not ours, not the same.
         let mut theirs = want.clone();
         theirs.metadata.labels = None;
         let theirs = HeldImport::new(&theirs);
-        assert!(!theirs.ours && !theirs.same(&want, false));
+        assert!(!theirs.ours && !theirs.spec_same(&want));
     }
 }

@@ -5,11 +5,11 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::{api::core::v1::Service, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use kube::Resource;
-
-use crate::held::HeldConditions;
 use mcs_api::{ServiceExport, ServiceExportSpec, ServiceExportStatus};
 use mcs_merge::{Port, ServiceKind, ServiceShape, meta::Refusal};
 use serde::Deserialize;
+
+use crate::held::HeldConditions;
 
 /// (namespace, name).
 pub type ObjKey = (String, String);

@@ -275,14 +275,14 @@ pub async fn sync(
     for ((ns, name), si) in of(&want.imports, looked_at) {
         let key = (ns.clone(), name.clone());
         let have = have_imports.get(&key);
-        if have.is_some_and(|h| h.same(si, true)) {
+        let spec_same = have.is_some_and(|h| h.spec_same(si));
+        if spec_same && have.is_some_and(|h| h.status_same(si)) {
             continue;
         }
         let target = (IMPORT, key.clone());
         if !pass.due(target.clone()) {
             continue;
         }
-        let spec_same = have.is_some_and(|h| h.same(si, false));
         let mut body = si.clone();
         body.status = None;
         let api: Api<ServiceImport> = Api::namespaced(client.clone(), ns);
