@@ -32,19 +32,14 @@
 #
 #   bash scripts/clusterset-e2e.sh
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-# shellcheck source=scripts/env.sh
-. scripts/env.sh
-STATE="${MCS_CLUSTERSET_DIR:-/var/lib/mcs-clusterset}"
-export KUBECONFIG="$STATE/kubeconfig"
-[[ -f $KUBECONFIG ]] || { echo "e2e: no clusterset (bash scripts/clusterset.sh up)" >&2; exit 1; }
+# shellcheck source=scripts/clusterset-lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/clusterset-lib.sh"
+need_clusterset e2e
 NS="e2e-$(date +%s)"
 failures=0
 
 say() { printf '\033[1me2e:\033[0m %s\n' "$*"; }
 fail() { printf 'e2e: FAILED: %s\n' "$*" >&2; failures=$((failures + 1)); }
-kc() { local c=$1; shift; kubectl --context "$c" "$@"; }
 until_ok() { # until_ok SECONDS DESCRIPTION CMD...
   local secs=$1 what=$2; shift 2
   local deadline=$((SECONDS + secs))

@@ -20,12 +20,8 @@
 # Everything it creates (two namespaces per cluster, the hostPath directory, the host's
 # watch) is removed on exit.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-# shellcheck source=scripts/env.sh
-. scripts/env.sh
-STATE="${MCS_CLUSTERSET_DIR:-/var/lib/mcs-clusterset}"
-export KUBECONFIG="$STATE/kubeconfig"
+# shellcheck source=scripts/clusterset-lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/clusterset-lib.sh"
 OTHERS=1000
 SAMPLES=20
 while (($#)); do
@@ -37,14 +33,13 @@ while (($#)); do
   esac
 done
 [[ $OTHERS =~ ^[0-9]+$ && $SAMPLES =~ ^[1-9][0-9]*$ ]] || { echo "latency: --others N (≥ 0) and --samples M (≥ 1)" >&2; exit 2; }
-[[ -f $KUBECONFIG ]] || { echo "latency: no clusterset (bash scripts/clusterset.sh up)" >&2; exit 1; }
+need_clusterset latency
 stamp=$(date +%s)
 NS="lat-$stamp"
 ONS="lat-others-$stamp"
 DIR="$STATE/latency-$stamp"
 say() { printf '\033[1mlatency:\033[0m %s\n' "$*"; }
 die() { printf 'latency: FAILED: %s\n' "$*" >&2; exit 1; }
-kc() { local c=$1; shift; kubectl --context "$c" "$@"; }
 watch_pid=""
 cleanup() {
   local rc=$?

@@ -8,19 +8,14 @@
 # Run last, after the suites that share the ClusterSet (it removes the chart), before
 # `scripts/clusterset.sh down`. Usage: bash scripts/clusterset-uninstall.sh
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-# shellcheck source=scripts/env.sh
-. scripts/env.sh
-STATE="${MCS_CLUSTERSET_DIR:-/var/lib/mcs-clusterset}"
-export KUBECONFIG="$STATE/kubeconfig"
-[[ -f $KUBECONFIG ]] || { echo "uninstall: no clusterset (bash scripts/clusterset.sh up)" >&2; exit 1; }
+# shellcheck source=scripts/clusterset-lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/clusterset-lib.sh"
+need_clusterset uninstall
 [[ $EUID -eq 0 ]] || { echo "uninstall: needs root (bpftool, nft and ip in the nodes' namespaces)" >&2; exit 1; }
 
 failures=0
 say() { printf '\033[1muninstall:\033[0m %s\n' "$*"; }
 fail() { printf 'uninstall: FAILED: %s\n' "$*" >&2; failures=$((failures + 1)); }
-kc() { local c=$1; shift; kubectl --context "$c" "$@"; }
 
 # What of ours node c$i holds, one word each ("" when clean).
 leftovers() {

@@ -1,0 +1,14 @@
+# Sourced (not run) by the scripts that use a running ClusterSet (clusterset-e2e.sh,
+# clusterset-latency.sh, clusterset-uninstall.sh): the repository root as working directory,
+# the tools' environment, the ClusterSet's state directory and kubeconfig, `kc CONTEXT ARGS…`
+# and `need_clusterset NAME` (exits with NAME's message when none is up).
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+# shellcheck source=scripts/env.sh
+. scripts/env.sh
+STATE="${MCS_CLUSTERSET_DIR:-/var/lib/mcs-clusterset}"
+export KUBECONFIG="$STATE/kubeconfig"
+kc() { local c=$1; shift; kubectl --context "$c" "$@"; }
+need_clusterset() {
+  [[ -f $KUBECONFIG ]] || { echo "$1: no clusterset (bash scripts/clusterset.sh up)" >&2; exit 1; }
+}
