@@ -20,6 +20,11 @@
 #      `clusterset.sh up --cni mixed` (as CI runs it) c1's pods are routed (ptp) and c2's sit on
 #      a Linux bridge with br_netfilter on, so both node networks are crossed. Then back to
 #      eBPF.
+#   On a ClusterSet of several nodes per cluster (`clusterset.sh up --nodes 2`, as CI runs it)
+#   the client pod `client` sits on each cluster's first node, and also: a client on every
+#   other node reaches web by ClusterSetIP and by name; a Service of c1 with
+#   `internalTrafficPolicy: Local` (one pod per node) is served to each node's client only by
+#   the pod on its own node; the socket LB is attached at every node's kubelet cgroup root.
 #   5. Credentials: `clusterset.sh rotate-tokens --revoke` gives every controller new member
 #      tokens (files in its Secret) and revokes the old ones; each cluster still imports an
 #      export the other makes afterwards. (Open watches outlive a revoked token, so this shows
@@ -55,8 +60,14 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# A web Deployment whose every reply is "<cluster> <pod name>".
-web() { # web CLUSTER REPLICAS [NAME] (NAME: web)
+# A web Deployment whose every reply is "<cluster> <pod name>". With `local`: one pod per node
+# at most, and its Service has internalTrafficPolicy: Local.
+web() { # web CLUSTER REPLICAS [NAME] [local] (NAME: web)
+  local spread="" itp=Cluster
+  if [[ ${4:-} == local ]]; then
+    itp=Local
+    spread="affinity: {podAntiAffinity: {requiredDuringSchedulingIgnoredDuringExecution: [{topologyKey: kubernetes.io/hostname, labelSelector: {matchLabels: {app: $3}}}]}}"
+  fi
   cat <<EOF | kc "$1" apply -f - >/dev/null
 apiVersion: apps/v1
 kind: Deployment
@@ -68,6 +79,7 @@ spec:
     metadata: {labels: {app: ${3:-web}}}
     spec:
       terminationGracePeriodSeconds: 15
+      $spread
       containers:
       - name: web
         image: docker.io/alpine/socat:1.7.4.4
@@ -82,6 +94,7 @@ kind: Service
 metadata: {name: ${3:-web}, namespace: $NS}
 spec:
   selector: {app: ${3:-web}}
+  internalTrafficPolicy: $itp
   ports: [{name: http, port: 80, targetPort: 8080}]
 ---
 apiVersion: multicluster.x-k8s.io/v1beta1
@@ -91,17 +104,20 @@ spec: {}
 EOF
 }
 
+# The client pod the requests below come from: `client` on each cluster's first node (another,
+# e.g. client-c1-node2, for a while with CLIENT=... before a call).
+CLIENT=client
 # Runs N requests (one connection each, 50 ms apart) from the client pod of cluster FROM (c1
 # unless given) to TARGET:80 and prints one reply per line ("FAIL" for a request that got
 # none). The client sends nothing: the server closing with a byte it never read unsent would
 # reset the connection, and a reset can discard the reply before nc reads it (seen 1 in ~300
 # with `echo | nc`, direct to a pod).
 load() { # load TARGET N [FROM]
-  kc "${3:-c1}" -n "$NS" exec client -- sh -c '
+  kc "${3:-c1}" -n "$NS" exec "$CLIENT" -- sh -c '
     i=0
     while [ $i -lt '"$2"' ]; do
       r=$(nc -w 2 '"$1"' 80 </dev/null 2>/dev/null | head -1)
-      case "$r" in c[0-9]\ web-*|c[0-9]\ hello-*) echo "$r" ;; *) echo FAIL ;; esac
+      case "$r" in c[0-9]\ web-*|c[0-9]\ hello-*|c[0-9]\ near-*) echo "$r" ;; *) echo FAIL ;; esac
       i=$((i + 1)); sleep 0.05
     done'
 }
@@ -141,7 +157,7 @@ EOF
 # N datagrams (a connected UDP socket each) from the client pod of cluster FROM to TARGET:9000;
 # prints one reply per line ("FAIL" for a datagram that got none).
 udp_load() { # udp_load TARGET N FROM
-  kc "$3" -n "$NS" exec client -- sh -c '
+  kc "$3" -n "$NS" exec "$CLIENT" -- sh -c '
     i=0
     while [ $i -lt '"$2"' ]; do
       r=$(echo q | nc -u -w 2 '"$1"' 9000 2>/dev/null | head -1)
@@ -154,9 +170,16 @@ udp_load() { # udp_load TARGET N FROM
 udp_ok() { [[ $(udp_load "$2" 1 "$1") == "$3 $4-"* ]]; }
 # Whether one request from the client pod of cluster $2 (c1 unless given) to $vip:80 (or
 # to $3) is served by cluster $1's pods (of Deployment $4, web unless given).
-served_by() { local r; r=$(kc "${2:-c1}" -n "$NS" exec client -- sh -c "nc -w 2 ${3:-$vip} 80 </dev/null"); [[ $r == "$1 ${4:-web}-"* ]]; }
+served_by() { local r; r=$(kc "${2:-c1}" -n "$NS" exec "$CLIENT" -- sh -c "nc -w 2 ${3:-$vip} 80 </dev/null"); [[ $r == "$1 ${4:-web}-"* ]]; }
+# A pod named NAME in CLUSTER's namespace, on NODE, that only sleeps (requests come from it).
+client_on() { # client_on CLUSTER NAME NODE
+  kc "$1" -n "$NS" run "$2" --image=docker.io/nicolaka/netshoot:v0.15 --image-pull-policy=Never \
+    --overrides="{\"apiVersion\": \"v1\", \"spec\": {\"nodeName\": \"$3\"}}" --command -- sleep 3600 >/dev/null
+}
+# Nodes of cluster $1 after its first one (empty with one node per cluster).
+other_nodes() { cs_nodes "$1" | tail -n +2 | awk '{print $2}'; }
 
-say "namespace $NS in c1 and c2; web (2 pods) exported by c2; a client pod in c1 and in c2"
+say "namespace $NS in c1 and c2; web (2 pods) exported by c2; a client pod on every node of c1 and c2"
 for c in c1 c2; do kc "$c" create namespace "$NS" >/dev/null; done
 web c2 2
 udp_echo c2
@@ -165,15 +188,15 @@ udp_echo c1 echo1
 # hello: exported by c1 only, for the c2 -> c1 direction.
 web c1 1 hello
 for c in c1 c2; do
-  kc "$c" -n "$NS" run client --image=docker.io/nicolaka/netshoot:v0.15 --image-pull-policy=Never \
-    --command -- sleep 3600 >/dev/null
+  client_on "$c" client "$(cs_nodes "$c" | awk 'NR == 1 {print $2}')"
+  for n in $(other_nodes "$c"); do client_on "$c" "client-$n" "$n"; done
 done
 until_ok 90 "web Ready in c2" kc c2 -n "$NS" rollout status deploy/web --timeout=2s
 until_ok 90 "echo Ready in c2" kc c2 -n "$NS" rollout status deploy/echo --timeout=2s
 until_ok 90 "echo1 Ready in c1" kc c1 -n "$NS" rollout status deploy/echo1 --timeout=2s
 until_ok 90 "hello Ready in c1" kc c1 -n "$NS" rollout status deploy/hello --timeout=2s
 for c in c1 c2; do
-  until_ok 60 "client pod Ready in $c" kc "$c" -n "$NS" wait --for=condition=Ready pod/client --timeout=2s
+  until_ok 60 "client pods Ready in $c" kc "$c" -n "$NS" wait --for=condition=Ready pod --all --timeout=2s
 done
 vip=""
 deadline=$((SECONDS + 60))
@@ -217,13 +240,45 @@ udp_checks() { # udp_checks FROM WHAT [SERVICE SERVER] (echo of c2; by FROM's ow
 }
 udp_checks c1 eBPF
 udp_checks c2 eBPF echo1 c1
-for i in 1 2; do
-  progs=$(bpftool cgroup show "/sys/fs/cgroup/unified/mcs-c$i" 2>/dev/null | grep -c connect4 || true)
-  hostprogs=$(bpftool cgroup show /sys/fs/cgroup/unified 2>/dev/null | grep -c connect4 || true)
-  say "   c$i: socket LB attached at the kubelet's cgroup root /sys/fs/cgroup/unified/mcs-c$i ($progs connect4), host root ($hostprogs)"
-  ((progs == 1)) || fail "c$i: no connect4 program at /sys/fs/cgroup/unified/mcs-c$i"
-  ((hostprogs == 0)) || fail "a connect4 program is attached at the host's cgroup root"
+hostprogs=$(bpftool cgroup show /sys/fs/cgroup/unified 2>/dev/null | grep -c connect4 || true)
+((hostprogs == 0)) || fail "a connect4 program is attached at the host's cgroup root"
+while read -r c node _ _ _ cg _; do
+  progs=$(bpftool cgroup show "$cg" 2>/dev/null | grep -c connect4 || true)
+  say "   $c/$node: socket LB attached at the kubelet's cgroup root $cg ($progs connect4), host root ($hostprogs)"
+  ((progs == 1)) || fail "$c/$node: no connect4 program at $cg"
+done < <(cs_nodes)
+# Every other node's client: by ClusterSetIP and by name.
+for c in c1 c2; do
+  vip_c=$(kc "$c" -n "$NS" get serviceimport web -o jsonpath='{.spec.ips[0]}')
+  for n in $(other_nodes "$c"); do
+    CLIENT=client-$n
+    until_ok 30 "a first reply through $vip_c from $n" served_by c2 "$c" "$vip_c"
+    { load "$vip_c" 10 "$c"; load "$name" 10 "$c"; } >"$out"
+    ok=$(count '^c2 web-' "$out")
+    say "   from a pod on $c/$n: $ok/20 served by c2 (by $vip_c and $name)"
+    ((ok == 20)) || fail "from $c/$n: $((20 - ok)) of 20 failed"
+    CLIENT=client
+  done
 done
+# internalTrafficPolicy: Local, one pod per node of c1: each node's client only its own node's pod.
+if [[ -n $(other_nodes c1) ]]; then
+  web c1 "$(cs_nodes c1 | wc -l)" near local
+  until_ok 90 "near Ready in c1 (a pod per node)" kc c1 -n "$NS" rollout status deploy/near --timeout=2s
+  itp() { [[ $(kc c1 -n "$NS" get serviceimport near -o jsonpath='{.spec.internalTrafficPolicy}' 2>/dev/null) == Local ]]; }
+  until_ok 60 "ServiceImport near with internalTrafficPolicy Local in c1" itp
+  nip=$(kc c1 -n "$NS" get serviceimport near -o jsonpath='{.spec.ips[0]}')
+  while read -r _ n _; do
+    CLIENT=client; [[ $n == "$(cs_nodes c1 | awk 'NR == 1 {print $2}')" ]] || CLIENT=client-$n
+    mine=$(kc c1 -n "$NS" get pods -l app=near --field-selector "spec.nodeName=$n" -o jsonpath='{.items[0].metadata.name}')
+    own() { [[ $(kc c1 -n "$NS" exec "$CLIENT" -- sh -c "nc -w 2 $nip 80 </dev/null") == "c1 $mine" ]]; }
+    until_ok 60 "a first reply from $mine through $nip on $n" own
+    load "$nip" 10 c1 >"$out"
+    ok=$(count "^c1 $mine\$" "$out")
+    say "   internalTrafficPolicy Local, from $n: $ok/10 served by $mine (its own node's pod)"
+    ((ok == 10)) || fail "internalTrafficPolicy Local from $n: $((10 - ok)) of 10 not served by $mine: $(sort "$out" | uniq -c | tr '\n' ' ')"
+  done < <(cs_nodes c1)
+  CLIENT=client
+fi
 # Output captured before matching: with pipefail, `grep -q` leaving early fails the writer.
 st=$(kc c1 -n mcs-system exec ds/mcs-agent -- mcs-agent status --bpf-pin-dir /run/mcs/bpf)
 grep -q "$vip" <<<"$st" || fail "c1's agent status does not list $vip"
@@ -247,8 +302,10 @@ say "   under load while scaled to 0: $c1n by c1, $c2n by c2, $bad failed (of 16
 grep -v '^c2 web-' <(tail -20 "$out") >/dev/null && fail "failover: the last 20 requests were not all served by c2"
 
 # --- 3. Agent pod deleted under load ----------------------------------------------------------
-old=$(kc c1 -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent -o jsonpath='{.items[0].metadata.name}')
-say "3. c1's agent pod $old deleted under load (eBPF)"
+node1=$(cs_nodes c1 | awk 'NR == 1 {print $2}')
+agent_on() { kc c1 -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent --field-selector "spec.nodeName=$1" -o jsonpath='{.items[0].metadata.name}'; }
+old=$(agent_on "$node1")
+say "3. the agent pod $old of the client's node ($node1) deleted under load (eBPF)"
 load "$vip" 200 >"$out" &
 lp=$!
 sleep 1
@@ -256,7 +313,7 @@ kc c1 -n mcs-system delete pod "$old" --wait=false >/dev/null
 wait "$lp"
 ok=$(count '^c2 web-' "$out"); bad=$(count FAIL "$out")
 until_ok 120 "a new agent pod Ready in c1" kc c1 -n mcs-system rollout status ds/mcs-agent --timeout=2s
-new=$(kc c1 -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent -o jsonpath='{.items[0].metadata.name}')
+new=$(agent_on "$node1")
 say "   $ok/200 served, $bad failed; the DaemonSet made $new"
 ((bad == 0)) || fail "agent deletion: $bad requests failed"
 [[ $new != "$old" ]] || fail "the agent pod was not replaced"
@@ -264,12 +321,17 @@ say "   $ok/200 served, $bad failed; the DaemonSet made $new"
 # --- 4. Userspace -----------------------------------------------------------------------------
 say "4. the chart switched to the userspace dataplane"
 bash scripts/clusterset.sh install --dataplane userspace >/dev/null
-agentlog=$(kc c1 -n mcs-system logs ds/mcs-agent)
-grep -q "removed the eBPF socket LB a previous agent left pinned" <<<"$agentlog" ||
-  fail "the userspace agent did not report removing the pinned socket LB; its log begins: $(head -5 <<<"$agentlog")"
-progs=$(bpftool cgroup show /sys/fs/cgroup/unified/mcs-c1 2>/dev/null | grep -c connect4 || true)
-((progs == 0)) || fail "eBPF programs still attached at mcs-c1 under the userspace dataplane"
-metric() { curl -s "http://198.19.32.$1:9464/metrics" | awk '/^mcs_proxy_connections_total/ {s += $2} END {print s + 0}'; }
+for pod in $(kc c1 -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent -o name); do
+  agentlog=$(kc c1 -n mcs-system logs "$pod")
+  grep -q "removed the eBPF socket LB a previous agent left pinned" <<<"$agentlog" ||
+    fail "the userspace agent $pod did not report removing the pinned socket LB; its log begins: $(head -5 <<<"$agentlog")"
+done
+while read -r c node _ _ _ cg _; do
+  progs=$(bpftool cgroup show "$cg" 2>/dev/null | grep -c connect4 || true)
+  ((progs == 0)) || fail "eBPF programs still attached at $cg ($c/$node) under the userspace dataplane"
+done < <(cs_nodes)
+# The forwarder's connection count on the first node of c$1 (where `client` is).
+metric() { curl -s "http://$(cs_nodes "c$1" | awk 'NR == 1 {print $4}'):9464/metrics" | awk '/^mcs_proxy_connections_total/ {s += $2} END {print s + 0}'; }
 for i in 1 2; do
   net=$(ip netns exec "mcs-cs-c$i" sysctl -n net.bridge.bridge-nf-call-iptables 2>/dev/null || echo 0)
   if ip -n "mcs-cs-c$i" link show cni0 >/dev/null 2>&1; then net="pods on bridge cni0, br_netfilter $net"; else net="routed pods"; fi

@@ -1,7 +1,7 @@
 # Sourced (not run) by the scripts that use a running ClusterSet (clusterset-e2e.sh,
 # clusterset-latency.sh, clusterset-uninstall.sh): the repository root as working directory,
-# the tools' environment, the ClusterSet's state directory and kubeconfig, `kc CONTEXT ARGS…`
-# and `need_clusterset NAME` (exits with NAME's message when none is up).
+# the tools' environment, the ClusterSet's state directory and kubeconfig, `kc CONTEXT ARGS…`,
+# `need_clusterset NAME` (exits with NAME's message when none is up) and `cs_nodes [CLUSTER]`.
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 # shellcheck source=scripts/env.sh
@@ -12,3 +12,7 @@ kc() { local c=$1; shift; kubectl --context "$c" "$@"; }
 need_clusterset() {
   [[ -f $KUBECONFIG ]] || { echo "$1: no clusterset (bash scripts/clusterset.sh up)" >&2; exit 1; }
 }
+# The ClusterSet's nodes (of CLUSTER, or all), one line each as scripts/clusterset.sh wrote
+# them: cluster, node name, netns, address, pod range, kubelet cgroup (cgroup2), the agent's
+# pin directory. The first line of a cluster is its first node (the control plane's).
+cs_nodes() { awk -v c="${1:-}" 'c == "" || $1 == c' "$STATE/nodes"; }

@@ -17,25 +17,27 @@ failures=0
 say() { printf '\033[1muninstall:\033[0m %s\n' "$*"; }
 fail() { printf 'uninstall: FAILED: %s\n' "$*" >&2; failures=$((failures + 1)); }
 
-# What of ours node c$i holds, one word each ("" when clean).
+# What of ours the nodes of cluster $1 hold, one word each ("" when clean).
 leftovers() {
-  local i=$1 ns="mcs-cs-c$1" left=""
-  local pins="/sys/fs/bpf/mcs-clusterset-c$i" cg="/sys/fs/cgroup/unified/mcs-c$i"
-  [[ -n $(find "$pins" -mindepth 1 2>/dev/null | head -1) ]] && left+=" pins($pins)"
-  [[ -d $cg ]] && bpftool cgroup tree "$cg" 2>/dev/null | grep -q ' mcs_' && left+=" programs(on $cg)"
-  ip netns exec "$ns" nft list table inet mcs_dataplane >/dev/null 2>&1 && left+=" nft(inet mcs_dataplane)"
-  ip -n "$ns" rule 2>/dev/null | grep -q 'fwmark 0x4d43' && left+=" rule(fwmark 0x4d43)"
-  ip -n "$ns" route show table 0x4d43 2>/dev/null | grep -q . && left+=" routes(table 0x4d43)"
+  local c=$1 node ns ip pods cg pins left=""
+  while read -r _ node ns ip pods cg pins; do
+    [[ -n $(find "$pins" -mindepth 1 2>/dev/null | head -1) ]] && left+=" $node:pins($pins)"
+    [[ -d $cg ]] && bpftool cgroup tree "$cg" 2>/dev/null | grep -q ' mcs_' && left+=" $node:programs(on $cg)"
+    ip netns exec "$ns" nft list table inet mcs_dataplane >/dev/null 2>&1 && left+=" $node:nft(inet mcs_dataplane)"
+    ip -n "$ns" rule 2>/dev/null | grep -q 'fwmark 0x4d43' && left+=" $node:rule(fwmark 0x4d43)"
+    ip -n "$ns" route show table 0x4d43 2>/dev/null | grep -q . && left+=" $node:routes(table 0x4d43)"
+  done < <(cs_nodes "$c")
   echo "$left"
 }
 
 clusters=$(kubectl config get-contexts -o name | grep -E '^c[0-9]+$' | sort -V)
 for c in $clusters; do
-  i=${c#c}
-  before=$(leftovers "$i")
-  # The suites end on the eBPF dataplane: its programs are attached and pinned now.
-  [[ $before == *programs* && $before == *pins* ]] ||
-    fail "$c: before the uninstall, expected the eBPF programs attached and pinned; found:${before:- nothing}"
+  before=$(leftovers "$c")
+  # The suites end on the eBPF dataplane: its programs are attached and pinned now, on every node.
+  while read -r _ node _; do
+    [[ $before == *" $node:programs"* && $before == *" $node:pins"* ]] ||
+      fail "$c: before the uninstall, expected the eBPF programs attached and pinned on $node; found:${before:- nothing}"
+  done < <(cs_nodes "$c")
   # Follow the agents' logs to their end: their last words say what they removed.
   for pod in $(kc "$c" -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent -o name); do
     kc "$c" -n mcs-system logs -f "$pod" >"$STATE/$c-${pod#pod/}-uninstall.log" 2>&1 &
@@ -47,7 +49,6 @@ done
 # The log followers end with their containers (bounded by the pods' wait below).
 trap 'jobs -p | xargs -r kill 2>/dev/null || true' EXIT
 for c in $clusters; do
-  i=${c#c}
   # The agents stop when the garbage collector deletes their pods (after the DaemonSet).
   deadline=$((SECONDS + 120))
   while [[ -n $(kc "$c" -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent -o name 2>/dev/null) ]]; do
@@ -56,17 +57,17 @@ for c in $clusters; do
   done
   # A stopping agent removes its pins as it exits; poll (bounded) for the last of it.
   deadline=$((SECONDS + 30))
-  left=$(leftovers "$i")
+  left=$(leftovers "$c")
   while [[ -n $left ]] && ((SECONDS <= deadline)); do
     sleep 0.5
-    left=$(leftovers "$i")
+    left=$(leftovers "$c")
   done
   wait_logs=$((SECONDS + 10))
   while [[ -n $(jobs -rp) ]] && ((SECONDS <= wait_logs)); do sleep 0.2; done
   if [[ -n $left ]]; then
     fail "$c: left behind after helm uninstall:$left (agent logs: $STATE/$c-*-uninstall.log)"
   else
-    say "$c: node clean (no program attached, no pins, no nftables table, no rule or route of ours)"
+    say "$c: every node clean ($(cs_nodes "$c" | awk '{print $2}' | tr '\n' ' ')): no program attached, no pins, no nftables table, no rule or route of ours"
   fi
   # And it was the agent that removed them, on seeing its DaemonSet deleted.
   for f in "$STATE/$c"-*-uninstall.log; do

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# A real ClusterSet on this machine: N single-node Kubernetes clusters (etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler, containerd + runc, CNI (ptp, bridge, or both), kubelet, kube-proxy in
-# nftables mode, CoreDNS), each node in its own network namespace (its "host network", as kind's
-# node containers), pods of every cluster routable to each other, and mcs-dataplane installed
-# into every cluster with its Helm chart from our own image.
+# A real ClusterSet on this machine: N Kubernetes clusters of one or more nodes each (etcd,
+# kube-apiserver, kube-controller-manager, kube-scheduler on the first node; containerd + runc,
+# CNI (ptp, bridge, or both), kubelet, kube-proxy in nftables mode on every node; CoreDNS), each
+# node in its own network namespace (its "host network", as kind's node containers), pods of
+# every node of every cluster routable to each other, and mcs-dataplane installed into every
+# cluster with its Helm chart from our own image.
 #
-#   bash scripts/clusterset.sh up [--clusters N] [--bare] [--dataplane ebpf|userspace] [--cni ptp|bridge|mixed]
+#   bash scripts/clusterset.sh up [--clusters N] [--nodes N] [--bare] [--dataplane ebpf|userspace] [--cni ptp|bridge|mixed]
 #   bash scripts/clusterset.sh install [--dataplane ebpf|userspace]   # (re)install our chart
 #   bash scripts/clusterset.sh rotate-tokens [--revoke]   # new 24 h member tokens for every
 #                                              # controller (--revoke: the old ones at once)
@@ -17,9 +18,16 @@
 #   eval "$(bash scripts/clusterset.sh up | tail -1 | sed 's/^/export /')"
 #   kubectl --context c1 get nodes
 #
+# Nodes of c<i>: c<i>-node (the control plane's too; netns mcs-cs-c<i>), then c<i>-node<k> for
+# k = 2..--nodes (netns mcs-cs-c<i>-n<k>; state in $STATE/c<i>/node<k>). Every node of every
+# cluster shares this machine's kernel, so each has its own kubelet cgroupRoot
+# /mcs-c<i>/<node> and the agents use their node's subdirectory of the chart's cgroupRoot and
+# bpfPinDir (chart value nodeSubdirectories). $STATE/nodes lists them (cluster, node, netns,
+# address, pod range, cgroup, pin directory), for the suites that look at every node.
 # Addresses (all inside 198.18.0.0/15, the only ranges used):
-#   nodes          198.19.32.<i>/24 on eth0 of netns mcs-cs-c<i>, bridged in the host (198.19.32.254)
-#   pods of c<i>   198.19.<40+i>.0/24        services of c<i>  198.18.<16*i>.0/20
+#   node k of c<i> 198.19.32.<i+10(k-1)>/24 on eth0 of its netns, bridged in the host (198.19.32.254)
+#   pods of c<i>   198.19.<40+i>.0/24, split in equal parts, one per node (with --nodes 2, /25s)
+#   services of c<i> 198.18.<16*i>.0/20
 #   ClusterSetIPs  198.19.56.0/21 (every cluster's controller and agents; 2,046 addresses)
 # API server of c<i>: https://198.19.32.<i>:6443. DNS: kube-dns 198.18.<16*i>.10, mcs-dns .11 (both in the
 # range's static band, which the API server leaves to fixed addresses).
@@ -31,6 +39,7 @@
 # keeps the wreck for a look).
 #
 # Env: MCS_CLUSTERSET_DIR (state, default /var/lib/mcs-clusterset), MCS_CLUSTERS (default 2),
+#      MCS_CLUSTERSET_NODES (nodes per cluster, 1..4, default 1),
 #      MCS_IMAGE_BIN_DIR (binaries for our image; default: a release build),
 #      MCS_CLUSTERSET_DATAPLANE (default ebpf), MCS_CLUSTERSET_CNI (ptp, routed pods, default;
 #      bridge, pods on a Linux bridge with br_netfilter on as kubeadm requires; or mixed, the
@@ -44,6 +53,7 @@ cd "$root"
 
 STATE="${MCS_CLUSTERSET_DIR:-/var/lib/mcs-clusterset}"
 N="${MCS_CLUSTERS:-2}"
+NODES="${MCS_CLUSTERSET_NODES:-1}"
 DATAPLANE="${MCS_CLUSTERSET_DATAPLANE:-ebpf}"
 CNI="${MCS_CLUSTERSET_CNI:-ptp}"
 BARE=0
@@ -61,26 +71,38 @@ OUTSIDE=(/run/containerd /var/lib/cni /var/lib/containers /run/containers /etc/c
 log() { printf '\033[1mclusterset:\033[0m %s\n' "$*" >&2; }
 die() { printf 'clusterset: %s\n' "$*" >&2; exit 1; }
 
-node_ip() { echo "$NODE_NET.$1"; }
-pod_cidr() { echo "198.19.$((40 + $1)).0/24"; }
+# Node k (default 1, the control plane's) of cluster i: address, pod range, name, netns, state.
+node_ip() { echo "$NODE_NET.$(($1 + 10 * (${2:-1} - 1)))"; }
+cluster_pods() { echo "198.19.$((40 + $1)).0/24"; }
+# The cluster's /24 in NODES equal parts (1 -> /24, 2 -> /25, 3..4 -> /26).
+pod_cidr() {
+  local k=${2:-1} bits=0
+  while (((1 << bits) < NODES)); do bits=$((bits + 1)); done
+  echo "198.19.$((40 + $1)).$(((k - 1) * (256 >> bits)))/$((24 + bits))"
+}
+node_name() { if ((${2:-1} == 1)); then echo "c$1-node"; else echo "c$1-node$2"; fi; }
+node_dir() { if ((${2:-1} == 1)); then echo "$STATE/c$1"; else echo "$STATE/c$1/node$2"; fi; }
+node_netns() { if ((${2:-1} == 1)); then netns "$1"; else echo "$NETNS_PREFIX""c$1-n$2"; fi; }
 # Services: a /20 per cluster (4,094 addresses: room for the 1,000 exports of
 # scripts/clusterset-latency.sh besides the e2e's and the conformance suite's).
 svc_cidr() { echo "198.18.$((16 * $1)).0/20"; }
 svc_ip() { echo "198.18.$((16 * $1)).$2"; }
 netns() { echo "$NETNS_PREFIX""c$1"; }
 in_node() { local i=$1; shift; nsenter --net="/run/netns/$(netns "$i")" -- "$@"; }
+in_nodek() { local i=$1 k=$2; shift 2; nsenter --net="/run/netns/$(node_netns "$i" "$k")" -- "$@"; }
 # The CNI of cluster i: --cni, or with --cni mixed ptp for the odd clusters and bridge for the
 # even ones.
 cni_of() { if [[ $CNI == mixed ]]; then (( $1 % 2 )) && echo ptp || echo bridge; else echo "$CNI"; fi; }
 kc() { local i=$1; shift; kubectl --kubeconfig "$STATE/kubeconfig" --context "c$i" "$@"; }
 
-# Start a long-running component of node i in its network namespace, in a session of its own,
-# logging to $STATE/c<i>/logs/<name>.log; its pid is kept for `down`.
-start() {
-  local i=$1 name=$2; shift 2
-  local d="$STATE/c$i"
+# Start a long-running component of node k (default 1) of cluster i in its network namespace,
+# in a session of its own, logging to <node dir>/logs/<name>.log; its pid is kept for `down`.
+start() { local i=$1; shift; start_on "$i" 1 "$@"; }
+start_on() {
+  local i=$1 k=$2 name=$3; shift 3
+  local d; d=$(node_dir "$i" "$k")
   mkdir -p "$d/logs" "$d/pids"
-  setsid nsenter --net="/run/netns/$(netns "$i")" -- "$@" >"$d/logs/$name.log" 2>&1 </dev/null &
+  setsid nsenter --net="/run/netns/$(node_netns "$i" "$k")" -- "$@" >"$d/logs/$name.log" 2>&1 </dev/null &
   echo $! >"$d/pids/$name"
 }
 
@@ -108,11 +130,12 @@ explain_pods() {
     kc "$i" -n "$ns" get pods -o wide
     echo "--- events in $ns of c$i (oldest first)"
     kc "$i" -n "$ns" get events --sort-by=.lastTimestamp
-    echo "--- node c$i-node: taints, conditions"
-    kc "$i" get node "c$i-node" -o jsonpath='{range .spec.taints[*]}taint {.key}={.value}:{.effect}{"\n"}{end}{range .status.conditions[*]}{.type}={.status} ({.reason}) since {.lastTransitionTime}{"\n"}{end}'
+    echo "--- nodes of c$i: taints, conditions"
+    kc "$i" get nodes -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{range .spec.taints[*]}  taint {.key}={.value}:{.effect}{"\n"}{end}{range .status.conditions[*]}  {.type}={.status} ({.reason}) since {.lastTransitionTime}{"\n"}{end}{end}'
     echo "--- components of c$i"
     local f
-    for f in "$d"/pids/*; do
+    for f in "$d"/pids/* "$d"/node*/pids/*; do
+      [[ -f $f ]] || continue
       if kill -0 "$(cat "$f")" 2>/dev/null; then echo "${f##*/}: running"; else echo "${f##*/}: NOT RUNNING"; fi
     done
     echo "--- free space under $STATE"
@@ -122,6 +145,11 @@ explain_pods() {
     grep -v extension-apiserver-authentication "$d/logs/kube-scheduler.log" | tail -15
     echo "--- kubelet c$i (last errors and warnings)"
     grep -E '^[EW][0-9]' "$d/logs/kubelet.log" | tail -15
+    for f in "$d"/node*/logs/kubelet.log; do
+      [[ -f $f ]] || continue
+      echo "--- kubelet of ${f%/logs/kubelet.log} (last errors and warnings)"
+      grep -E '^[EW][0-9]' "$f" | tail -10
+    done
   } >&2 2>&1 || true
 }
 
@@ -151,7 +179,8 @@ down() {
   log "taking the clusterset down"
   # 1. Components, in reverse order of start (kubelet first, so it does not restart pods).
   local f
-  for f in "$STATE"/c*/pids/kubelet "$STATE"/c*/pids/kube-proxy "$STATE"/c*/pids/*; do
+  for f in "$STATE"/c*/pids/kubelet "$STATE"/c*/node*/pids/kubelet "$STATE"/c*/pids/kube-proxy \
+    "$STATE"/c*/node*/pids/* "$STATE"/c*/pids/*; do
     [[ -f $f ]] && kill_pidfile "$f"
   done
   # containerd shims outlive containerd; they are found by their -address under $STATE.
@@ -159,14 +188,14 @@ down() {
   local deadline=$((SECONDS + 15)) alive
   while :; do
     alive=0
-    for f in "$STATE"/c*/pids/*; do
+    for f in "$STATE"/c*/pids/* "$STATE"/c*/node*/pids/*; do
       [[ -f $f ]] && kill -0 "$(cat "$f")" 2>/dev/null && alive=1
     done
     pgrep -f -- "-address $STATE/" >/dev/null 2>&1 && alive=1
     ((alive == 0 || SECONDS > deadline)) && break
     sleep 0.2
   done
-  for f in "$STATE"/c*/pids/*; do [[ -f $f ]] && kill -9 "$(cat "$f")" 2>/dev/null || true; done
+  for f in "$STATE"/c*/pids/* "$STATE"/c*/node*/pids/*; do [[ -f $f ]] && kill -9 "$(cat "$f")" 2>/dev/null || true; done
   pkill -9 -f -- "-address $STATE/" 2>/dev/null || true
   # 2. Containers' processes: whatever is still in the kubelets' cgroups.
   local d pass
@@ -310,8 +339,8 @@ build_our_image() {
 }
 
 ctr_import() {
-  local i=$1 f=$2
-  ctr --address "$STATE/c$i/containerd/containerd.sock" -n k8s.io images import "$f" >/dev/null
+  local d=$1 f=$2
+  ctr --address "$d/containerd/containerd.sock" -n k8s.io images import "$f" >/dev/null
 }
 
 # --- up ---------------------------------------------------------------------------------------
@@ -371,53 +400,83 @@ kubeconfig() {
 }
 
 network() {
-  log "network: bridge $BRIDGE ($NODE_NET.254/24), $N node namespaces"
+  log "network: bridge $BRIDGE ($NODE_NET.254/24), $N clusters of $NODES node(s)"
   ip link add "$BRIDGE" type bridge
   ip addr add "$NODE_NET.254/24" dev "$BRIDGE"
   ip link set "$BRIDGE" up
-  local i j
+  local i k j l
+  : >"$STATE/nodes"
   for ((i = 1; i <= N; i++)); do
-    ip netns add "$(netns "$i")"
-    ip link add "mcscs-c$i" type veth peer name eth0 netns "$(netns "$i")"
-    ip link set "mcscs-c$i" master "$BRIDGE" up
-    in_node "$i" ip link set lo up
-    in_node "$i" ip addr add "$(node_ip "$i")/24" dev eth0
-    in_node "$i" ip link set eth0 up
-    if [[ $(cni_of "$i") == bridge ]]; then
-      # kubeadm's preflight requires these where pods sit on a bridge (per network namespace).
-      in_node "$i" sysctl -qw net.bridge.bridge-nf-call-iptables=1 net.bridge.bridge-nf-call-ip6tables=1
-    fi
-    for ((j = 1; j <= N; j++)); do
-      ((j == i)) || in_node "$i" ip route add "$(pod_cidr "$j")" via "$(node_ip "$j")"
+    for ((k = 1; k <= NODES; k++)); do
+      local ns; ns=$(node_netns "$i" "$k")
+      ip netns add "$ns"
+      # The host end's name: mcscs-c<i> for the first node, mcscs-c<i>n<k> for the others.
+      local host_end="mcscs-c$i"; ((k == 1)) || host_end+="n$k"
+      ip link add "$host_end" type veth peer name eth0 netns "$ns"
+      ip link set "$host_end" master "$BRIDGE" up
+      in_nodek "$i" "$k" ip link set lo up
+      in_nodek "$i" "$k" ip addr add "$(node_ip "$i" "$k")/24" dev eth0
+      in_nodek "$i" "$k" ip link set eth0 up
+      if [[ $(cni_of "$i") == bridge ]]; then
+        # kubeadm's preflight requires these where pods sit on a bridge (per network namespace).
+        in_nodek "$i" "$k" sysctl -qw net.bridge.bridge-nf-call-iptables=1 net.bridge.bridge-nf-call-ip6tables=1
+      fi
+      # Every other node's pods (this cluster's and the others') through that node.
+      for ((j = 1; j <= N; j++)); do
+        for ((l = 1; l <= NODES; l++)); do
+          ((j == i && l == k)) || in_nodek "$i" "$k" ip route add "$(pod_cidr "$j" "$l")" via "$(node_ip "$j" "$l")"
+        done
+      done
+      # The node's "default" route, inside our range only: the host's bridge address. Without a
+      # route, the node's own connections to ClusterIPs (kube-proxy DNATs them after routing)
+      # fail with ENETUNREACH; the host does not forward, so nothing leaves through it.
+      in_nodek "$i" "$k" ip route add 198.18.0.0/15 via "$NODE_NET.254"
+      # The host reaches the pods too (kubectl port-forward is not needed to look at them).
+      ip route add "$(pod_cidr "$i" "$k")" via "$(node_ip "$i" "$k")"
+      # For the suites: cluster, node, netns, address, pod range, kubelet cgroup (cgroup2),
+      # the agent's pin directory.
+      printf 'c%s %s %s %s %s %s %s\n' "$i" "$(node_name "$i" "$k")" "$ns" "$(node_ip "$i" "$k")" \
+        "$(pod_cidr "$i" "$k")" "/sys/fs/cgroup/unified/mcs-c$i/$(node_name "$i" "$k")" \
+        "/sys/fs/bpf/mcs-clusterset-c$i/$(node_name "$i" "$k")" >>"$STATE/nodes"
     done
-    # The node's "default" route, inside our range only: the host's bridge address. Without a
-    # route, the node's own connections to ClusterIPs (kube-proxy DNATs them after routing)
-    # fail with ENETUNREACH; the host does not forward, so nothing leaves through it.
-    in_node "$i" ip route add 198.18.0.0/15 via "$NODE_NET.254"
-    # The host reaches the pods too (kubectl port-forward is not needed to look at them).
-    ip route add "$(pod_cidr "$i")" via "$(node_ip "$i")"
   done
 }
 
 control_plane() {
   local i=$1 d="$STATE/c$i" ip; ip=$(node_ip "$i")
-  mkdir -p "$d"/{etcd,kubelet,pods-logs,cni/net.d,cni/ipam,containerd,runc}
+  mkdir -p "$d/etcd"
   cert "apiserver-c$i" kube-apiserver "" "IP:$ip" "IP:$(svc_ip "$i" 1)" IP:127.0.0.1 \
     DNS:kubernetes DNS:kubernetes.default DNS:kubernetes.default.svc \
     DNS:kubernetes.default.svc.cluster.local DNS:localhost
-  cert "kubelet-c$i" "c$i-node" "" "IP:$ip" "DNS:c$i-node"
-  # Tokens: an admin (the user's kubeconfig), and each component as itself.
-  local t; : >"$d/tokens.csv"
-  for t in admin node kcm scheduler proxy; do echo "$(openssl rand -hex 16)" >"$d/token.$t"; done
+  # Tokens: an admin (the user's kubeconfig), and each component as itself; each node its own
+  # (NodeRestriction lets a kubelet write only its own Node and pods).
+  local t k; : >"$d/tokens.csv"
+  for t in admin kcm scheduler proxy; do echo "$(openssl rand -hex 16)" >"$d/token.$t"; done
+  for ((k = 1; k <= NODES; k++)); do
+    cert "kubelet-$(node_name "$i" "$k")" "$(node_name "$i" "$k")" "" "IP:$(node_ip "$i" "$k")" "DNS:$(node_name "$i" "$k")"
+    openssl rand -hex 16 >"$d/token.node-$k"
+  done
   {
     echo "$(cat "$d/token.admin"),clusterset-admin,clusterset-admin,system:masters"
-    echo "$(cat "$d/token.node"),system:node:c$i-node,node-c$i,system:nodes"
+    for ((k = 1; k <= NODES; k++)); do
+      echo "$(cat "$d/token.node-$k"),system:node:$(node_name "$i" "$k"),node-c$i-$k,system:nodes"
+    done
     echo "$(cat "$d/token.kcm"),system:kube-controller-manager,kcm-c$i"
     echo "$(cat "$d/token.scheduler"),system:kube-scheduler,scheduler-c$i"
     echo "$(cat "$d/token.proxy"),system:kube-proxy,proxy-c$i"
   } >"$d/tokens.csv"
-  for t in node kcm scheduler proxy; do
+  for t in kcm scheduler; do
     kubeconfig "$d/$t.kubeconfig" local "local https://127.0.0.1:6443 $(cat "$d/token.$t")"
+  done
+  # Each node's kubelet and kube-proxy: the first node's through loopback, the others' through
+  # the first node's address.
+  local nd server
+  for ((k = 1; k <= NODES; k++)); do
+    nd=$(node_dir "$i" "$k"); server="https://$ip:6443"
+    ((k == 1)) && server=https://127.0.0.1:6443
+    mkdir -p "$nd"
+    kubeconfig "$nd/node.kubeconfig" local "local $server $(cat "$d/token.node-$k")"
+    kubeconfig "$nd/proxy.kubeconfig" local "local $server $(cat "$d/token.proxy")"
   done
   local p="$STATE/pki"
   start "$i" etcd etcd --name "c$i" --data-dir "$d/etcd" \
@@ -452,13 +511,20 @@ controllers() {
 }
 
 start_node() {
-  local i=$1 d="$STATE/c$i" p="$STATE/pki" ip h; ip=$(node_ip "$i")
-  # kubelet's cgroupRoot exists beforehand in every hierarchy (cpuset copied from the parent).
+  local i=$1 k=$2 p="$STATE/pki" ip h d name cg; ip=$(node_ip "$i" "$k") d=$(node_dir "$i" "$k") name=$(node_name "$i" "$k")
+  mkdir -p "$d"/{kubelet,pods-logs,cni/net.d,cni/ipam,containerd,runc}
+  # kubelet's cgroupRoot, /mcs-c<i>/<node>, exists beforehand in every hierarchy (cpuset
+  # copied from the parent at each level). One per node: they share this kernel, and the
+  # agent attaches its programs to its own node's.
+  cg="mcs-c$i/$name"
   for h in /sys/fs/cgroup/*/; do
-    mkdir -p "$h/mcs-c$i"
+    mkdir -p "$h/$cg"
     if [[ -f $h/cpuset.cpus ]]; then
-      cat "$h/cpuset.cpus" >"$h/mcs-c$i/cpuset.cpus"
-      cat "$h/cpuset.mems" >"$h/mcs-c$i/cpuset.mems"
+      local lvl
+      for lvl in "mcs-c$i" "$cg"; do
+        cat "$h/cpuset.cpus" >"$h/$lvl/cpuset.cpus"
+        cat "$h/cpuset.mems" >"$h/$lvl/cpuset.mems"
+      done
     fi
   done
   # ptp (default): routed pods, one veth each, as Calico, Cilium and most cloud CNIs; bridge:
@@ -468,12 +534,12 @@ start_node() {
   cat >"$d/cni/net.d/10-clusterset.conflist" <<EOF
 {
   "cniVersion": "1.0.0",
-  "name": "$(netns "$i")",
+  "name": "$(node_netns "$i" "$k")",
   "plugins": [{
     $plugin, "ipMasq": false,
     "ipam": {
       "type": "host-local", "dataDir": "$d/cni/ipam",
-      "ranges": [[{ "subnet": "$(pod_cidr "$i")" }]],
+      "ranges": [[{ "subnet": "$(pod_cidr "$i" "$k")" }]],
       "routes": [{ "dst": "198.18.0.0/15" }]
     }
   }]
@@ -505,12 +571,12 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     bin_dir = "/usr/lib/cni"
     conf_dir = "$d/cni/net.d"
 EOF
-  start "$i" containerd containerd --config "$d/containerd/config.toml"
-  wait_for "containerd c$i" 30 "$d/logs/containerd.log" \
+  start_on "$i" "$k" containerd containerd --config "$d/containerd/config.toml"
+  wait_for "containerd $name" 30 "$d/logs/containerd.log" \
     ctr --address "$d/containerd/containerd.sock" version
   local f
   for f in "$IMAGES/pause.tar" "$IMAGES/coredns-$COREDNS_VERSION.tar" "${TOOL_IMAGES[@]}" ${OUR_IMAGE:+"$OUR_IMAGE"}; do
-    ctr_import "$i" "$f"
+    ctr_import "$d" "$f"
   done
   cat >"$d/kubelet.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
@@ -521,12 +587,12 @@ readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
 healthzPort: 10248
 cgroupDriver: cgroupfs
-cgroupRoot: /mcs-c$i
+cgroupRoot: /$cg
 failCgroupV1: false
 failSwapOn: false
 containerRuntimeEndpoint: unix://$d/containerd/containerd.sock
-tlsCertFile: $p/kubelet-c$i.crt
-tlsPrivateKeyFile: $p/kubelet-c$i.key
+tlsCertFile: $p/kubelet-$name.crt
+tlsPrivateKeyFile: $p/kubelet-$name.key
 authentication:
   anonymous: {enabled: false}
   webhook: {enabled: false}
@@ -542,23 +608,23 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 serializeImagePulls: false
 EOF
-  start "$i" kubelet "$MCS_KUBE_BIN_DIR/kubelet" --config "$d/kubelet.yaml" \
-    --kubeconfig "$d/node.kubeconfig" --root-dir "$d/kubelet" --hostname-override "c$i-node" \
+  start_on "$i" "$k" kubelet "$MCS_KUBE_BIN_DIR/kubelet" --config "$d/kubelet.yaml" \
+    --kubeconfig "$d/node.kubeconfig" --root-dir "$d/kubelet" --hostname-override "$name" \
     --node-ip "$ip" --v 1
   cat >"$d/kube-proxy.yaml" <<EOF
 apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
 mode: nftables
 clientConnection: {kubeconfig: $d/proxy.kubeconfig}
-hostnameOverride: c$i-node
-clusterCIDR: $(pod_cidr "$i")
+hostnameOverride: $name
+clusterCIDR: $(cluster_pods "$i")
 bindAddress: $ip
 metricsBindAddress: 127.0.0.1:10249
 healthzBindAddress: 127.0.0.1:10256
 # Leave the host's conntrack settings alone (0 = do not set).
 conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
 EOF
-  start "$i" kube-proxy "$MCS_KUBE_BIN_DIR/kube-proxy" --config "$d/kube-proxy.yaml" --v 1
+  start_on "$i" "$k" kube-proxy "$MCS_KUBE_BIN_DIR/kube-proxy" --config "$d/kube-proxy.yaml" --v 1
 }
 
 # clusterset_secret I [revoke]: the Secret of c<I>'s controller: a kubeconfig of the other
@@ -597,7 +663,10 @@ clusterset_secret() {
 # other members, tokens of their read-only mcs-controller-reader), mcs-dns at a fixed
 # ClusterIP, and CoreDNS's Corefile gains our shipped clusterset.local block.
 install_chart() {
-  local i j dp=$DATAPLANE
+  local i j dp=$DATAPLANE replicas=1
+  # One controller on a single node (two would only share its two cores); with more nodes, the
+  # chart's two, on different nodes (one leads, the other takes over).
+  ((NODES == 1)) || replicas=2
   for ((i = 1; i <= N; i++)); do
     log "helm: mcs-dataplane into c$i (dataplane $dp)"
     helm --kubeconfig "$STATE/kubeconfig" --kube-context "c$i" upgrade --install mcs-dataplane \
@@ -605,8 +674,9 @@ install_chart() {
       --set controller.enabled=true --set clusterId="c$i" \
       --set "clustersetIPCIDRs={$CLUSTERSET_CIDR}" --set dataplane="$dp" \
       --set cgroupRoot="/sys/fs/cgroup/unified/mcs-c$i" --set bpfPinDir="/sys/fs/bpf/mcs-clusterset-c$i" \
+      --set nodeSubdirectories=true \
       --set image.pullPolicy=Never --set dns.clusterIP="$(svc_ip "$i" 11)" \
-      --set controller.replicas=1 >/dev/null
+      --set controller.replicas="$replicas" >/dev/null
   done
   for ((i = 1; i <= N; i++)); do
     clusterset_secret "$i"
@@ -681,10 +751,15 @@ up() {
     wait_for "kube-apiserver c$i" 60 "$STATE/c$i/logs/kube-apiserver.log" kc "$i" get --raw /readyz
     controllers "$i"
   done
-  for ((i = 1; i <= N; i++)); do start_node "$i"; done
+  local k
   for ((i = 1; i <= N; i++)); do
-    wait_for "node c$i-node Ready" 60 "$STATE/c$i/logs/kubelet.log" \
-      kc "$i" wait --for=condition=Ready "node/c$i-node" --timeout=2s
+    for ((k = 1; k <= NODES; k++)); do start_node "$i" "$k"; done
+  done
+  for ((i = 1; i <= N; i++)); do
+    for ((k = 1; k <= NODES; k++)); do
+      wait_for "node $(node_name "$i" "$k") Ready" 60 "$(node_dir "$i" "$k")/logs/kubelet.log" \
+        kc "$i" wait --for=condition=Ready "node/$(node_name "$i" "$k")" --timeout=2s
+    done
     sed -e "s/@SERVICE_DNS_IP@/$(svc_ip "$i" 10)/" -e "s#@IMAGE@#docker.io/mcs-clusterset/coredns:$COREDNS_VERSION#" \
       scripts/clusterset/coredns.yaml | kc "$i" apply -f - >/dev/null
   done
@@ -695,7 +770,7 @@ up() {
   done
   ((BARE)) || install_chart
   trap - EXIT
-  log "up in $((SECONDS - t0))s: $N clusters (contexts c1..c$N); state in $STATE; take down with: bash scripts/clusterset.sh down"
+  log "up in $((SECONDS - t0))s: $N clusters of $NODES node(s) (contexts c1..c$N); state in $STATE; take down with: bash scripts/clusterset.sh down"
   echo "KUBECONFIG=$STATE/kubeconfig"
 }
 
@@ -705,12 +780,20 @@ status() {
   for ((i = 1; ; i++)); do
     [[ -d $STATE/c$i ]] || break
     echo "== c$i (API server https://$(node_ip "$i"):6443, netns $(netns "$i"))"
-    local name
-    for name in etcd kube-apiserver kube-controller-manager kube-scheduler containerd kubelet kube-proxy; do
-      if kill -0 "$(cat "$STATE/c$i/pids/$name" 2>/dev/null)" 2>/dev/null; then
-        printf '  %-24s running (pid %s)\n' "$name" "$(cat "$STATE/c$i/pids/$name")"
+    local name nd
+    for name in etcd kube-apiserver kube-controller-manager kube-scheduler containerd kubelet kube-proxy \
+      "$STATE/c$i"/node*/pids/{containerd,kubelet,kube-proxy}; do
+      nd=$STATE/c$i
+      if [[ $name == */pids/* ]]; then
+        [[ -f $name ]] || continue
+        nd=${name%/pids/*} name=${name##*/}
+      fi
+      local label=$name
+      [[ $nd == "$STATE/c$i" ]] || label="${nd##*/}/$name"
+      if kill -0 "$(cat "$nd/pids/$name" 2>/dev/null)" 2>/dev/null; then
+        printf '  %-24s running (pid %s)\n' "$label" "$(cat "$nd/pids/$name")"
       else
-        printf '  %-24s NOT RUNNING (log %s)\n' "$name" "$STATE/c$i/logs/$name.log"; rc=1
+        printf '  %-24s NOT RUNNING (log %s)\n' "$label" "$nd/logs/$name.log"; rc=1
       fi
     done
     kc "$i" get nodes -o wide 2>&1 | sed 's/^/  /' || rc=1
@@ -720,10 +803,18 @@ status() {
   return "$rc"
 }
 
+# N and NODES of the ClusterSet that is up (for the commands after `up`).
+shape_from_state() {
+  N=$(ls -d "$STATE"/c[0-9]* | wc -l)
+  NODES=$(awk '$1 == "c1"' "$STATE/nodes" 2>/dev/null | wc -l)
+  ((NODES > 0)) || NODES=1
+}
+
 cmd=${1:-}; shift || true
 while (($#)); do
   case $1 in
     --clusters) N=$2; shift 2 ;;
+    --nodes) NODES=$2; shift 2 ;;
     --bare) BARE=1; shift ;;
     --dataplane) DATAPLANE=$2; shift 2 ;;
     --cni) CNI=$2; shift 2 ;;
@@ -733,6 +824,8 @@ while (($#)); do
   esac
 done
 [[ $N =~ ^[1-9]$ ]] || die "--clusters must be 1..9"
+# Four /26 pod ranges per cluster at most (each node's pods come from the cluster's /24).
+[[ $NODES =~ ^[1-4]$ ]] || die "--nodes must be 1..4"
 case $DATAPLANE in ebpf|userspace|auto) ;; *) die "--dataplane must be ebpf, userspace or auto" ;; esac
 case $CNI in ptp|bridge|mixed) ;; *) die "--cni must be ptp, bridge or mixed" ;; esac
 case $cmd in
@@ -742,11 +835,11 @@ case $cmd in
   images) build_images; printf '%s\n' "$IMAGES/pause.tar" "$IMAGES/coredns-$COREDNS_VERSION.tar" "${TOOL_IMAGES[@]}" ;;
   install)
     [[ -f $STATE/kubeconfig ]] || die "not up"
-    N=$(ls -d "$STATE"/c[0-9]* | wc -l)
+    shape_from_state
     install_chart ;;
   rotate-tokens)
     [[ -f $STATE/kubeconfig ]] || die "not up"
-    N=$(ls -d "$STATE"/c[0-9]* | wc -l)
+    shape_from_state
     for ((i = 1; i <= N; i++)); do clusterset_secret "$i" "$REVOKE"; done
     log "new 24 h reader tokens in every controller's Secret (read within about two minutes, no restart)${REVOKE:+; the old ones revoked}" ;;
   help|"") sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' ;;

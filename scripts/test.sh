@@ -89,7 +89,7 @@ trap 'bash scripts/clusterset.sh down >/dev/null 2>&1 || true' EXIT
 # by the release image's pipeline (deploy/image.sh,
 # which also runs them inside the image), imported into every node.
 cargo build --locked -q -p mcs-agent -p mcs-controller --bins &&
-  MCS_IMAGE_BIN_DIR=target/debug bash scripts/clusterset.sh up --cni mixed >target/clusterset-up.out
+  MCS_IMAGE_BIN_DIR=target/debug bash scripts/clusterset.sh up --cni mixed --nodes 2 >target/clusterset-up.out
 up=$?
 # Bringing up two clusters on two shared cores once failed in CI with the controller's pods left
 # Pending and no reason kept (before up explained its failed waits). One second attempt, said
@@ -98,7 +98,7 @@ up_note=""
 if ((up != 0)); then
   echo "clusterset up: failed once (its explanation is above); taking it down and trying once more"
   up_note="clusterset up needed a second attempt (the first one's explanation is in the log)"
-  MCS_IMAGE_BIN_DIR=target/debug bash scripts/clusterset.sh up --cni mixed >target/clusterset-up.out
+  MCS_IMAGE_BIN_DIR=target/debug bash scripts/clusterset.sh up --cni mixed --nodes 2 >target/clusterset-up.out
   up=$?
 fi
 if ((up == 0)); then

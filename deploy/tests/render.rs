@@ -252,6 +252,28 @@ fn the_apiserver_accepts_crds_base_and_chart() {
     let out = k(&["apply", "--dry-run=server", "-f", "-"], Some(&custom));
     assert!(out.contains("(server dry run)"), "{out}");
 
+    // Several nodes on one kernel: each agent mounts its node's subdirectory of both host
+    // directories; off by default (a real node has its kernel to itself).
+    let mounts = |yaml: &str| {
+        objects(yaml)
+            .into_iter()
+            .find(|o| o["kind"] == "DaemonSet")
+            .map(|o| o["spec"]["template"]["spec"]["containers"][0]["volumeMounts"].clone())
+            .unwrap()
+    };
+    let shared = helm_template(&["--set", "nodeSubdirectories=true"]);
+    for m in mounts(&shared).as_array().unwrap() {
+        let per_node = ["bpffs", "cgroup2"].contains(&m["name"].as_str().unwrap());
+        assert_eq!(
+            m.get("subPathExpr").and_then(|v| v.as_str()),
+            per_node.then_some("$(NODE_NAME)"),
+            "{m}"
+        );
+    }
+    assert!(!mounts(&helm_template(&[])).to_string().contains("subPath"));
+    let out = k(&["apply", "--dry-run=server", "-f", "-"], Some(&shared));
+    assert!(out.contains("(server dry run)"), "{out}");
+
     // A changed value changes the agents' pod template (its ConfigMap checksum), so
     // `helm upgrade` rolls them.
     let sum = |yaml: &str| {

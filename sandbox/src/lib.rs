@@ -10,7 +10,8 @@
 //! - [`topology`]: the two-cluster topology (client pod, node, clusters c1 and c2).
 //!
 //! Every resource carries the creating process id in its name (`mcst<pid>-...`);
-//! [`sweep_stale`] removes those whose process is gone (killed before it could clean up).
+//! [`sweep_stale`] removes those whose process is gone (killed before it could clean up), and
+//! pin directories of the same name under /sys/fs/bpf.
 #![forbid(unsafe_code)]
 
 pub mod backend;
@@ -35,10 +36,27 @@ pub fn unique_name(tag: &str) -> String {
     )
 }
 
-/// Removes network namespaces and cgroups left by processes that no longer run.
+/// Removes network namespaces, cgroups and bpffs pin directories left by processes that no
+/// longer run.
 pub fn sweep_stale() {
     netns::sweep_stale();
     cgroup::sweep_stale();
+    sweep_stale_pins();
+}
+
+/// Pin directories `/sys/fs/bpf/mcst<pid>...` (the eBPF agent's maps and links of a test or
+/// bench) whose process is gone: removing a pinned link detaches its program once nothing
+/// else holds it.
+fn sweep_stale_pins() {
+    let Ok(dir) = std::fs::read_dir("/sys/fs/bpf") else {
+        return;
+    };
+    for entry in dir.filter_map(Result::ok) {
+        let name = entry.file_name().to_string_lossy().to_string();
+        if owner_pid(&name).is_some_and(|p| !pid_alive(p)) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// Whether process `pid` is alive (a zombie, killed but not yet reaped, is not).
