@@ -45,14 +45,6 @@ failures=0
 
 say() { printf '\033[1me2e:\033[0m %s\n' "$*"; }
 fail() { printf 'e2e: FAILED: %s\n' "$*" >&2; failures=$((failures + 1)); }
-until_ok() { # until_ok SECONDS DESCRIPTION CMD...
-  local secs=$1 what=$2; shift 2
-  local deadline=$((SECONDS + secs))
-  until "$@" >/dev/null 2>&1; do
-    ((SECONDS > deadline)) && { fail "$what (not within ${secs}s)"; return 1; }
-    sleep 0.5
-  done
-}
 cleanup() {
   local rc=${1:-$?}
   for c in c1 c2; do kc "$c" delete namespace "$NS" --wait=false >/dev/null 2>&1 || true; done

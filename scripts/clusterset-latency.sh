@@ -40,6 +40,8 @@ ONS="lat-others-$stamp"
 DIR="$STATE/latency-$stamp"
 say() { printf '\033[1mlatency:\033[0m %s\n' "$*"; }
 die() { printf 'latency: FAILED: %s\n' "$*" >&2; exit 1; }
+# For until_ok (clusterset-lib.sh): a wait that times out ends the run here.
+fail() { die "$@"; }
 watch_pid=""
 cleanup() {
   local rc=$?
@@ -51,14 +53,6 @@ cleanup() {
 trap cleanup EXIT
 now_ns() { date +%s%N; }
 # Polls CMD every 0.5 s until it succeeds, for at most SECONDS.
-until_ok() { # until_ok SECONDS DESCRIPTION CMD...
-  local secs=$1 what=$2; shift 2
-  local deadline=$((SECONDS + secs))
-  until "$@" >/dev/null 2>&1; do
-    ((SECONDS > deadline)) && die "$what (not within ${secs}s)"
-    sleep 0.5
-  done
-}
 imports_with_ip() { kc c1 -n "$1" get serviceimports -o jsonpath='{range .items[*]}{.spec.ips[0]}{"\n"}{end}' | grep -c . || true; }
 
 mkdir -p "$DIR"

@@ -1,7 +1,8 @@
 # Sourced (not run) by the scripts that use a running ClusterSet (clusterset-e2e.sh,
 # clusterset-latency.sh, clusterset-uninstall.sh): the repository root as working directory,
 # the tools' environment, the ClusterSet's state directory and kubeconfig, `kc CONTEXT ARGS…`,
-# `need_clusterset NAME` (exits with NAME's message when none is up) and `cs_nodes [CLUSTER]`.
+# `need_clusterset NAME` (exits with NAME's message when none is up), `cs_nodes [CLUSTER]` and
+# `until_ok SECONDS DESCRIPTION CMD...` (which calls the sourcing script's `fail`).
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 # shellcheck source=scripts/env.sh
@@ -16,3 +17,13 @@ need_clusterset() {
 # them: cluster, node name, netns, address, pod range, kubelet cgroup (cgroup2), the agent's
 # pin directory. The first line of a cluster is its first node (the control plane's).
 cs_nodes() { awk -v c="${1:-}" 'c == "" || $1 == c' "$STATE/nodes"; }
+# Polls CMD (quietly) every 0.5 s until it succeeds; after SECONDS, `fail DESCRIPTION` (the
+# sourcing script's: it counts and goes on, or exits) and returns 1.
+until_ok() {
+  local secs=$1 what=$2; shift 2
+  local deadline=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS > deadline)) && { fail "$what (not within ${secs}s)"; return 1; }
+    sleep 0.5
+  done
+}

@@ -8,6 +8,8 @@
 #
 #   bash scripts/clusterset.sh up [--clusters N] [--nodes N] [--bare] [--dataplane ebpf|userspace] [--cni ptp|bridge|mixed]
 #   bash scripts/clusterset.sh install [--dataplane ebpf|userspace]   # (re)install our chart
+#   bash scripts/clusterset.sh import-image FILE.oci.tar   # into every node's containerd
+#                                              # (e.g. an upgrade's image: deploy/image.sh with MCS_IMAGE_TAG)
 #   bash scripts/clusterset.sh rotate-tokens [--revoke]   # new 24 h member tokens for every
 #                                              # controller (--revoke: the old ones at once)
 #   bash scripts/clusterset.sh status
@@ -820,6 +822,7 @@ while (($#)); do
     --cni) CNI=$2; shift 2 ;;
     --revoke) REVOKE=revoke; shift ;;
     -h|--help) cmd=help; shift ;;
+    *.tar) IMPORT=$1; shift ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
@@ -837,11 +840,19 @@ case $cmd in
     [[ -f $STATE/kubeconfig ]] || die "not up"
     shape_from_state
     install_chart ;;
+  import-image)
+    [[ -f $STATE/kubeconfig ]] || die "not up"
+    [[ -f ${IMPORT:-} ]] || die "import-image needs an image archive (FILE.oci.tar)"
+    shape_from_state
+    for ((i = 1; i <= N; i++)); do
+      for ((k = 1; k <= NODES; k++)); do ctr_import "$(node_dir "$i" "$k")" "$IMPORT"; done
+    done
+    log "imported $IMPORT into every node ($N clusters of $NODES node(s))" ;;
   rotate-tokens)
     [[ -f $STATE/kubeconfig ]] || die "not up"
     shape_from_state
     for ((i = 1; i <= N; i++)); do clusterset_secret "$i" "$REVOKE"; done
     log "new 24 h reader tokens in every controller's Secret (read within about two minutes, no restart)${REVOKE:+; the old ones revoked}" ;;
   help|"") sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' ;;
-  *) die "unknown command $cmd (up, down, status, install, rotate-tokens)" ;;
+  *) die "unknown command $cmd (up, down, status, install, import-image, rotate-tokens)" ;;
 esac

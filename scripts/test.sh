@@ -80,7 +80,7 @@ dns=$?
 set -e
 if ((dns == 0)); then echo "DNS bench smoke: ok"; else echo "DNS bench smoke: FAILED"; status=1; fi
 
-step "real ClusterSet: two clusters with kubelets (scripts/clusterset.sh up: our image, our chart, CoreDNS), end to end on real pods, the whole upstream conformance suite, helm uninstall, down"
+step "real ClusterSet: two clusters of two nodes with kubelets (scripts/clusterset.sh up: our image, our chart, CoreDNS), end to end on real pods, the lifecycle suite under load, the whole upstream conformance suite, helm uninstall, down"
 set +e
 # Whatever happens below (a failure, a timeout's TERM), the clusters go.
 trap 'bash scripts/clusterset.sh down >/dev/null 2>&1 || true' EXIT
@@ -110,6 +110,11 @@ if ((up == 0)); then
   bash scripts/clusterset-latency.sh --others 100 --samples 5
   latency=$?
   if ((latency == 0)); then echo "clusterset export latency (smoke): ok"; else echo "clusterset export latency (smoke): FAILED"; status=1; fi
+  # Day 2 under load (upgrade, rollback, agents deleted, dataplane switch, drain + kill): the
+  # 0-failure steps gate, the rest are measured; the chart is put back on eBPF at its release.
+  bash scripts/clusterset-lifecycle.sh
+  lifecycle=$?
+  if ((lifecycle == 0)); then echo "clusterset lifecycle under load: ok"; else echo "clusterset lifecycle under load: FAILED"; status=1; fi
   # Every test runs; the Required ones must pass (MCS_CONFORMANCE_GATE), the rest are reported.
   MCS_CONFORMANCE_MODE=real bash scripts/conformance.sh
   conformance=$?

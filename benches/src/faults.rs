@@ -75,8 +75,22 @@ pub fn crr_loop(to: SocketAddr, seconds: f64, max: u64) -> LoadResult {
     let end = start + Duration::from_secs_f64(seconds);
     let mut last_ok = start;
     while Instant::now() < end && r.tried < max {
-        r.tried += 1;
-        let req = format!("GET /{}", r.tried);
+        if !r.crr_once(to, &mut last_ok) {
+            // A refused connect returns at once: do not spin.
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    r.finish(last_ok);
+    r
+}
+
+impl LoadResult {
+    /// One new connection to `to` (request `GET /<n>`, half-close, the whole reply), counted;
+    /// `last_ok` is when the previous connection was served (for the longest gap). Whether
+    /// this one was served whole.
+    pub fn crr_once(&mut self, to: SocketAddr, last_ok: &mut Instant) -> bool {
+        self.tried += 1;
+        let req = format!("GET /{}", self.tried);
         let began = Instant::now();
         let one = || -> std::io::Result<String> {
             let mut s = TcpStream::connect_timeout(&to, IO_TIMEOUT)?;
@@ -89,47 +103,57 @@ pub fn crr_loop(to: SocketAddr, seconds: f64, max: u64) -> LoadResult {
         };
         let outcome = one();
         let took = began.elapsed().as_secs_f64() * 1e3;
-        if r.slowest.as_ref().is_none_or(|(ms, _)| took > *ms) {
+        if self.slowest.as_ref().is_none_or(|(ms, _)| took > *ms) {
             let how = match &outcome {
                 Ok(o) if o.is_empty() => "closed without a reply".to_string(),
                 Ok(_) => "replied".to_string(),
                 Err(e) => e.to_string(),
             };
-            r.slowest = Some((took, how));
+            self.slowest = Some((took, how));
         }
         match outcome {
             Ok(out) if out.starts_with("backend ") && out.ends_with(&format!(" {req}\n")) => {
-                r.ok += 1;
+                self.ok += 1;
                 if let Some(b) = out.split_whitespace().nth(1) {
-                    *r.by_backend.entry(b.to_string()).or_default() += 1;
+                    *self.by_backend.entry(b.to_string()).or_default() += 1;
                 }
-                let now = Instant::now();
-                let gap = now.duration_since(last_ok).as_secs_f64() * 1e3;
-                r.longest_gap_ms = r.longest_gap_ms.max(gap);
-                last_ok = now;
+                self.served(last_ok);
+                true
             }
             // Closed before any reply (e.g. the forwarder's process died): a failure the
             // client sees, not a reply it could take for whole.
             Ok(out) if out.is_empty() => {
-                r.failed += 1;
-                r.first_error
+                self.failed += 1;
+                self.first_error
                     .get_or_insert("closed without a reply".to_string());
+                false
             }
             Ok(out) => {
-                r.incomplete += 1;
-                r.first_error.get_or_insert(format!("cut reply {out:?}"));
+                self.incomplete += 1;
+                self.first_error.get_or_insert(format!("cut reply {out:?}"));
+                false
             }
             Err(e) => {
-                r.failed += 1;
-                r.first_error.get_or_insert(e.to_string());
-                // A refused connect returns at once: do not spin.
-                std::thread::sleep(Duration::from_millis(1));
+                self.failed += 1;
+                self.first_error.get_or_insert(e.to_string());
+                false
             }
         }
     }
-    let tail = Instant::now().duration_since(last_ok).as_secs_f64() * 1e3;
-    r.longest_gap_ms = r.longest_gap_ms.max(tail);
-    r
+
+    /// A request served now: the gap since the one before counts toward the longest.
+    pub fn served(&mut self, last_ok: &mut Instant) {
+        let now = Instant::now();
+        let gap = now.duration_since(*last_ok).as_secs_f64() * 1e3;
+        self.longest_gap_ms = self.longest_gap_ms.max(gap);
+        *last_ok = now;
+    }
+
+    /// At the end: the time since the last served request counts as a gap too.
+    pub fn finish(&mut self, last_ok: Instant) {
+        let tail = Instant::now().duration_since(last_ok).as_secs_f64() * 1e3;
+        self.longest_gap_ms = self.longest_gap_ms.max(tail);
+    }
 }
 
 /// A backend: reads the whole request, answers `backend ADDR REQUEST\n`; stops when dropped.

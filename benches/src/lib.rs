@@ -15,6 +15,7 @@ pub mod dns_perf;
 pub mod export_demo;
 pub mod faults;
 pub mod harness;
+pub mod lifecycle;
 pub mod scale;
 
 /// Synthetic inputs.

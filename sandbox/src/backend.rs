@@ -50,12 +50,40 @@ impl Backend {
     ) -> anyhow::Result<Self> {
         let tcp = ns.run(|| TcpListener::bind(addr))??;
         let udp = if udp {
-            let u = ns.run(|| UdpSocket::bind(addr))??;
-            u.set_read_timeout(Some(STOP_WITHIN))?;
-            Some(u)
+            Some(ns.run(|| UdpSocket::bind(addr))??)
         } else {
             None
         };
+        Self::serve(addr, tcp, udp, prefix, read_timeout)
+    }
+
+    /// As [`Backend::start`], in this process's own network namespace (a pod's: the lifecycle
+    /// suite's backends, `mcs-bench serve`).
+    pub fn start_here(
+        addr: SocketAddr,
+        prefix: String,
+        udp: bool,
+        read_timeout: Duration,
+    ) -> anyhow::Result<Self> {
+        let tcp = TcpListener::bind(addr)?;
+        let udp = if udp {
+            Some(UdpSocket::bind(addr)?)
+        } else {
+            None
+        };
+        Self::serve(addr, tcp, udp, prefix, read_timeout)
+    }
+
+    fn serve(
+        addr: SocketAddr,
+        tcp: TcpListener,
+        udp: Option<UdpSocket>,
+        prefix: String,
+        read_timeout: Duration,
+    ) -> anyhow::Result<Self> {
+        if let Some(u) = &udp {
+            u.set_read_timeout(Some(STOP_WITHIN))?;
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let prefix: Arc<str> = prefix.into();
         let (s, p) = (stop.clone(), prefix.clone());

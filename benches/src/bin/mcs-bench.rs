@@ -194,6 +194,31 @@ enum Tool {
         #[arg(long, default_value_t = 2_000_000)]
         max: u64,
     },
+    /// (internal) The lifecycle suite's load, inside a pod: new TCP connections and UDP
+    /// requests on one flow at a fixed rate, until --stop-file exists; prints one JSON line.
+    #[command(hide = true)]
+    Probe {
+        #[arg(long)]
+        tcp: Option<SocketAddr>,
+        #[arg(long)]
+        udp: Option<SocketAddr>,
+        /// Requests per second, each of TCP and UDP.
+        #[arg(long, default_value_t = 50.0)]
+        rate: f64,
+        #[arg(long)]
+        stop_file: Option<PathBuf>,
+        #[arg(long, default_value_t = 600.0)]
+        max_seconds: f64,
+    },
+    /// (internal) The lifecycle suite's backend, inside a pod: answers each TCP connection
+    /// and UDP datagram on --listen with `backend NAME <request>`.
+    #[command(hide = true)]
+    Serve {
+        #[arg(long)]
+        listen: SocketAddr,
+        #[arg(long)]
+        name: String,
+    },
     /// (internal) UDP echo server.
     #[command(hide = true)]
     UdpEcho {
@@ -330,6 +355,36 @@ fn main() -> ExitCode {
         Some(Tool::ExportDemo { agent, controller }) => {
             mcs_bench::export_demo::run(agent, controller)
         }
+        Some(Tool::Probe {
+            tcp,
+            udp,
+            rate,
+            stop_file,
+            max_seconds,
+        }) => mcs_bench::lifecycle::Probe {
+            tcp,
+            udp,
+            rate,
+            stop_file,
+            max_seconds,
+        }
+        .run()
+        .and_then(|r| {
+            println!("{}", serde_json::to_string(&r)?);
+            Ok(())
+        }),
+        Some(Tool::Serve { listen, name }) => (|| -> anyhow::Result<()> {
+            let _backend = mcs_sandbox::backend::Backend::start_here(
+                listen,
+                format!("backend {name} "),
+                true,
+                std::time::Duration::from_secs(2),
+            )?;
+            eprintln!("serving TCP and UDP on {listen} as {name}");
+            loop {
+                std::thread::park();
+            }
+        })(),
         Some(Tool::CrrLoop { to, seconds, max }) => {
             let r = mcs_bench::faults::crr_loop(to, seconds, max);
             serde_json::to_string(&r)

@@ -1,0 +1,218 @@
+//! The lifecycle suite's load (`scripts/clusterset-lifecycle.sh`), run inside the pods of the
+//! real ClusterSet. `mcs-bench probe` opens new TCP connections to a service at a fixed rate
+//! (each one request, the whole reply checked, as the fault suite's) and sends UDP requests on
+//! one flow at the same rate, until a stop file appears or a time bound passes, and prints one
+//! JSON line: what the client saw on each. `mcs-bench serve` is the service's backend (the
+//! fault suite's request/reply backend, in the pod's own network namespace).
+
+use std::{
+    net::{SocketAddr, UdpSocket},
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use serde::{Deserialize, Serialize};
+
+use crate::faults::LoadResult;
+
+/// How long a UDP request waits for its answer before it counts as lost.
+pub const UDP_WAIT: Duration = Duration::from_millis(500);
+
+/// What to probe and for how long.
+#[derive(Clone, Debug)]
+pub struct Probe {
+    /// TCP service address (new connection per request).
+    pub tcp: Option<SocketAddr>,
+    /// UDP service address (one connected flow).
+    pub udp: Option<SocketAddr>,
+    /// Requests per second, each of TCP and UDP.
+    pub rate: f64,
+    /// Stop once this file exists.
+    pub stop_file: Option<PathBuf>,
+    /// Stop after this long whatever happens.
+    pub max_seconds: f64,
+}
+
+/// What the UDP flow saw.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct UdpResult {
+    /// Requests sent (or tried).
+    pub tried: u64,
+    /// Requests answered with their own reply.
+    pub answered: u64,
+    /// Requests with no answer within [`UDP_WAIT`].
+    pub lost: u64,
+    /// Requests whose send or receive failed (e.g. ICMP port unreachable: refused).
+    pub refused: u64,
+    /// Answers that were not a backend's reply to a request of this flow.
+    pub wrong: u64,
+    /// Longest time between two answered requests, in milliseconds.
+    pub longest_gap_ms: f64,
+    /// The first problem seen.
+    pub first_error: Option<String>,
+}
+
+/// One probe's report.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ProbeReport {
+    /// How long it ran.
+    pub seconds: f64,
+    /// The TCP side (new connections).
+    pub tcp: Option<LoadResult>,
+    /// The UDP side (one flow).
+    pub udp: Option<UdpResult>,
+}
+
+/// Fixed-rate ticks; a late tick is not made up for by a burst.
+struct Pace {
+    period: Duration,
+    next: Instant,
+}
+
+impl Pace {
+    fn new(rate: f64) -> Self {
+        Pace {
+            period: Duration::from_secs_f64(1.0 / rate.max(0.1)),
+            next: Instant::now(),
+        }
+    }
+
+    fn wait(&mut self) {
+        let now = Instant::now();
+        if self.next > now {
+            std::thread::sleep(self.next - now);
+        } else if now - self.next > self.period {
+            self.next = now;
+        }
+        self.next += self.period;
+    }
+}
+
+impl Probe {
+    fn stopped(&self, end: Instant) -> bool {
+        Instant::now() >= end || self.stop_file.as_ref().is_some_and(|f| f.exists())
+    }
+
+    /// Runs the probe to its stop and reports.
+    pub fn run(&self) -> anyhow::Result<ProbeReport> {
+        anyhow::ensure!(
+            self.tcp.is_some() || self.udp.is_some(),
+            "probe needs --tcp or --udp"
+        );
+        let start = Instant::now();
+        let end = start + Duration::from_secs_f64(self.max_seconds);
+        let (tcp, udp) = std::thread::scope(|s| {
+            let tcp = self.tcp.map(|to| s.spawn(move || self.tcp_side(to, end)));
+            let udp = self.udp.map(|to| s.spawn(move || self.udp_side(to, end)));
+            (
+                tcp.map(|h| h.join().expect("tcp side")),
+                udp.map(|h| h.join().expect("udp side")),
+            )
+        });
+        Ok(ProbeReport {
+            seconds: start.elapsed().as_secs_f64(),
+            tcp,
+            udp: udp.transpose()?,
+        })
+    }
+
+    fn tcp_side(&self, to: SocketAddr, end: Instant) -> LoadResult {
+        let mut r = LoadResult::default();
+        let mut pace = Pace::new(self.rate);
+        let mut last_ok = Instant::now();
+        while !self.stopped(end) {
+            pace.wait();
+            r.crr_once(to, &mut last_ok);
+        }
+        r.finish(last_ok);
+        r
+    }
+
+    fn udp_side(&self, to: SocketAddr, end: Instant) -> anyhow::Result<UdpResult> {
+        let any: SocketAddr = if to.is_ipv4() {
+            "0.0.0.0:0".parse()?
+        } else {
+            "[::]:0".parse()?
+        };
+        let sock = UdpSocket::bind(any)?;
+        sock.connect(to)?;
+        let mut r = UdpResult::default();
+        let mut pace = Pace::new(self.rate);
+        let mut last_ok = Instant::now();
+        let mut buf = [0u8; 1024];
+        while !self.stopped(end) {
+            pace.wait();
+            r.tried += 1;
+            let req = format!("q{}", r.tried);
+            if let Err(e) = sock.send(req.as_bytes()) {
+                r.refused += 1;
+                r.first_error.get_or_insert(format!("send: {e}"));
+                continue;
+            }
+            let mine = format!(" {req}\n");
+            let deadline = Instant::now() + UDP_WAIT;
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    r.lost += 1;
+                    r.first_error.get_or_insert(format!("{req}: no answer"));
+                    break;
+                }
+                sock.set_read_timeout(Some(left))?;
+                match sock.recv(&mut buf) {
+                    Ok(n) => {
+                        let got = String::from_utf8_lossy(&buf[..n]);
+                        if got.starts_with("backend ") && got.ends_with(&mine) {
+                            r.answered += 1;
+                            let now = Instant::now();
+                            let gap = now.duration_since(last_ok).as_secs_f64() * 1e3;
+                            r.longest_gap_ms = r.longest_gap_ms.max(gap);
+                            last_ok = now;
+                            break;
+                        }
+                        // A late answer to an earlier request of this flow: keep waiting.
+                        if got.starts_with("backend ") && got.contains(" q") {
+                            continue;
+                        }
+                        r.wrong += 1;
+                        r.first_error
+                            .get_or_insert(format!("{req}: answer {got:?}"));
+                        break;
+                    }
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) =>
+                    {
+                        continue;
+                    }
+                    Err(e) => {
+                        r.refused += 1;
+                        r.first_error.get_or_insert(format!("{req}: {e}"));
+                        break;
+                    }
+                }
+            }
+        }
+        let tail = Instant::now().duration_since(last_ok).as_secs_f64() * 1e3;
+        r.longest_gap_ms = r.longest_gap_ms.max(tail);
+        Ok(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pace_does_not_burst_after_a_stall() {
+        let mut p = Pace::new(1000.0);
+        let before = Instant::now();
+        p.next = before - Duration::from_secs(1);
+        p.wait();
+        // A second late: the next tick is one period after the call, not a thousand ticks
+        // owed from the past.
+        assert!(p.next >= before + p.period);
+    }
+}

@@ -1,0 +1,352 @@
+#!/usr/bin/env bash
+# Day 2 under load, on the real ClusterSet of scripts/clusterset.sh (up, with mcs-dataplane
+# installed on eBPF): each step runs while a probe in a client pod on every node of c1 opens
+# new TCP connections to the ClusterSetIP of `web` (exported by c1 and c2) at --rate per second
+# and sends UDP requests at the same rate on one flow (mcs-bench probe: every reply checked
+# whole), and counts tried / failed / cut / longest gap. The steps:
+#
+#   upgrade-ebpf      helm upgrade to a new image (the same binaries, another tag: deploy/image.sh
+#                     with MCS_IMAGE_TAG), agents and controllers; 0 failed required. The
+#                     ServiceImports are not rewritten (resourceVersions unchanged), and an export
+#                     made during the rollout is imported after it.
+#   rollback-ebpf     helm rollback to the release before: the same checks.
+#   agents-deleted    every agent pod of c1 deleted at once (eBPF); 0 failed required.
+#   to-userspace      helm upgrade --set dataplane=userspace (eBPF -> userspace); counted.
+#   upgrade-userspace helm upgrade to the new image on the userspace dataplane; counted (the
+#                     forwarder's listeners close with its process: the loss is measured).
+#   rollback-userspace
+#   to-ebpf           back to eBPF; counted.
+#   drain-ebpf, drain-userspace
+#                     kubectl drain of c1's second node (its web pod evicted), then c1's remaining
+#                     backends killed outright (SIGKILL; their slices still say ready until the
+#                     readiness probe fails): traffic moves to the other node's pod, then to c2,
+#                     and back once kubelet restarted them. Counted (userspace retries the next
+#                     cluster when every local backend refuses; eBPF cannot retry).
+#
+# A step marked "0 required" fails the script if any request failed or came back cut; the
+# others are measured and shown. The table is printed (and written to
+# $STATE/lifecycle/table.md); everything the suite creates is deleted on exit and the chart is
+# left on eBPF at the release it found.
+#
+#   bash scripts/clusterset-lifecycle.sh [--steps a,b,...] [--rate N]
+#
+# The probe and the backends are mcs-bench (MCS_BENCH_BIN_DIR, default target/debug), run in
+# the pods from a read-only hostPath of that directory (the node filesystem is this machine's).
+set -euo pipefail
+# shellcheck source=scripts/clusterset-lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/clusterset-lib.sh"
+need_clusterset lifecycle
+
+STEPS=upgrade-ebpf,rollback-ebpf,agents-deleted,drain-ebpf,to-userspace,upgrade-userspace,rollback-userspace,drain-userspace,to-ebpf
+RATE=50
+while (($#)); do
+  case $1 in
+    --steps) STEPS=$2; shift 2 ;;
+    --rate) RATE=$2; shift 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "lifecycle: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+BENCH_DIR=${MCS_BENCH_BIN_DIR:-$root/target/debug}
+[[ -x $BENCH_DIR/mcs-bench ]] || { echo "lifecycle: no $BENCH_DIR/mcs-bench (cargo build -p mcs-bench)" >&2; exit 1; }
+NS="life-$(date +%s)"
+RUN="$STATE/lifecycle/$NS"
+TABLE="$STATE/lifecycle/table.md"
+NEXT_TAG=lifecycle-next
+mkdir -p "$RUN"
+failures=0
+say() { printf '\033[1mlifecycle:\033[0m %s\n' "$*"; }
+fail() { printf 'lifecycle: FAILED: %s\n' "$*" >&2; failures=$((failures + 1)); }
+clusters=$(kubectl config get-contexts -o name | grep -E '^c[0-9]+$' | sort -V)
+helm_c() { local c=$1; shift; helm --kube-context "$c" "$@"; }
+# The release each cluster had when the suite started: put back on exit.
+declare -A first_rev
+for c in $clusters; do
+  first_rev[$c]=$(helm_c "$c" status mcs-dataplane -o json | python3 -c 'import json,sys; print(json.load(sys.stdin)["version"])')
+done
+cleanup() {
+  local rc=$?
+  jobs -p | xargs -r kill 2>/dev/null || true
+  for c in $clusters; do
+    kc "$c" delete namespace "$NS" --wait=false >/dev/null 2>&1 || true
+    kc "$c" uncordon --all >/dev/null 2>&1 || true
+  done
+  rm -rf "$RUN"
+  exit "$rc"
+}
+trap cleanup EXIT
+
+# --- the service and the clients ---------------------------------------------------------------
+bench_volume="{name: bench, hostPath: {path: $BENCH_DIR, type: Directory}}"
+backends() { # backends CLUSTER REPLICAS: web, TCP 80 and UDP 9000 -> mcs-bench serve on 8080
+  cat <<EOF | kc "$1" apply -f - >/dev/null
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: web, namespace: $NS}
+spec:
+  replicas: $2
+  selector: {matchLabels: {app: web}}
+  template:
+    metadata: {labels: {app: web}}
+    spec:
+      terminationGracePeriodSeconds: 5
+      affinity: {podAntiAffinity: {preferredDuringSchedulingIgnoredDuringExecution: [{weight: 100, podAffinityTerm: {topologyKey: kubernetes.io/hostname, labelSelector: {matchLabels: {app: web}}}}]}}
+      containers:
+      - name: web
+        image: docker.io/nicolaka/netshoot:v0.15
+        imagePullPolicy: Never
+        command: [/opt/bench/mcs-bench, serve, --listen, "0.0.0.0:8080", --name, "$1/\$(POD_NAME)"]
+        env: [{name: POD_NAME, valueFrom: {fieldRef: {fieldPath: metadata.name}}}]
+        ports: [{containerPort: 8080}, {containerPort: 8080, protocol: UDP}]
+        readinessProbe: {tcpSocket: {port: 8080}, periodSeconds: 1}
+        volumeMounts: [{name: bench, mountPath: /opt/bench, readOnly: true}]
+      volumes: [$bench_volume]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: $NS}
+spec:
+  selector: {app: web}
+  ports: [{name: tcp, port: 80, targetPort: 8080}, {name: udp, port: 9000, targetPort: 8080, protocol: UDP}]
+---
+apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceExport
+metadata: {name: web, namespace: $NS}
+spec: {}
+EOF
+}
+nodes_c1=$(cs_nodes c1 | awk '{print $2}')
+say "namespace $NS: web (mcs-bench serve) exported by c1 (a pod per node) and c2 (2 pods); a probe pod on every node of c1"
+for c in $clusters; do kc "$c" create namespace "$NS" >/dev/null; done
+backends c1 "$(wc -w <<<"$nodes_c1")"
+backends c2 2
+for n in $nodes_c1; do
+  cat <<EOF | kc c1 apply -f - >/dev/null
+apiVersion: v1
+kind: Pod
+metadata: {name: probe-$n, namespace: $NS}
+spec:
+  nodeName: $n
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: probe
+    image: docker.io/nicolaka/netshoot:v0.15
+    imagePullPolicy: Never
+    command: [sleep, "3600"]
+    volumeMounts: [{name: bench, mountPath: /opt/bench, readOnly: true}, {name: run, mountPath: /run/life}]
+  volumes: [$bench_volume, {name: run, hostPath: {path: $RUN, type: Directory}}]
+EOF
+done
+for c in $clusters; do
+  until_ok 120 "web Ready in $c" kc "$c" -n "$NS" rollout status deploy/web --timeout=2s || exit 1
+done
+until_ok 60 "probe pods Ready" kc c1 -n "$NS" wait --for=condition=Ready pod --all --timeout=2s || exit 1
+vip=""
+until_ok 60 "ServiceImport web with a ClusterSetIP in c1" \
+  sh -c "kubectl --context c1 -n $NS get serviceimport web -o jsonpath='{.spec.ips[0]}' | grep -q ." || exit 1
+vip=$(kc c1 -n "$NS" get serviceimport web -o jsonpath='{.spec.ips[0]}')
+# Both clusters' backends reach every probe before the steps start.
+probe_once() { # probe_once NODE: one second of probing; whole replies from both clusters
+  kc c1 -n "$NS" exec "probe-$1" -- /opt/bench/mcs-bench probe --tcp "$vip:80" --udp "$vip:9000" \
+    --rate 20 --max-seconds 1 | python3 -c '
+import json, sys
+r = json.load(sys.stdin)
+ok = r["tcp"]["ok"] == r["tcp"]["tried"] and r["udp"]["answered"] == r["udp"]["tried"]
+sys.exit(0 if ok else 1)'
+}
+for n in $nodes_c1; do until_ok 60 "every probe request answered from $n through $vip" probe_once "$n" || exit 1; done
+say "ServiceImport web in c1: ClusterSetIP $vip; probes from $(tr '\n' ' ' <<<"$nodes_c1")answered"
+
+# --- steps -------------------------------------------------------------------------------------
+rollout_all() { # every cluster's agents and controllers rolled out
+  local c
+  for c in $clusters; do
+    kc "$c" -n mcs-system rollout status ds/mcs-agent --timeout=300s >/dev/null || fail "$c: agents not rolled out"
+    kc "$c" -n mcs-system rollout status deploy/mcs-controller --timeout=300s >/dev/null || fail "$c: controllers not rolled out"
+  done
+}
+upgrade() { # upgrade KEY=VALUE...: helm upgrade --reuse-values in every cluster, then the rollout
+  local c sets=() kv
+  for kv in "$@"; do sets+=(--set "$kv"); done
+  for c in $clusters; do
+    helm_c "$c" upgrade mcs-dataplane deploy/helm/mcs-dataplane --reuse-values "${sets[@]}" >/dev/null ||
+      fail "$c: helm upgrade $*"
+  done
+  rollout_all
+}
+declare -A before_rev
+rollback() { # to the release each cluster had before the last upgrade
+  local c
+  for c in $clusters; do
+    helm_c "$c" rollback mcs-dataplane "${before_rev[$c]}" >/dev/null || fail "$c: helm rollback to ${before_rev[$c]}"
+  done
+  rollout_all
+}
+remember_rev() {
+  local c
+  for c in $clusters; do
+    before_rev[$c]=$(helm_c "$c" status mcs-dataplane -o json | python3 -c 'import json,sys; print(json.load(sys.stdin)["version"])')
+  done
+}
+import_versions() { # "cluster/ns/name=resourceVersion" of the suite's ServiceImports, sorted
+  local c
+  for c in $clusters; do
+    kc "$c" -n "$NS" get serviceimports -o jsonpath='{range .items[*]}'"$c"'/{.metadata.namespace}/{.metadata.name}={.metadata.resourceVersion}{"\n"}{end}'
+  done | sort
+}
+next_image() {
+  local img="$STATE/images/mcs-agent-$NEXT_TAG.oci.tar"
+  if [[ ! -f $img ]]; then
+    say "   building the next image (the same binaries, tag $NEXT_TAG) and importing it into every node"
+    MCS_IMAGE_BIN_DIR="${MCS_IMAGE_BIN_DIR:-$root/target/debug}" MCS_IMAGE_TAG=$NEXT_TAG MCS_IMAGE_OUT="$STATE/images" \
+      bash deploy/image.sh >"$STATE/images-next.log" 2>&1 || { tail -20 "$STATE/images-next.log" >&2; return 1; }
+    bash scripts/clusterset.sh import-image "$img" >/dev/null
+  fi
+}
+# A step that changes the chart's images: imports untouched, and an export made during it
+# imported after it (by every other cluster).
+with_import_checks() {
+  local before after c t=$((++late_exports))
+  before=$(import_versions)
+  kc c2 -n "$NS" create service clusterip "late-$t" --tcp=80:8080 >/dev/null
+  printf 'apiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceExport\nmetadata: {name: late-%s, namespace: %s}\n' "$t" "$NS" |
+    kc c2 apply -f - >/dev/null
+  "$@"
+  for c in $clusters; do
+    until_ok 120 "$c imports late-$t, exported during the step" kc "$c" -n "$NS" get serviceimport "late-$t" || true
+  done
+  after=$(import_versions | grep -v "/$NS/late-$t=")
+  local changed
+  changed=$(comm -13 <(grep -v "/$NS/late-$t=" <<<"$before") <(sort <<<"$after") | tr '\n' ' ')
+  if [[ -n $changed ]]; then fail "ServiceImports rewritten by the step: $changed"; else say "   ServiceImports untouched ($(wc -l <<<"$before") resourceVersions the same); late-$t imported everywhere"; fi
+}
+late_exports=0
+
+{
+  echo "| step | dataplane | TCP tried | failed | cut | longest gap (ms) | UDP tried | lost / refused / wrong | longest gap (ms) | took (s) | required |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|"
+} >"$TABLE"
+# step NAME DATAPLANE REQUIRED(zero|measured) ACTION...: the action under load from every probe.
+step() {
+  local name=$1 dp=$2 required=$3; shift 3
+  say "$name ($dp): under load"
+  rm -f "$RUN/stop"
+  local n pids=()
+  for n in $nodes_c1; do
+    kc c1 -n "$NS" exec "probe-$n" -- /opt/bench/mcs-bench probe --tcp "$vip:80" --udp "$vip:9000" \
+      --rate "$RATE" --stop-file /run/life/stop --max-seconds 900 >"$RUN/$name-$n.json" 2>"$RUN/$name-$n.err" &
+    pids+=($!)
+  done
+  # Load before the step (the probes' first seconds), the step, load after it.
+  sleep 3
+  local t0=$SECONDS
+  "$@"
+  local took=$((SECONDS - t0))
+  sleep 3
+  touch "$RUN/stop"
+  local p
+  for p in "${pids[@]}"; do wait "$p" || fail "$name: a probe ended badly: $(cat "$RUN/$name"-*.err)"; done
+  local row
+  row=$(python3 - "$name" "$dp" "$took" "$required" "$RUN/$name"-*.json <<'PYEOF'
+import json, sys
+name, dp, took, required, files = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
+t = dict(tried=0, failed=0, cut=0, gap=0.0)
+u = dict(tried=0, lost=0, refused=0, wrong=0, gap=0.0)
+errors = []
+for f in files:
+    r = json.load(open(f))
+    tcp, udp = r["tcp"], r["udp"]
+    t["tried"] += tcp["tried"]; t["failed"] += tcp["failed"]; t["cut"] += tcp["incomplete"]
+    t["gap"] = max(t["gap"], tcp["longest_gap_ms"])
+    u["tried"] += udp["tried"]; u["lost"] += udp["lost"]; u["refused"] += udp["refused"]; u["wrong"] += udp["wrong"]
+    u["gap"] = max(u["gap"], udp["longest_gap_ms"])
+    for e in (tcp.get("first_error"), udp.get("first_error")):
+        if e: errors.append(e)
+bad = t["failed"] + t["cut"] + u["lost"] + u["refused"] + u["wrong"]
+print(f'| {name} | {dp} | {t["tried"]} | {t["failed"]} | {t["cut"]} | {t["gap"]:.0f} | {u["tried"]} | {u["lost"]} / {u["refused"]} / {u["wrong"]} | {u["gap"]:.0f} | {took} | {"0 failed" if required == "zero" else "measured"} |')
+print(bad)
+print("; ".join(errors[:3]))
+PYEOF
+  )
+  local line bad errs
+  line=$(sed -n 1p <<<"$row"); bad=$(sed -n 2p <<<"$row"); errs=$(sed -n 3p <<<"$row")
+  echo "$line" >>"$TABLE"
+  say "   $line"
+  [[ -n $errs ]] && say "   first problems: $errs"
+  if [[ $required == zero ]] && ((bad > 0)); then fail "$name: $bad request(s) failed, cut or lost where 0 are required ($errs)"; fi
+}
+
+agent_pods() { # name=ready of c1's agent pods
+  kc c1 -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent \
+    -o jsonpath='{range .items[*]}{.metadata.name}={.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}'
+}
+# Every agent pod is a new one and Ready, one per node.
+agents_replaced() {
+  local now; now=$(agent_pods)
+  [[ $(grep -c '=True$' <<<"$now") == "$(wc -w <<<"$nodes_c1")" ]] || return 1
+  [[ $(wc -l <<<"$now") == "$(wc -w <<<"$nodes_c1")" ]] || return 1
+  ! grep -qxFf <(sed 's/=.*//' <<<"$old_agents") <(sed 's/=.*//' <<<"$now")
+}
+delete_agents() {
+  old_agents=$(agent_pods)
+  kc c1 -n mcs-system delete pods -l app.kubernetes.io/name=mcs-agent --wait=false >/dev/null
+  until_ok 180 "c1's agents replaced and Ready" agents_replaced
+}
+drain() {
+  local second
+  second=$(sed -n 2p <<<"$nodes_c1")
+  if [[ -n $second ]]; then
+    kc c1 drain "$second" --ignore-daemonsets --delete-emptydir-data --pod-selector app=web --timeout=120s >/dev/null ||
+      fail "drain of $second"
+    until_ok 60 "web of c1 without a pod on $second" sh -c \
+      "! kubectl --context c1 -n $NS get pods -l app=web --field-selector spec.nodeName=$second -o name | grep -q ."
+  fi
+  # The remaining backends of c1 killed outright (SIGKILL from the host, as a crash or the OOM
+  # killer would): their EndpointSlices still say ready until the readiness probe fails, so
+  # the first connections meet refusals; then kubelet restarts them.
+  until_ok 120 "c1's web rolled out again after the drain" kc c1 -n "$NS" rollout status deploy/web --timeout=2s
+  restarts() { kc c1 -n "$NS" get pods -l app=web -o jsonpath='{range .items[*]}{.status.containerStatuses[0].restartCount}{"\n"}{end}' | awk '{s += $1} END {print s + 0}'; }
+  local r0; r0=$(restarts)
+  pkill -9 -f -- "mcs-bench serve --listen 0.0.0.0:8080 --name c1/" || fail "drain: no backend process of c1 to kill"
+  restarted() { (($(restarts) > r0)); }
+  until_ok 60 "c1's web containers restarted by kubelet after the kill" restarted
+  until_ok 120 "c1's web ready again" kc c1 -n "$NS" rollout status deploy/web --timeout=2s
+  if [[ -n $second ]]; then kc c1 uncordon "$second" >/dev/null; fi
+}
+current_dp=ebpf
+for s in ${STEPS//,/ }; do
+  case $s in
+    upgrade-ebpf|upgrade-userspace)
+      next_image || { fail "$s: could not build the next image"; continue; }
+      remember_rev
+      step "$s" "$current_dp" "$([[ $current_dp == ebpf ]] && echo zero || echo measured)" \
+        with_import_checks upgrade image.tag=$NEXT_TAG ;;
+    rollback-ebpf|rollback-userspace)
+      step "$s" "$current_dp" "$([[ $current_dp == ebpf ]] && echo zero || echo measured)" with_import_checks rollback ;;
+    agents-deleted) step "$s" "$current_dp" "$([[ $current_dp == ebpf ]] && echo zero || echo measured)" delete_agents ;;
+    to-userspace) step "$s" "ebpf -> userspace" measured upgrade dataplane=userspace; current_dp=userspace ;;
+    to-ebpf) step "$s" "userspace -> ebpf" measured upgrade dataplane=ebpf; current_dp=ebpf ;;
+    drain-ebpf|drain-userspace)
+      [[ ${s#drain-} == "$current_dp" ]] || { fail "$s: the dataplane is $current_dp here (reorder --steps)"; continue; }
+      step "$s" "$current_dp" measured drain ;;
+    *) fail "unknown step $s" ;;
+  esac
+done
+
+# Put the chart back where it was (the uninstall check and conformance that follow in CI
+# expect eBPF at the first release's values).
+for c in $clusters; do
+  cur=$(helm_c "$c" status mcs-dataplane -o json | python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["version"])')
+  if [[ $cur != "${first_rev[$c]}" ]]; then
+    helm_c "$c" rollback mcs-dataplane "${first_rev[$c]}" >/dev/null || fail "$c: rollback to release ${first_rev[$c]} at the end"
+  fi
+done
+rollout_all
+echo
+cat "$TABLE"
+echo
+if ((failures)); then
+  echo "lifecycle: $failures check(s) failed" >&2
+  exit 1
+fi
+say "every step done; the 0-failure steps had none"
