@@ -14,18 +14,27 @@ need_clusterset uninstall
 [[ $EUID -eq 0 ]] || { echo "uninstall: needs root (bpftool, nft and ip in the nodes' namespaces)" >&2; exit 1; }
 
 failures=0
+# The agents' logs of this run (kept for a look; `clusterset.sh down` removes them).
+LOGS="$STATE/uninstall-$(date +%s)"
+mkdir -p "$LOGS"
 say() { printf '\033[1muninstall:\033[0m %s\n' "$*"; }
 fail() { printf 'uninstall: FAILED: %s\n' "$*" >&2; failures=$((failures + 1)); }
 
 # What of ours the nodes of cluster $1 hold, one word each ("" when clean).
 leftovers() {
   local c=$1 node ns ip pods cg pins left=""
+  # Each tool's output is captured before it is matched: with pipefail, `grep -q` leaving
+  # early would fail the writer (SIGPIPE) and a match would read as none.
+  local out
   while read -r _ node ns ip pods cg pins; do
-    [[ -n $(find "$pins" -mindepth 1 2>/dev/null | head -1) ]] && left+=" $node:pins($pins)"
-    [[ -d $cg ]] && bpftool cgroup tree "$cg" 2>/dev/null | grep -q ' mcs_' && left+=" $node:programs(on $cg)"
+    [[ -n $(find "$pins" -mindepth 1 2>/dev/null) ]] && left+=" $node:pins($pins)"
+    out=$(bpftool cgroup tree "$cg" 2>/dev/null || true)
+    grep -q ' mcs_' <<<"$out" && left+=" $node:programs(on $cg)"
     ip netns exec "$ns" nft list table inet mcs_dataplane >/dev/null 2>&1 && left+=" $node:nft(inet mcs_dataplane)"
-    ip -n "$ns" rule 2>/dev/null | grep -q 'fwmark 0x4d43' && left+=" $node:rule(fwmark 0x4d43)"
-    ip -n "$ns" route show table 0x4d43 2>/dev/null | grep -q . && left+=" $node:routes(table 0x4d43)"
+    out=$(ip -n "$ns" rule 2>/dev/null || true)
+    grep -q 'fwmark 0x4d43' <<<"$out" && left+=" $node:rule(fwmark 0x4d43)"
+    out=$(ip -n "$ns" route show table 0x4d43 2>/dev/null || true)
+    [[ -n $out ]] && left+=" $node:routes(table 0x4d43)"
   done < <(cs_nodes "$c")
   echo "$left"
 }
@@ -40,7 +49,7 @@ for c in $clusters; do
   done < <(cs_nodes "$c")
   # Follow the agents' logs to their end: their last words say what they removed.
   for pod in $(kc "$c" -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent -o name); do
-    kc "$c" -n mcs-system logs -f "$pod" >"$STATE/$c-${pod#pod/}-uninstall.log" 2>&1 &
+    kc "$c" -n mcs-system logs -f "$pod" >"$LOGS/$c-${pod#pod/}.log" 2>&1 &
   done
   say "$c: installed:$before; helm uninstall"
   helm --kube-context "$c" uninstall mcs-dataplane --wait --timeout 120s >/dev/null ||
@@ -65,12 +74,12 @@ for c in $clusters; do
   wait_logs=$((SECONDS + 10))
   while [[ -n $(jobs -rp) ]] && ((SECONDS <= wait_logs)); do sleep 0.2; done
   if [[ -n $left ]]; then
-    fail "$c: left behind after helm uninstall:$left (agent logs: $STATE/$c-*-uninstall.log)"
+    fail "$c: left behind after helm uninstall:$left (agent logs: $LOGS/$c-*.log)"
   else
     say "$c: every node clean ($(cs_nodes "$c" | awk '{print $2}' | tr '\n' ' ')): no program attached, no pins, no nftables table, no rule or route of ours"
   fi
   # And it was the agent that removed them, on seeing its DaemonSet deleted.
-  for f in "$STATE/$c"-*-uninstall.log; do
+  for f in "$LOGS/$c"-*.log; do
     grep -q "uninstall: the agent's DaemonSet is deleted" "$f" ||
       fail "$c: the agent did not log its uninstall ($f: $(tail -3 "$f" | tr '\n' ' '))"
   done

@@ -661,6 +661,14 @@ clusterset_secret() {
   fi
 }
 
+agents_ready() {
+  local i=$1 ready
+  kc "$i" -n mcs-system rollout status ds/mcs-agent --timeout=2s >/dev/null || return 1
+  ready=$(kc "$i" -n mcs-system get pods -l app.kubernetes.io/name=mcs-agent \
+    -o jsonpath='{range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' | grep -c '^True$' || true)
+  ((ready == NODES))
+}
+
 # Our chart into every cluster: the agents and the MCS controller (with a kubeconfig of the
 # other members, tokens of their read-only mcs-controller-reader), mcs-dns at a fixed
 # ClusterIP, and CoreDNS's Corefile gains our shipped clusterset.local block.
@@ -694,7 +702,9 @@ $block" --dry-run=client -o yaml | kc "$i" apply -f - >/dev/null
     kc "$i" -n kube-system rollout restart deploy/coredns >/dev/null
   done
   for ((i = 1; i <= N; i++)); do
-    wait_for "mcs-agent in c$i" 120 /dev/null kc "$i" -n mcs-system rollout status ds/mcs-agent --timeout=2s ||
+    # Rolled out, and a Ready agent on every node (a DaemonSet just created can report done
+    # before its pods are counted).
+    wait_for "mcs-agent in c$i" 120 /dev/null agents_ready "$i" ||
       { explain_pods "$i" mcs-system; kc "$i" -n mcs-system logs ds/mcs-agent --tail=30 >&2 || true; return 1; }
     wait_for "mcs-controller in c$i" 120 /dev/null kc "$i" -n mcs-system rollout status deploy/mcs-controller --timeout=2s ||
       { explain_pods "$i" mcs-system; kc "$i" -n mcs-system logs deploy/mcs-controller --tail=30 >&2 || true; return 1; }
@@ -807,7 +817,7 @@ status() {
 
 # N and NODES of the ClusterSet that is up (for the commands after `up`).
 shape_from_state() {
-  N=$(ls -d "$STATE"/c[0-9]* | wc -l)
+  N=$(find "$STATE" -mindepth 1 -maxdepth 1 -type d -name 'c[0-9]' | wc -l)
   NODES=$(awk '$1 == "c1"' "$STATE/nodes" 2>/dev/null | wc -l)
   ((NODES > 0)) || NODES=1
 }
