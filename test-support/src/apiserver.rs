@@ -149,6 +149,12 @@ impl ApiServer {
     /// Starts etcd and kube-apiserver on free loopback ports, waits until ready, applies the
     /// project's CRDs (`deploy/crds/`) and waits until they are established. Blocking.
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_with_crds(&project_crds())
+    }
+
+    /// As [`ApiServer::start`], with the CRDs of another directory (every `*.yaml` but a
+    /// kustomization): e.g. the upstream project's ([`upstream_mcs_crds`]).
+    pub fn start_with_crds(crds: &Path) -> anyhow::Result<Self> {
         crate::sweep_stale();
         let started = Instant::now();
         let apiserver_bin = find_kube_binary("kube-apiserver").context("kube-apiserver binary")?;
@@ -261,7 +267,7 @@ impl ApiServer {
             )?;
         }
         api.wait_ready()?;
-        block_on(apply_crds(api.kubeconfig(User::Admin)))?;
+        block_on(apply_crds(api.kubeconfig(User::Admin), crds.to_path_buf()))?;
         eprintln!(
             "mcs-test-support: kube-apiserver ready at {} in {:.1}s (logs in {})",
             api.url,
@@ -595,11 +601,51 @@ pub async fn client_from(kubeconfig: &Path) -> anyhow::Result<Client> {
     Ok(Client::try_from(config)?)
 }
 
-/// Applies every CRD in `deploy/crds/` (server-side apply) and waits until established.
-async fn apply_crds(kubeconfig: PathBuf) -> anyhow::Result<()> {
+/// The project's CRDs: `deploy/crds/`.
+pub fn project_crds() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/crds")
+}
+
+/// The CRDs of the upstream MCS API module `sigs.k8s.io/mcs-api` at `version` (its
+/// `config/crd/`, as the upstream project and Submariner install them), from the Go module
+/// cache (`go mod download`, through the Go module proxy the first time). `Err` says why not
+/// (no `go`, no proxy): a prerequisite for [`crate::require`].
+pub fn upstream_mcs_crds(version: &str) -> Result<PathBuf, String> {
+    let go =
+        crate::prereq::find_program("go").ok_or("go not found (scripts/setup.sh installs it)")?;
+    let out = std::process::Command::new(go)
+        .args([
+            "mod",
+            "download",
+            "-json",
+            &format!("sigs.k8s.io/mcs-api@{version}"),
+        ])
+        // Outside any module: `go mod download` of a path@version needs none.
+        .current_dir(std::env::temp_dir())
+        .output()
+        .map_err(|e| format!("go mod download: {e}"))?;
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
+        format!(
+            "go mod download sigs.k8s.io/mcs-api@{version}: {e}; {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    if let Some(err) = info["Error"].as_str() {
+        return Err(format!(
+            "go mod download sigs.k8s.io/mcs-api@{version}: {err}"
+        ));
+    }
+    let dir = Path::new(info["Dir"].as_str().ok_or("go mod download: no Dir")?).join("config/crd");
+    if !dir.is_dir() {
+        return Err(format!("{} is not a directory", dir.display()));
+    }
+    Ok(dir)
+}
+
+/// Applies every CRD in `dir` (server-side apply) and waits until established.
+async fn apply_crds(kubeconfig: PathBuf, dir: PathBuf) -> anyhow::Result<()> {
     let client = client_from(&kubeconfig).await?;
     let crds: Api<CustomResourceDefinition> = Api::all(client);
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/crds");
     let mut names = Vec::new();
     let mut entries: Vec<_> = std::fs::read_dir(&dir)
         .with_context(|| format!("reading {}", dir.display()))?
