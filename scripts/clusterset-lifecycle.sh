@@ -22,13 +22,18 @@
 #                     readiness probe fails): traffic moves to the other node's pod, then to c2,
 #                     and back once kubelet restarted them. Counted (userspace retries the next
 #                     cluster when every local backend refuses; eBPF cannot retry).
+#   soak              (with --soak MINUTES, after the steps) churn under load: an export made
+#                     and an older one deleted every 2 s (in c1 and c2 by turns), c2's web
+#                     scaled 2 <-> 3 (endpoints coming and going in the ClusterSet), c2's API
+#                     server restarted halfway; 0 failed required, and the RSS of every agent
+#                     and controller after the first third must grow less than 10 % by the end.
 #
 # A step marked "0 required" fails the script if any request failed or came back cut; the
 # others are measured and shown. The table is printed (and written to
 # $STATE/lifecycle/table.md); everything the suite creates is deleted on exit and the chart is
 # left on eBPF at the release it found.
 #
-#   bash scripts/clusterset-lifecycle.sh [--steps a,b,...] [--rate N]
+#   bash scripts/clusterset-lifecycle.sh [--steps a,b,...] [--rate N] [--soak MINUTES]
 #
 # The probe and the backends are mcs-bench (MCS_BENCH_BIN_DIR, default target/debug), run in
 # the pods from a read-only hostPath of that directory (the node filesystem is this machine's).
@@ -39,8 +44,10 @@ need_clusterset lifecycle
 
 STEPS=upgrade-ebpf,rollback-ebpf,agents-deleted,drain-ebpf,to-userspace,upgrade-userspace,rollback-userspace,drain-userspace,to-ebpf
 RATE=50
+SOAK=0
 while (($#)); do
   case $1 in
+    --soak) SOAK=$2; shift 2 ;;
     --steps) STEPS=$2; shift 2 ;;
     --rate) RATE=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
@@ -313,6 +320,59 @@ drain() {
   until_ok 120 "c1's web ready again" kc c1 -n "$NS" rollout status deploy/web --timeout=2s
   if [[ -n $second ]]; then kc c1 uncordon "$second" >/dev/null; fi
 }
+# The RSS (KiB) of every agent and controller process on this machine (the nodes share it):
+# "<cluster>/<node>/<agent|controller>/<pid> <rss>" per line, the node from its cgroup path.
+rss_sample() {
+  local pid what where rss
+  for pid in $(pgrep -f -- '(^|/)mcs-(agent|controller) run' || true); do
+    case $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) in
+      *mcs-agent\ run*) what=agent ;;
+      *mcs-controller\ run*) what=controller ;;
+      *) continue ;;
+    esac
+    where=$(awk 'match($0, /mcs-c[0-9]+\/c[0-9]+-node[0-9]*/) {print substr($0, RSTART + 4, RLENGTH - 4); exit}' "/proc/$pid/cgroup" 2>/dev/null || true)
+    rss=$(awk '/^VmRSS:/ {print $2}' "/proc/$pid/status" 2>/dev/null || true)
+    [[ -n $where && -n $rss ]] && echo "$where/$what/$pid $rss"
+  done
+}
+soak() {
+  local end=$((SECONDS + 60 * SOAK)) warm_at=$((SECONDS + 20 * SOAK)) half=$((SECONDS + 30 * SOAK))
+  local n=0 restarted=0 warm="" c
+  while ((SECONDS < end)); do
+    n=$((n + 1))
+    c=c$((n % 2 + 1))
+    kc "$c" -n "$NS" create service clusterip "churn-$n" --tcp=80:8080 >/dev/null
+    printf 'apiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceExport\nmetadata: {name: churn-%s, namespace: %s}\n' "$n" "$NS" |
+      kc "$c" apply -f - >/dev/null
+    if ((n > 5)); then
+      c=c$(((n - 5) % 2 + 1))
+      kc "$c" -n "$NS" delete serviceexport,service "churn-$((n - 5))" --wait=false >/dev/null
+    fi
+    ((n % 3 == 0)) && kc c2 -n "$NS" scale deploy/web --replicas=$((n % 2 + 2)) >/dev/null
+    if ((!restarted && SECONDS >= half)); then
+      say "   restarting c2's API server"
+      bash scripts/clusterset.sh restart c2 kube-apiserver >/dev/null || fail "soak: c2's API server did not come back"
+      restarted=1
+    fi
+    if [[ -z $warm ]] && ((SECONDS >= warm_at)); then warm=$(rss_sample); fi
+    sleep 2
+  done
+  [[ -n $warm ]] || warm=$(rss_sample)
+  kc c2 -n "$NS" scale deploy/web --replicas=2 >/dev/null
+  until_ok 120 "c2's web back at 2 after the soak" kc c2 -n "$NS" rollout status deploy/web --timeout=2s
+  local last grown=0 key w l pct
+  last=$(rss_sample)
+  say "   soak: $n exports made (the last 5 kept), RSS after warm-up -> at the end:"
+  while read -r key w; do
+    l=$(awk -v k="$key" '$1 == k {print $2}' <<<"$last")
+    if [[ -z $l ]]; then fail "soak: $key is gone by the end (restarted?)"; continue; fi
+    pct=$(awk -v w="$w" -v l="$l" 'BEGIN {printf "%.1f", (l - w) * 100 / w}')
+    say "     ${key%/*}: $((w / 1024)) -> $((l / 1024)) MiB ($pct %)"
+    awk -v p="$pct" 'BEGIN {exit !(p >= 10)}' && { fail "soak: ${key%/*} RSS grew $pct % after warm-up"; grown=1; }
+  done <<<"$warm"
+  ((grown == 0)) && say "   soak: every agent and controller within 10 % of its size after warm-up"
+}
+
 current_dp=ebpf
 for s in ${STEPS//,/ }; do
   case $s in
@@ -332,6 +392,11 @@ for s in ${STEPS//,/ }; do
     *) fail "unknown step $s" ;;
   esac
 done
+
+if ((SOAK > 0)); then
+  [[ $current_dp == ebpf ]] || { upgrade dataplane=ebpf; current_dp=ebpf; }
+  step soak "$current_dp" zero soak
+fi
 
 # Put the chart back where it was (the uninstall check and conformance that follow in CI
 # expect eBPF at the first release's values).

@@ -9,6 +9,8 @@
 #   bash scripts/clusterset.sh up [--clusters N] [--nodes N] [--bare] [--dataplane ebpf|userspace] [--cni ptp|bridge|mixed]
 #   bash scripts/clusterset.sh install [--dataplane ebpf|userspace]   # (re)install our chart
 #   bash scripts/clusterset.sh import-image FILE.oci.tar   # into every node's containerd
+#   bash scripts/clusterset.sh restart c<i> kube-apiserver|etcd|kube-controller-manager|kube-scheduler
+#                                              # stop it and start it again with the same command line
 #                                              # (e.g. an upgrade's image: deploy/image.sh with MCS_IMAGE_TAG)
 #   bash scripts/clusterset.sh rotate-tokens [--revoke]   # new 24 h member tokens for every
 #                                              # controller (--revoke: the old ones at once)
@@ -815,6 +817,26 @@ status() {
   return "$rc"
 }
 
+# restart_component I NAME: a control-plane component of c<I> stopped (TERM, KILL after 15 s)
+# and started again with the command line it had; its old log kept beside the new one.
+restart_component() {
+  local i=$1 name=$2 f="$STATE/c$1/pids/$2" pid args=()
+  pid=$(cat "$f" 2>/dev/null) && kill -0 "$pid" 2>/dev/null || die "c$i: $name is not running"
+  mapfile -d '' args <"/proc/$pid/cmdline"
+  kill "$pid"
+  local deadline=$((SECONDS + 15))
+  while kill -0 "$pid" 2>/dev/null; do
+    ((SECONDS > deadline)) && { kill -9 "$pid" 2>/dev/null || true; }
+    sleep 0.1
+  done
+  mv "$STATE/c$i/logs/$name.log" "$STATE/c$i/logs/$name.log.$(date +%s)"
+  start "$i" "$name" "${args[@]}"
+  if [[ $name == kube-apiserver ]]; then
+    wait_for "kube-apiserver c$i" 60 "$STATE/c$i/logs/kube-apiserver.log" kc "$i" get --raw /readyz
+  fi
+  log "c$i: $name restarted (pid $pid -> $(cat "$f"))"
+}
+
 # N and NODES of the ClusterSet that is up (for the commands after `up`).
 shape_from_state() {
   N=$(find "$STATE" -mindepth 1 -maxdepth 1 -type d -name 'c[0-9]' | wc -l)
@@ -833,6 +855,8 @@ while (($#)); do
     --revoke) REVOKE=revoke; shift ;;
     -h|--help) cmd=help; shift ;;
     *.tar) IMPORT=$1; shift ;;
+    c[0-9]) TARGET=$1; shift ;;
+    etcd|kube-apiserver|kube-controller-manager|kube-scheduler) COMPONENT=$1; shift ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
@@ -858,11 +882,15 @@ case $cmd in
       for ((k = 1; k <= NODES; k++)); do ctr_import "$(node_dir "$i" "$k")" "$IMPORT"; done
     done
     log "imported $IMPORT into every node ($N clusters of $NODES node(s))" ;;
+  restart)
+    [[ -f $STATE/kubeconfig ]] || die "not up"
+    [[ -n ${TARGET:-} && -n ${COMPONENT:-} ]] || die "restart needs a cluster (c1, ...) and a component (kube-apiserver, ...)"
+    restart_component "${TARGET#c}" "$COMPONENT" ;;
   rotate-tokens)
     [[ -f $STATE/kubeconfig ]] || die "not up"
     shape_from_state
     for ((i = 1; i <= N; i++)); do clusterset_secret "$i" "$REVOKE"; done
     log "new 24 h reader tokens in every controller's Secret (read within about two minutes, no restart)${REVOKE:+; the old ones revoked}" ;;
   help|"") sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' ;;
-  *) die "unknown command $cmd (up, down, status, install, import-image, rotate-tokens)" ;;
+  *) die "unknown command $cmd (up, down, status, install, import-image, restart, rotate-tokens)" ;;
 esac
