@@ -241,7 +241,7 @@ step() {
   local n pids=()
   for n in $nodes_c1; do
     kc c1 -n "$NS" exec "probe-$n" -- /opt/bench/mcs-bench probe --tcp "$vip:80" --udp "$vip:9000" \
-      --rate "$RATE" --stop-file /run/life/stop --max-seconds 900 >"$RUN/$name-$n.json" 2>"$RUN/$name-$n.err" &
+      --rate "$RATE" --stop-file /run/life/stop --max-seconds $((900 + 60 * SOAK)) >"$RUN/$name-$n.json" 2>"$RUN/$name-$n.err" &
     pids+=($!)
   done
   # Load before the step (the probes' first seconds), the step, load after it.
