@@ -66,10 +66,12 @@ say() { printf '\033[1mlifecycle:\033[0m %s\n' "$*"; }
 fail() { printf 'lifecycle: FAILED: %s\n' "$*" >&2; failures=$((failures + 1)); }
 clusters=$(kubectl config get-contexts -o name | grep -E '^c[0-9]+$' | sort -V)
 helm_c() { local c=$1; shift; helm --kube-context "$c" "$@"; }
+# The revision of cluster $1's mcs-dataplane release now.
+release_of() { helm_c "$1" status mcs-dataplane -o json | python3 -c 'import json,sys; print(json.load(sys.stdin)["version"])'; }
 # The release each cluster had when the suite started: put back on exit.
 declare -A first_rev
 for c in $clusters; do
-  first_rev[$c]=$(helm_c "$c" status mcs-dataplane -o json | python3 -c 'import json,sys; print(json.load(sys.stdin)["version"])')
+  first_rev[$c]=$(release_of "$c")
 done
 cleanup() {
   local rc=$?
@@ -192,7 +194,7 @@ rollback() { # to the release each cluster had before the last upgrade
 remember_rev() {
   local c
   for c in $clusters; do
-    before_rev[$c]=$(helm_c "$c" status mcs-dataplane -o json | python3 -c 'import json,sys; print(json.load(sys.stdin)["version"])')
+    before_rev[$c]=$(release_of "$c")
   done
 }
 import_versions() { # "cluster/ns/name=resourceVersion" of the suite's ServiceImports, sorted
@@ -404,7 +406,7 @@ fi
 # Put the chart back where it was (the uninstall check and conformance that follow in CI
 # expect eBPF at the first release's values).
 for c in $clusters; do
-  cur=$(helm_c "$c" status mcs-dataplane -o json | python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["version"])')
+  cur=$(release_of "$c")
   if [[ $cur != "${first_rev[$c]}" ]]; then
     helm_c "$c" rollback mcs-dataplane "${first_rev[$c]}" >/dev/null || fail "$c: rollback to release ${first_rev[$c]} at the end"
   fi

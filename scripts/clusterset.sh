@@ -92,7 +92,6 @@ node_netns() { if ((${2:-1} == 1)); then netns "$1"; else echo "$NETNS_PREFIX""c
 svc_cidr() { echo "198.18.$((16 * $1)).0/20"; }
 svc_ip() { echo "198.18.$((16 * $1)).$2"; }
 netns() { echo "$NETNS_PREFIX""c$1"; }
-in_node() { local i=$1; shift; nsenter --net="/run/netns/$(netns "$i")" -- "$@"; }
 in_nodek() { local i=$1 k=$2; shift 2; nsenter --net="/run/netns/$(node_netns "$i" "$k")" -- "$@"; }
 # The CNI of cluster i: --cni, or with --cni mixed ptp for the odd clusters and bridge for the
 # even ones.
