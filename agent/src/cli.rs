@@ -171,7 +171,7 @@ pub struct RunArgs {
 #[derive(Debug, Args)]
 pub struct DnsArgs {
     /// Answer `clusterset.local` DNS (UDP and TCP) on this address (repeatable; env
-    /// comma-separated). Off when absent. Names outside the zone are refused: point only
+    /// comma-separated). Off when neither this nor `--dns-listen-ips` is given. Names outside the zone are refused: point only
     /// the `clusterset.local` zone of the cluster DNS here (docs/install.md).
     #[arg(
         long = "dns-listen",
@@ -180,6 +180,20 @@ pub struct DnsArgs {
         value_delimiter = ','
     )]
     pub listen: Vec<SocketAddr>,
+    /// Also answer on each of these addresses (repeatable; env comma-separated), at
+    /// `--dns-port`. Made for the downward API's `status.podIPs` (every address of a pod, or
+    /// of the node for a host-network pod: both families on a dual-stack node), which a
+    /// port cannot be appended to.
+    #[arg(
+        long = "dns-listen-ips",
+        value_name = "IP",
+        env = "MCS_DNS_LISTEN_IPS",
+        value_delimiter = ','
+    )]
+    pub listen_ips: Vec<IpAddr>,
+    /// The port of `--dns-listen-ips`.
+    #[arg(long = "dns-port", env = "MCS_DNS_PORT", default_value_t = 10053)]
+    pub port: u16,
     #[command(flatten)]
     pub answers: DnsAnswerArgs,
     /// Queries per second answered per client (an IPv4 address or an IPv6 /64); over it,
@@ -412,6 +426,21 @@ pub enum DataplaneKind {
     Auto,
     /// `demo` only: run the story on userspace, then eBPF, and compare.
     Both,
+}
+
+impl DnsArgs {
+    /// Every address DNS is answered on: `--dns-listen`, then each `--dns-listen-ips` at
+    /// `--dns-port`, each once (a pod IP may also be named in `--dns-listen`).
+    pub fn addresses(&self) -> Vec<SocketAddr> {
+        let mut all = self.listen.clone();
+        for ip in &self.listen_ips {
+            let a = SocketAddr::new(*ip, self.port);
+            if !all.contains(&a) {
+                all.push(a);
+            }
+        }
+        all
+    }
 }
 
 /// An empty value (e.g. an unset ConfigMap key) counts as absent.

@@ -85,12 +85,13 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     let health = Health::default();
     let zone = Arc::new(mcs_model::dns::Zone::new());
-    let dns = if args.dns.listen.is_empty() {
+    let dns_addrs = args.dns.addresses();
+    let dns = if dns_addrs.is_empty() {
         None
     } else {
         let fd_limit = mcs_dns::server::raise_fd_limit();
         let config = mcs_dns::server::DnsConfig {
-            listen: args.dns.listen.clone(),
+            listen: dns_addrs,
             ttl: args.dns.answers.ttl,
             rate_limit: args.dns.rate_limit,
             tcp: mcs_dns::server::fit_to_fd_limit(

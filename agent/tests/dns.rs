@@ -231,7 +231,12 @@ fn query(name: &str, t: RecordType, edns: Option<u16>) -> Message {
 
 /// One UDP exchange; also returns the response's size on the wire.
 fn udp(to: SocketAddr, q: &Message) -> (Message, usize) {
-    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let s = UdpSocket::bind(if to.is_ipv6() {
+        "[::1]:0"
+    } else {
+        "127.0.0.1:0"
+    })
+    .unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     s.send_to(&q.to_vec().unwrap(), to).unwrap();
     let mut buf = [0u8; 65_535];
@@ -457,6 +462,42 @@ spec: { type: ClusterSetIP, ips: ["198.18.100.11"], ports: [{ port: 9090 }] }
         "mcs_dns_query_seconds_count",
     ] {
         assert!(body.contains(line), "{line} missing from:\n{body}");
+    }
+}
+
+/// As the chart runs it: `--dns-listen-ips` from the downward API's `status.podIPs` (both
+/// families of a dual-stack node) at `--dns-port`, beside `--dns-listen`.
+#[test]
+fn every_pod_ip_is_answered_on_at_the_dns_port() {
+    let dir = tempfile::tempdir().unwrap();
+    write_objects(dir.path());
+    let port = free_port();
+    let agent = Agent::start(
+        dir.path(),
+        &[
+            "--dns-listen-ips",
+            "127.0.0.2,::1",
+            "--dns-port",
+            &port.to_string(),
+        ],
+    );
+    let name = "web.shop.svc.clusterset.local.";
+    for to in [
+        agent.dns,
+        SocketAddr::from(([127, 0, 0, 2], port)),
+        SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port)),
+    ] {
+        assert_eq!(ask(to, name, RecordType::A), ["198.18.100.10"], "A at {to}");
+        assert_eq!(
+            ask(to, name, RecordType::AAAA),
+            ["2001:2::100:10"],
+            "AAAA at {to}"
+        );
+        assert_eq!(
+            rdatas(&tcp(to, &query(name, RecordType::AAAA, None))),
+            ["2001:2::100:10"],
+            "AAAA over TCP at {to}"
+        );
     }
 }
 

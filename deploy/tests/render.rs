@@ -502,7 +502,19 @@ fn dns_service_and_the_aks_coredns_custom_snippet() {
     assert_eq!(ports, [("UDP", 53, "dns"), ("TCP", 53, "dns-tcp")]);
     let ds = default.iter().find(|o| o["kind"] == "DaemonSet").unwrap();
     let env = ds["spec"]["template"]["spec"]["containers"][0]["env"].to_string();
-    assert!(env.contains("$(POD_IP):10053"), "{env}");
+    // Every node address (both families on a dual-stack node) at the DNS port.
+    assert!(
+        env.contains(r#"{"name":"MCS_DNS_LISTEN_IPS","valueFrom":{"fieldRef":{"fieldPath":"status.podIPs"}}}"#)
+            && env.contains(r#"{"name":"MCS_DNS_PORT","value":"10053"}"#),
+        "{env}"
+    );
+    assert_eq!(svc["spec"]["ipFamilyPolicy"], "PreferDualStack");
+    let single = objects(&helm_template(&["--set", "dns.ipFamilyPolicy=SingleStack"]));
+    let svc1 = single
+        .iter()
+        .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == "mcs-dns")
+        .unwrap();
+    assert_eq!(svc1["spec"]["ipFamilyPolicy"], "SingleStack");
 
     let off = helm_template(&["--set", "dns.enabled=false"]);
     assert!(
