@@ -25,6 +25,11 @@
 #   other node reaches web by ClusterSetIP and by name; a Service of c1 with
 #   `internalTrafficPolicy: Local` (one pod per node) is served to each node's client only by
 #   the pod on its own node; the socket LB is attached at every node's kubelet cgroup root.
+#   On a dual-stack ClusterSet (`clusterset.sh up --ip-family dual`, as CI runs it) web, echo
+#   and echo1 are dual-stack Services, so their imports hold a ClusterSetIP of each family: every
+#   node's client also reaches web by its IPv6 ClusterSetIP (eBPF and userspace), UDP goes to
+#   the IPv6 ClusterSetIP too, the name has an AAAA record equal to it (through CoreDNS, through
+#   mcs-dns's IPv6 ClusterIP, and from every agent on its node's IPv6 address).
 #   5. Credentials: `clusterset.sh rotate-tokens --revoke` gives every controller new member
 #      tokens (files in its Secret) and revokes the old ones; each cluster still imports an
 #      export the other makes afterwards. (Open watches outlive a revoked token, so this shows
@@ -42,6 +47,10 @@ set -euo pipefail
 need_clusterset e2e
 NS="e2e-$(date +%s)"
 failures=0
+dual=0; [[ $(cat "$STATE/ip-family" 2>/dev/null) == dual ]] && dual=1
+# The backends' sockets: IPv6 ones that take IPv4 too (v4-mapped) on a dual-stack ClusterSet.
+TCP_LISTEN=TCP-LISTEN UDP_RECVFROM=UDP-RECVFROM V6ONLY=""
+((dual)) && TCP_LISTEN=TCP6-LISTEN UDP_RECVFROM=UDP6-RECVFROM V6ONLY=",ipv6only=0"
 
 say() { printf '\033[1me2e:\033[0m %s\n' "$*"; }
 fail() { printf 'e2e: FAILED: %s\n' "$*" >&2; failures=$((failures + 1)); }
@@ -76,7 +85,7 @@ spec:
       - name: web
         image: docker.io/alpine/socat:1.7.4.4
         imagePullPolicy: Never
-        command: [/bin/sh, -c, 'exec socat TCP-LISTEN:8080,fork,reuseaddr SYSTEM:"echo $1 \$(hostname)"', sh, $1]
+        command: [/bin/sh, -c, 'exec socat $TCP_LISTEN:8080,fork,reuseaddr$V6ONLY SYSTEM:"echo $1 \$(hostname)"', sh, $1]
         ports: [{containerPort: 8080}]
         readinessProbe: {tcpSocket: {port: 8080}, periodSeconds: 1}
         lifecycle: {preStop: {exec: {command: [sleep, "5"]}}}
@@ -86,6 +95,7 @@ kind: Service
 metadata: {name: ${3:-web}, namespace: $NS}
 spec:
   selector: {app: ${3:-web}}
+  ipFamilyPolicy: PreferDualStack
   internalTrafficPolicy: $itp
   ports: [{name: http, port: 80, targetPort: 8080}]
 ---
@@ -130,7 +140,7 @@ spec:
       - name: echo
         image: docker.io/alpine/socat:1.7.4.4
         imagePullPolicy: Never
-        command: [/bin/sh, -c, 'exec socat UDP-RECVFROM:9000,fork SYSTEM:"echo $1 \$(hostname)"', sh, $1]
+        command: [/bin/sh, -c, 'exec socat $UDP_RECVFROM:9000,fork$V6ONLY SYSTEM:"echo $1 \$(hostname)"', sh, $1]
         ports: [{containerPort: 9000, protocol: UDP}]
 ---
 apiVersion: v1
@@ -138,6 +148,7 @@ kind: Service
 metadata: {name: ${2:-echo}, namespace: $NS}
 spec:
   selector: {app: ${2:-echo}}
+  ipFamilyPolicy: PreferDualStack
   ports: [{name: echo, port: 9000, protocol: UDP}]
 ---
 apiVersion: multicluster.x-k8s.io/v1beta1
@@ -168,6 +179,8 @@ client_on() { # client_on CLUSTER NAME NODE
   kc "$1" -n "$NS" run "$2" --image=docker.io/nicolaka/netshoot:v0.15 --image-pull-policy=Never \
     --overrides="{\"apiVersion\": \"v1\", \"spec\": {\"nodeName\": \"$3\"}}" --command -- sleep 3600 >/dev/null
 }
+# The IPv6 ClusterSetIP of import $2 in cluster $1 (dual-stack: the second of spec.ips).
+vip6_of() { kc "$1" -n "$NS" get serviceimport "$2" -o jsonpath='{.spec.ips[1]}'; }
 # Nodes of cluster $1 after its first one (empty with one node per cluster).
 other_nodes() { cs_nodes "$1" | tail -n +2 | awk '{print $2}'; }
 
@@ -209,13 +222,45 @@ say "1. eBPF by ClusterSetIP: $ok/40 served by c2 ($pods distinct pods), $bad fa
 ((ok == 40)) || fail "by ClusterSetIP: $bad of 40 failed"
 ((pods == 2)) || fail "by ClusterSetIP: served by $pods of c2's 2 pods"
 name="web.$NS.svc.clusterset.local"
-got=$(kc c1 -n "$NS" exec client -- sh -c "nslookup $name. | awk '/^Address: /{print \$2}'" | tail -1)
-say "   $name resolves to ${got:-nothing} in c1's pod (CoreDNS -> mcs-dns -> agent)"
+got=$(kc c1 -n "$NS" exec client -- dig +short +time=2 +tries=2 A "$name" | tail -1)
+say "   $name A ${got:-nothing} in c1's pod (CoreDNS -> mcs-dns -> agent)"
 [[ $got == "$vip" ]] || fail "$name resolved to '${got}', not $vip"
 load "$name" 20 >"$out"
 ok=$(count '^c2 web-' "$out")
 say "   by name: $ok/20 served by c2"
 ((ok == 20)) || fail "by name: $((20 - ok)) of 20 failed"
+if ((dual)); then
+  vip6=$(vip6_of c1 web)
+  say "   dual-stack: web's IPv6 ClusterSetIP in c1: ${vip6:-none}"
+  if [[ $vip6 != *:* ]]; then
+    fail "import web in c1 has no IPv6 ClusterSetIP (ips: $(kc c1 -n "$NS" get serviceimport web -o jsonpath='{.spec.ips}'))"
+  else
+    until_ok 30 "a first reply through $vip6" served_by c2 c1 "$vip6"
+    load "$vip6" 20 >"$out"
+    ok=$(count '^c2 web-' "$out")
+    say "   eBPF by IPv6 ClusterSetIP: $ok/20 served by c2"
+    ((ok == 20)) || fail "by IPv6 ClusterSetIP: $((20 - ok)) of 20 failed"
+    aaaa() { kc c1 -n "$NS" exec client -- dig +short +time=2 +tries=2 ${1:+"@$1"} AAAA "$name" | tail -1; }
+    got=$(aaaa)
+    say "   $name AAAA ${got:-nothing} (CoreDNS -> mcs-dns -> agent)"
+    [[ $got == "$vip6" ]] || fail "$name AAAA: '$got', not $vip6"
+    dns6=$(kc c1 -n mcs-system get service mcs-dns -o jsonpath='{.spec.clusterIPs[1]}')
+    if [[ $dns6 != *:* ]]; then
+      fail "Service mcs-dns in c1 has no IPv6 ClusterIP (clusterIPs: $(kc c1 -n mcs-system get service mcs-dns -o jsonpath='{.spec.clusterIPs}'))"
+    else
+      got=$(aaaa "$dns6")
+      say "   $name AAAA through mcs-dns's IPv6 ClusterIP $dns6: ${got:-nothing}"
+      [[ $got == "$vip6" ]] || fail "AAAA through mcs-dns [$dns6]: '$got', not $vip6"
+    fi
+    # Every agent on its node's IPv6 address (status.podIPs), for its own cluster's import.
+    while read -r c node ns _ _ _ _ ip6; do
+      want=$(vip6_of "$c" web)
+      got=$(ip netns exec "$ns" dig +short +time=2 +tries=2 -p 10053 "@$ip6" AAAA "$name" | tail -1)
+      say "   $c/$node's agent at [$ip6]:10053: AAAA ${got:-nothing}"
+      [[ -n $want && $got == "$want" ]] || fail "$c/$node's agent at [$ip6]:10053 answered '$got' for AAAA, not '$want'"
+    done < <(cs_nodes)
+  fi
+fi
 echo_ip() { [[ -n $(kc "$1" -n "$NS" get serviceimport "$2" -o jsonpath='{.spec.ips[0]}' 2>/dev/null) ]]; }
 for c in c1 c2; do
   for e in echo echo1; do until_ok 60 "a ServiceImport $e with a ClusterSetIP in $c" echo_ip "$c" "$e"; done
@@ -229,6 +274,15 @@ udp_checks() { # udp_checks FROM WHAT [SERVICE SERVER] (echo of c2; by FROM's ow
   ok=$(count "^$server $svc-" "$out")
   say "   $2 UDP from a pod of $1: $ok/20 echoed by $server's $svc (by $ip and $ename)"
   ((ok == 20)) || fail "$2 UDP from $1 to $svc: $((20 - ok)) of 20 got no echo from $server"
+  if ((dual)); then
+    ip=$(vip6_of "$1" "$svc")
+    [[ $ip == *:* ]] || { fail "$2: import $svc in $1 has no IPv6 ClusterSetIP (ips: $(kc "$1" -n "$NS" get serviceimport "$svc" -o jsonpath='{.spec.ips}'))"; return 0; }
+    until_ok 30 "$2: a first UDP echo through $ip from $1" udp_ok "$1" "$ip" "$server" "$svc" || return 0
+    udp_load "$ip" 10 "$1" >"$out"
+    ok=$(count "^$server $svc-" "$out")
+    say "   $2 UDP over IPv6 from a pod of $1: $ok/10 echoed by $server's $svc (by $ip)"
+    ((ok == 10)) || fail "$2 UDP over IPv6 from $1 to $svc: $((10 - ok)) of 10 got no echo from $server"
+  fi
 }
 udp_checks c1 eBPF
 udp_checks c2 eBPF echo1 c1
@@ -249,6 +303,13 @@ for c in c1 c2; do
     ok=$(count '^c2 web-' "$out")
     say "   from a pod on $c/$n: $ok/20 served by c2 (by $vip_c and $name)"
     ((ok == 20)) || fail "from $c/$n: $((20 - ok)) of 20 failed"
+    if ((dual)); then
+      v6=$(vip6_of "$c" web)
+      load "$v6" 10 "$c" >"$out"
+      ok=$(count '^c2 web-' "$out")
+      say "   from a pod on $c/$n: $ok/10 served by c2 (by $v6)"
+      ((ok == 10)) || fail "from $c/$n by $v6: $((10 - ok)) of 10 failed"
+    fi
     CLIENT=client
   done
 done
@@ -332,11 +393,13 @@ for i in 1 2; do
   before=$(metric "$i")
   load "$vip_i" 30 "c$i" >"$out"
   load "$name" 10 "c$i" >>"$out"
+  want=40
+  if ((dual)); then load "$(vip6_of "c$i" web)" 10 "c$i" >>"$out"; want=50; fi
   after=$(metric "$i")
   ok=$(count '^c2 web-' "$out")
-  say "   userspace, from a pod of c$i ($net): $ok/40 served by c2 (by $vip_i and name); forwarder connections $before -> $after"
-  ((ok == 40)) || fail "userspace from c$i: $((40 - ok)) of 40 failed"
-  ((after - before >= 40)) || fail "userspace from c$i: the forwarder counted $((after - before)) connections, not 40"
+  say "   userspace, from a pod of c$i ($net): $ok/$want served by c2 (by $vip_i$( ((dual)) && echo ", $(vip6_of "c$i" web)") and name); forwarder connections $before -> $after"
+  ((ok == want)) || fail "userspace from c$i: $((want - ok)) of $want failed"
+  ((after - before >= want)) || fail "userspace from c$i: the forwarder counted $((after - before)) connections, not $want"
   udp_checks "c$i" userspace
 done
 # The other direction: from c2's bridged pod to hello, exported by c1 only.

@@ -15,7 +15,8 @@ need_clusterset() {
 }
 # The ClusterSet's nodes (of CLUSTER, or all), one line each as scripts/clusterset.sh wrote
 # them: cluster, node name, netns, address, pod range, kubelet cgroup (cgroup2), the agent's
-# pin directory. The first line of a cluster is its first node (the control plane's).
+# pin directory, IPv6 address (- unless `up --ip-family dual`). The first line of a cluster is
+# its first node (the control plane's). $STATE/ip-family says ipv4 or dual.
 cs_nodes() { awk -v c="${1:-}" 'c == "" || $1 == c' "$STATE/nodes"; }
 # Polls CMD (quietly) every 0.5 s until it succeeds; after SECONDS, `fail DESCRIPTION` (the
 # sourcing script's: it counts and goes on, or exits) and returns 1.

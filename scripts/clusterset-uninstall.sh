@@ -26,15 +26,18 @@ leftovers() {
   # Each tool's output is captured before it is matched: with pipefail, `grep -q` leaving
   # early would fail the writer (SIGPIPE) and a match would read as none.
   local out
-  while read -r _ node ns ip pods cg pins; do
+  local fam
+  while read -r _ node ns ip pods cg pins _; do
     [[ -n $(find "$pins" -mindepth 1 2>/dev/null) ]] && left+=" $node:pins($pins)"
     out=$(bpftool cgroup tree "$cg" 2>/dev/null || true)
     grep -q ' mcs_' <<<"$out" && left+=" $node:programs(on $cg)"
     ip netns exec "$ns" nft list table inet mcs_dataplane >/dev/null 2>&1 && left+=" $node:nft(inet mcs_dataplane)"
-    out=$(ip -n "$ns" rule 2>/dev/null || true)
-    grep -q 'fwmark 0x4d43' <<<"$out" && left+=" $node:rule(fwmark 0x4d43)"
-    out=$(ip -n "$ns" route show table 0x4d43 2>/dev/null || true)
-    [[ -n $out ]] && left+=" $node:routes(table 0x4d43)"
+    for fam in -4 -6; do
+      out=$(ip "$fam" -n "$ns" rule 2>/dev/null || true)
+      grep -q 'fwmark 0x4d43' <<<"$out" && left+=" $node:rule($fam fwmark 0x4d43)"
+      out=$(ip "$fam" -n "$ns" route show table 0x4d43 2>/dev/null || true)
+      [[ -n $out ]] && left+=" $node:routes($fam table 0x4d43)"
+    done
   done < <(cs_nodes "$c")
   echo "$left"
 }

@@ -6,7 +6,8 @@
 # every node of every cluster routable to each other, and mcs-dataplane installed into every
 # cluster with its Helm chart from our own image.
 #
-#   bash scripts/clusterset.sh up [--clusters N] [--nodes N] [--bare] [--dataplane ebpf|userspace] [--cni ptp|bridge|mixed]
+#   bash scripts/clusterset.sh up [--clusters N] [--nodes N] [--ip-family ipv4|dual] [--bare]
+#                                 [--dataplane ebpf|userspace] [--cni ptp|bridge|mixed]
 #   bash scripts/clusterset.sh install [--dataplane ebpf|userspace]   # (re)install our chart
 #   bash scripts/clusterset.sh import-image FILE.oci.tar   # into every node's containerd
 #   bash scripts/clusterset.sh restart c<i> kube-apiserver|etcd|kube-controller-manager|kube-scheduler
@@ -33,6 +34,14 @@
 #   pods of c<i>   198.19.<40+i>.0/24, split in equal parts, one per node (with --nodes 2, /25s)
 #   services of c<i> 198.18.<16*i>.0/20
 #   ClusterSetIPs  198.19.56.0/21 (every cluster's controller and agents; 2,046 addresses)
+# With --ip-family dual, also (all inside 2001:2::/48) and every range above in both families
+# (kube-apiserver, kube-controller-manager, kubelet's node IPs, kube-proxy, CNI, CoreDNS's
+# Service, mcs-dns, the controllers' and agents' ClusterSetIP ranges):
+#   node k of c<i> 2001:2:0:20::<i+10(k-1)>/64 (the host's bridge 2001:2:0:20::fe)
+#   pods of c<i>   2001:2:0:4<i>::/64, node k's 2001:2:0:4<i>:<k>::/80
+#   services of c<i> 2001:2:0:1<i>::/112
+#   ClusterSetIPs  2001:2:0:56::/112
+# Services stay single-stack unless they ask (ipFamilyPolicy), as on any dual-stack cluster.
 # API server of c<i>: https://198.19.32.<i>:6443. DNS: kube-dns 198.18.<16*i>.10, mcs-dns .11 (both in the
 # range's static band, which the API server leaves to fixed addresses).
 #
@@ -43,7 +52,8 @@
 # keeps the wreck for a look).
 #
 # Env: MCS_CLUSTERSET_DIR (state, default /var/lib/mcs-clusterset), MCS_CLUSTERS (default 2),
-#      MCS_CLUSTERSET_NODES (nodes per cluster, 1..4, default 1),
+#      MCS_CLUSTERSET_NODES (nodes per cluster, 1..4, default 1), MCS_CLUSTERSET_IP_FAMILY
+#      (ipv4, default, or dual),
 #      MCS_IMAGE_BIN_DIR (binaries for our image; default: a release build),
 #      MCS_CLUSTERSET_DATAPLANE (default ebpf), MCS_CLUSTERSET_CNI (ptp, routed pods, default;
 #      bridge, pods on a Linux bridge with br_netfilter on as kubeadm requires; or mixed, the
@@ -58,6 +68,7 @@ cd "$root"
 STATE="${MCS_CLUSTERSET_DIR:-/var/lib/mcs-clusterset}"
 N="${MCS_CLUSTERS:-2}"
 NODES="${MCS_CLUSTERSET_NODES:-1}"
+IP_FAMILY="${MCS_CLUSTERSET_IP_FAMILY:-ipv4}"
 DATAPLANE="${MCS_CLUSTERSET_DATAPLANE:-ebpf}"
 CNI="${MCS_CLUSTERSET_CNI:-ptp}"
 BARE=0
@@ -66,6 +77,8 @@ BRIDGE=mcscs0
 NETNS_PREFIX=mcs-cs-
 NODE_NET=198.19.32
 CLUSTERSET_CIDR="${MCS_CLUSTERSET_CIDR:-198.19.56.0/21}"
+NODE_NET6=2001:2:0:20
+CLUSTERSET_CIDR6=2001:2:0:56::/112
 IMAGES="$MCS_CACHE/clusterset-images"
 SYSCTLS=(vm.overcommit_memory kernel.panic kernel.panic_on_oops)
 # Paths outside $STATE that kubelet, containerd, CNI or buildah create; removed by `down` when
@@ -92,6 +105,15 @@ node_netns() { if ((${2:-1} == 1)); then netns "$1"; else echo "$NETNS_PREFIX""c
 svc_cidr() { echo "198.18.$((16 * $1)).0/20"; }
 svc_ip() { echo "198.18.$((16 * $1)).$2"; }
 netns() { echo "$NETNS_PREFIX""c$1"; }
+# --ip-family dual: the IPv6 twin of each (see the address plan above).
+dual() { [[ $IP_FAMILY == dual ]]; }
+node_ip6() { echo "$NODE_NET6::$(($1 + 10 * (${2:-1} - 1)))"; }
+cluster_pods6() { echo "2001:2:0:4$1::/64"; }
+pod_cidr6() { echo "2001:2:0:4$1:${2:-1}::/80"; }
+svc_cidr6() { echo "2001:2:0:1$1::/112"; }
+# The comma list of a range (or address) of cluster/node "$2 $3" in every family of the
+# ClusterSet: both svc_cidr 1 -> "198.18.16.0/20" or "198.18.16.0/20,2001:2:0:11::/112".
+both() { local f=$1; shift; if dual; then echo "$("$f" "$@"),$("${f}6" "$@")"; else "$f" "$@"; fi; }
 in_nodek() { local i=$1 k=$2; shift 2; nsenter --net="/run/netns/$(node_netns "$i" "$k")" -- "$@"; }
 # The CNI of cluster i: --cni, or with --cni mixed ptp for the odd clusters and bridge for the
 # even ones.
@@ -406,6 +428,7 @@ network() {
   log "network: bridge $BRIDGE ($NODE_NET.254/24), $N clusters of $NODES node(s)"
   ip link add "$BRIDGE" type bridge
   ip addr add "$NODE_NET.254/24" dev "$BRIDGE"
+  dual && ip -6 addr add "$NODE_NET6::fe/64" dev "$BRIDGE" nodad
   ip link set "$BRIDGE" up
   local i k j l
   : >"$STATE/nodes"
@@ -420,6 +443,10 @@ network() {
       in_nodek "$i" "$k" ip link set lo up
       in_nodek "$i" "$k" ip addr add "$(node_ip "$i" "$k")/24" dev eth0
       in_nodek "$i" "$k" ip link set eth0 up
+      if dual; then
+        in_nodek "$i" "$k" ip -6 addr add "$(node_ip6 "$i" "$k")/64" dev eth0 nodad
+        in_nodek "$i" "$k" sysctl -qw net.ipv6.conf.all.forwarding=1
+      fi
       if [[ $(cni_of "$i") == bridge ]]; then
         # kubeadm's preflight requires these where pods sit on a bridge (per network namespace).
         in_nodek "$i" "$k" sysctl -qw net.bridge.bridge-nf-call-iptables=1 net.bridge.bridge-nf-call-ip6tables=1
@@ -427,7 +454,9 @@ network() {
       # Every other node's pods (this cluster's and the others') through that node.
       for ((j = 1; j <= N; j++)); do
         for ((l = 1; l <= NODES; l++)); do
-          ((j == i && l == k)) || in_nodek "$i" "$k" ip route add "$(pod_cidr "$j" "$l")" via "$(node_ip "$j" "$l")"
+          ((j == i && l == k)) && continue
+          in_nodek "$i" "$k" ip route add "$(pod_cidr "$j" "$l")" via "$(node_ip "$j" "$l")"
+          if dual; then in_nodek "$i" "$k" ip -6 route add "$(pod_cidr6 "$j" "$l")" via "$(node_ip6 "$j" "$l")"; fi
         done
       done
       # The node's "default" route, inside our range only: the host's bridge address. Without a
@@ -436,11 +465,15 @@ network() {
       in_nodek "$i" "$k" ip route add 198.18.0.0/15 via "$NODE_NET.254"
       # The host reaches the pods too (kubectl port-forward is not needed to look at them).
       ip route add "$(pod_cidr "$i" "$k")" via "$(node_ip "$i" "$k")"
+      if dual; then
+        in_nodek "$i" "$k" ip -6 route add 2001:2::/48 via "$NODE_NET6::fe"
+        ip -6 route add "$(pod_cidr6 "$i" "$k")" via "$(node_ip6 "$i" "$k")"
+      fi
       # For the suites: cluster, node, netns, address, pod range, kubelet cgroup (cgroup2),
-      # the agent's pin directory.
-      printf 'c%s %s %s %s %s %s %s\n' "$i" "$(node_name "$i" "$k")" "$ns" "$(node_ip "$i" "$k")" \
+      # the agent's pin directory, IPv6 address (- when IPv4 only).
+      printf 'c%s %s %s %s %s %s %s %s\n' "$i" "$(node_name "$i" "$k")" "$ns" "$(node_ip "$i" "$k")" \
         "$(pod_cidr "$i" "$k")" "/sys/fs/cgroup/unified/mcs-c$i/$(node_name "$i" "$k")" \
-        "/sys/fs/bpf/mcs-clusterset-c$i/$(node_name "$i" "$k")" >>"$STATE/nodes"
+        "/sys/fs/bpf/mcs-clusterset-c$i/$(node_name "$i" "$k")" "$(dual && node_ip6 "$i" "$k" || echo -)" >>"$STATE/nodes"
     done
   done
 }
@@ -496,7 +529,7 @@ control_plane() {
     --kubelet-certificate-authority "$p/ca.crt" --kubelet-preferred-address-types InternalIP \
     --service-account-issuer https://kubernetes.default.svc \
     --service-account-key-file "$p/sa.pub" --service-account-signing-key-file "$p/sa.key" \
-    --service-cluster-ip-range "$(svc_cidr "$i")" --v 1
+    --service-cluster-ip-range "$(both svc_cidr "$i")" --v 1
 }
 
 controllers() {
@@ -505,7 +538,7 @@ controllers() {
     --kubeconfig "$d/kcm.kubeconfig" --authentication-kubeconfig "$d/kcm.kubeconfig" \
     --authorization-kubeconfig "$d/kcm.kubeconfig" --bind-address 127.0.0.1 \
     --use-service-account-credentials --service-account-private-key-file "$p/sa.key" \
-    --root-ca-file "$p/ca.crt" --service-cluster-ip-range "$(svc_cidr "$i")" \
+    --root-ca-file "$p/ca.crt" --service-cluster-ip-range "$(both svc_cidr "$i")" \
     --cluster-name "c$i" --leader-elect=false --v 1
   start "$i" kube-scheduler "$MCS_KUBE_BIN_DIR/kube-scheduler" \
     --kubeconfig "$d/scheduler.kubeconfig" --authentication-kubeconfig "$d/scheduler.kubeconfig" \
@@ -542,8 +575,8 @@ start_node() {
     $plugin, "ipMasq": false,
     "ipam": {
       "type": "host-local", "dataDir": "$d/cni/ipam",
-      "ranges": [[{ "subnet": "$(pod_cidr "$i" "$k")" }]],
-      "routes": [{ "dst": "198.18.0.0/15" }]
+      "ranges": [[{ "subnet": "$(pod_cidr "$i" "$k")" }]$(dual && echo ", [{ \"subnet\": \"$(pod_cidr6 "$i" "$k")\" }]")],
+      "routes": [{ "dst": "198.18.0.0/15" }$(dual && echo ', { "dst": "2001:2::/48" }')]
     }
   }]
 }
@@ -613,14 +646,14 @@ serializeImagePulls: false
 EOF
   start_on "$i" "$k" kubelet "$MCS_KUBE_BIN_DIR/kubelet" --config "$d/kubelet.yaml" \
     --kubeconfig "$d/node.kubeconfig" --root-dir "$d/kubelet" --hostname-override "$name" \
-    --node-ip "$ip" --v 1
+    --node-ip "$(both node_ip "$i" "$k")" --v 1
   cat >"$d/kube-proxy.yaml" <<EOF
 apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
 mode: nftables
 clientConnection: {kubeconfig: $d/proxy.kubeconfig}
 hostnameOverride: $name
-clusterCIDR: $(cluster_pods "$i")
+clusterCIDR: $(both cluster_pods "$i")
 bindAddress: $ip
 metricsBindAddress: 127.0.0.1:10249
 healthzBindAddress: 127.0.0.1:10256
@@ -683,7 +716,7 @@ install_chart() {
     helm --kubeconfig "$STATE/kubeconfig" --kube-context "c$i" upgrade --install mcs-dataplane \
       deploy/helm/mcs-dataplane --wait=false \
       --set controller.enabled=true --set clusterId="c$i" \
-      --set "clustersetIPCIDRs={$CLUSTERSET_CIDR}" --set dataplane="$dp" \
+      --set "clustersetIPCIDRs={$CLUSTERSET_CIDR$(dual && echo ",$CLUSTERSET_CIDR6")}" --set dataplane="$dp" \
       --set cgroupRoot="/sys/fs/cgroup/unified/mcs-c$i" --set bpfPinDir="/sys/fs/bpf/mcs-clusterset-c$i" \
       --set nodeSubdirectories=true \
       --set image.pullPolicy=Never --set dns.clusterIP="$(svc_ip "$i" 11)" \
@@ -739,6 +772,7 @@ up() {
   down
   local t0=$SECONDS
   mkdir -p "$STATE"
+  echo "$IP_FAMILY" >"$STATE/ip-family"
   # What `down` must restore or remove.
   for t in "${SYSCTLS[@]}"; do echo "$t $(sysctl -n "$t")"; done >"$STATE/sysctl.saved"
   for t in "${OUTSIDE[@]}"; do [[ -e $t ]] || echo "$t"; done >"$STATE/outside.absent"
@@ -783,7 +817,7 @@ up() {
   done
   ((BARE)) || install_chart
   trap - EXIT
-  log "up in $((SECONDS - t0))s: $N clusters of $NODES node(s) (contexts c1..c$N); state in $STATE; take down with: bash scripts/clusterset.sh down"
+  log "up in $((SECONDS - t0))s: $N clusters of $NODES node(s), $IP_FAMILY (contexts c1..c$N); state in $STATE; take down with: bash scripts/clusterset.sh down"
   echo "KUBECONFIG=$STATE/kubeconfig"
 }
 
@@ -841,6 +875,7 @@ shape_from_state() {
   N=$(find "$STATE" -mindepth 1 -maxdepth 1 -type d -name 'c[0-9]' | wc -l)
   NODES=$(awk '$1 == "c1"' "$STATE/nodes" 2>/dev/null | wc -l)
   ((NODES > 0)) || NODES=1
+  IP_FAMILY=$(cat "$STATE/ip-family" 2>/dev/null || echo ipv4)
 }
 
 cmd=${1:-}; shift || true
@@ -848,6 +883,7 @@ while (($#)); do
   case $1 in
     --clusters) N=$2; shift 2 ;;
     --nodes) NODES=$2; shift 2 ;;
+    --ip-family) IP_FAMILY=$2; shift 2 ;;
     --bare) BARE=1; shift ;;
     --dataplane) DATAPLANE=$2; shift 2 ;;
     --cni) CNI=$2; shift 2 ;;
@@ -864,6 +900,7 @@ done
 [[ $NODES =~ ^[1-4]$ ]] || die "--nodes must be 1..4"
 case $DATAPLANE in ebpf|userspace|auto) ;; *) die "--dataplane must be ebpf, userspace or auto" ;; esac
 case $CNI in ptp|bridge|mixed) ;; *) die "--cni must be ptp, bridge or mixed" ;; esac
+case $IP_FAMILY in ipv4|dual) ;; *) die "--ip-family must be ipv4 or dual" ;; esac
 case $cmd in
   up) up ;;
   down) down ;;

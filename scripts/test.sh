@@ -80,16 +80,16 @@ dns=$?
 set -e
 if ((dns == 0)); then echo "DNS bench smoke: ok"; else echo "DNS bench smoke: FAILED"; status=1; fi
 
-step "real ClusterSet: two clusters of two nodes with kubelets (scripts/clusterset.sh up: our image, our chart, CoreDNS), end to end on real pods, the lifecycle suite under load, the whole upstream conformance suite, helm uninstall, down"
+step "real ClusterSet: two dual-stack clusters of two nodes with kubelets (scripts/clusterset.sh up: our image, our chart, CoreDNS), end to end on real pods, the lifecycle suite under load, the whole upstream conformance suite, helm uninstall, down"
 set +e
 # Whatever happens below (a failure, a timeout's TERM), the clusters go.
 trap 'bash scripts/clusterset.sh down >/dev/null 2>&1 || true' EXIT
 # c1 with routed pods (ptp), c2 with pods on a Linux bridge and br_netfilter on (kubeadm's
-# settings): the e2e crosses both node networks. Our image from the debug binaries built above,
+# settings): the e2e crosses both node networks, in both families (--ip-family dual). Our image from the debug binaries built above,
 # by the release image's pipeline (deploy/image.sh,
 # which also runs them inside the image), imported into every node.
 cargo build --locked -q -p mcs-agent -p mcs-controller --bins &&
-  MCS_IMAGE_BIN_DIR=target/debug bash scripts/clusterset.sh up --cni mixed --nodes 2 >target/clusterset-up.out
+  MCS_IMAGE_BIN_DIR=target/debug bash scripts/clusterset.sh up --cni mixed --nodes 2 --ip-family dual >target/clusterset-up.out
 up=$?
 # Bringing up two clusters on two shared cores once failed in CI with the controller's pods left
 # Pending and no reason kept (before up explained its failed waits). One second attempt, said
@@ -98,7 +98,7 @@ up_note=""
 if ((up != 0)); then
   echo "clusterset up: failed once (its explanation is above); taking it down and trying once more"
   up_note="clusterset up needed a second attempt (the first one's explanation is in the log)"
-  MCS_IMAGE_BIN_DIR=target/debug bash scripts/clusterset.sh up --cni mixed --nodes 2 >target/clusterset-up.out
+  MCS_IMAGE_BIN_DIR=target/debug bash scripts/clusterset.sh up --cni mixed --nodes 2 --ip-family dual >target/clusterset-up.out
   up=$?
 fi
 if ((up == 0)); then
