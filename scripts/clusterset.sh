@@ -447,6 +447,9 @@ network() {
         in_nodek "$i" "$k" ip -6 addr add "$(node_ip6 "$i" "$k")/64" dev eth0 nodad
         in_nodek "$i" "$k" sysctl -qw net.ipv6.conf.all.forwarding=1
       fi
+      # What docs/install.md#upgrades asks of a node for the userspace forwarder's handover to
+      # the next agent (a container cannot set it).
+      in_nodek "$i" "$k" sysctl -qw net.ipv4.tcp_migrate_req=1
       if [[ $(cni_of "$i") == bridge ]]; then
         # kubeadm's preflight requires these where pods sit on a bridge (per network namespace).
         in_nodek "$i" "$k" sysctl -qw net.bridge.bridge-nf-call-iptables=1 net.bridge.bridge-nf-call-ip6tables=1

@@ -158,6 +158,16 @@ pub struct RunArgs {
     /// stop; while it exists (a restart, an upgrade) they stay, so traffic keeps flowing.
     #[arg(long, env = "MCS_OWNER_DAEMONSET", requires = "owner_namespace")]
     pub owner_daemonset: Option<String>,
+    /// Userspace dataplane, at a stop that is not an uninstall: how long the forwarder waits
+    /// for the node's next agent to listen on every frontend before closing its own sockets
+    /// (its listeners share each address by SO_REUSEPORT, so new connections go to the next
+    /// agent and none is refused); the interception is kept for it. Default: 30 when the
+    /// agent's DaemonSet (`--owner-daemonset`) rolls with maxSurge, as the chart's userspace
+    /// DaemonSet does, so the next pod starts first; else 0 (close at once; a DaemonSet
+    /// without surge starts the next pod only after this one is gone, and the interception
+    /// is removed at stop).
+    #[arg(long, env = "MCS_HANDOVER_WAIT_S", value_name = "SECONDS")]
+    pub handover_wait_s: Option<u64>,
     /// The namespace of `--owner-daemonset`.
     #[arg(long, env = "POD_NAMESPACE")]
     pub owner_namespace: Option<String>,

@@ -10,7 +10,9 @@ use mcs_proxy::{
     ebpf::{MapSizes, SocketLb},
     log::LogDataplane,
     userspace::{
-        TcpEngine, Userspace, UserspaceConfig, metrics::ProxyMetrics, nft::InterceptConfig,
+        Stop, TcpEngine, Userspace, UserspaceConfig,
+        metrics::ProxyMetrics,
+        nft::{InterceptConfig, Interception},
     },
 };
 use mcs_sync::{
@@ -34,23 +36,6 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let metrics = Arc::new(Metrics::new(&mut registry));
     let start_userspace =
         |registry: &mut prometheus_client::registry::Registry| -> anyhow::Result<AnyDataplane> {
-            // An eBPF socket LB a previous agent left pinned (the dataplane was switched)
-            // would keep translating ClusterSetIPs in the kernel with a table nobody
-            // updates, ahead of the forwarder: remove it first.
-            let pins = &args.pins.bpf_pin_dir;
-            match SocketLb::uninstall(pins) {
-                Ok(0) => {}
-                Ok(n) => tracing::warn!(
-                    pin_dir = %pins.display(),
-                    removed = n,
-                    "removed the eBPF socket LB a previous agent left pinned: this agent runs the userspace forwarder"
-                ),
-                Err(e) => tracing::warn!(
-                    pin_dir = %pins.display(),
-                    error = %e,
-                    "could not remove the eBPF socket LB a previous agent left pinned; it may still translate ClusterSetIPs (mcs-agent uninstall)"
-                ),
-            }
             if let Some(port) = args.proxy.proxy_port {
                 tracing::warn!(
                     port,
@@ -148,7 +133,14 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         cluster_id_fixed: args.source.cluster_id.is_some(),
         ..Default::default()
     };
-    let mut sync_loop = SyncLoop::new(prepared.node, dataplane, config, metrics, health, events);
+    let mut sync_loop = SyncLoop::new(
+        prepared.node,
+        dataplane,
+        config,
+        metrics,
+        health.clone(),
+        events,
+    );
     if dns.is_some() {
         sync_loop = sync_loop.with_dns_zone(zone);
     }
@@ -158,13 +150,27 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         tracing::info!("shutting down");
         let _ = stop_tx.send(true);
     });
+    if matches!(sync_loop.dataplane(), AnyDataplane::Userspace(_)) {
+        // An eBPF socket LB a previous agent left pinned (the dataplane was switched) would
+        // keep translating ClusterSetIPs in the kernel with a table nobody updates, ahead of
+        // the forwarder: it goes once the forwarder listens on the whole first table, so
+        // connections go from one to the other without a gap (the previous agent may still
+        // run beside this one: its programs stay attached until it exits).
+        let (ready, pins) = (health.clone(), args.pins.bpf_pin_dir.clone());
+        tokio::spawn(async move {
+            while !ready.is_ready() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            remove_pinned_ebpf(&pins);
+        });
+    }
     tracing::info!(source = ?args.source.source, dataplane = ?args.dataplane, "mcs-agent running");
     let sync_loop = sync_loop.run(rx, stop_rx).await;
     if let Some(dns) = dns {
         dns.shutdown().await;
     }
     match sync_loop.into_dataplane() {
-        AnyDataplane::Userspace(u) => u.shutdown().await,
+        AnyDataplane::Userspace(u) => u.shutdown(userspace_stop(&args, owner.as_ref())).await,
         AnyDataplane::Ebpf(lb) => match owner.as_ref().filter(|o| o.removed()) {
             Some(o) => {
                 // Unpinned here, detached when this process closes the links.
@@ -200,6 +206,54 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// How the userspace forwarder stops. When a next agent runs beside this one (its DaemonSet
+/// rolls with maxSurge, or `--handover-wait-s` says so) and this is not an uninstall, it waits
+/// for that agent to listen on every frontend and leaves it the interception. Otherwise it
+/// removes the interception: an uninstall, and a restart without surge (the next agent
+/// starts after this one is gone; meanwhile a client's SYN is retransmitted and finds it,
+/// where a kept table would refuse it).
+fn userspace_stop(args: &RunArgs, owner: Option<&mcs_sync::owner::Owner>) -> Stop {
+    let removed = owner.is_some_and(|o| o.removed());
+    let wait = args
+        .handover_wait_s
+        .unwrap_or(if owner.is_some_and(|o| o.surges()) {
+            DEFAULT_HANDOVER_WAIT_S
+        } else {
+            0
+        });
+    let restart = !removed && wait > 0;
+    if removed {
+        tracing::info!(
+            daemonset = %owner.map(|o| o.describe()).unwrap_or_default(),
+            "uninstall: the agent's DaemonSet is deleted, so the forwarder removes its interception at stop"
+        );
+    }
+    Stop {
+        keep_interception: restart,
+        successor_wait: Duration::from_secs(if restart { wait } else { 0 }),
+    }
+}
+
+/// Removes an eBPF socket LB pinned in `pins` (by a previous agent on the eBPF dataplane).
+fn remove_pinned_ebpf(pins: &std::path::Path) {
+    match SocketLb::uninstall(pins) {
+        Ok(0) => {}
+        Ok(n) => tracing::warn!(
+            pin_dir = %pins.display(),
+            removed = n,
+            "removed the eBPF socket LB a previous agent left pinned: this agent runs the userspace forwarder"
+        ),
+        Err(e) => tracing::warn!(
+            pin_dir = %pins.display(),
+            error = %e,
+            "could not remove the eBPF socket LB a previous agent left pinned; it may still translate ClusterSetIPs (mcs-agent uninstall)"
+        ),
+    }
+}
+
+/// `--handover-wait-s` when the agent's DaemonSet rolls with maxSurge.
+const DEFAULT_HANDOVER_WAIT_S: u64 = 30;
+
 /// Loads and attaches the eBPF dataplane.
 fn start_ebpf(args: &RunArgs) -> anyhow::Result<SocketLb> {
     let maglev = args.ebpf_selection == crate::cli::Selection::Maglev;
@@ -214,6 +268,23 @@ fn start_ebpf(args: &RunArgs) -> anyhow::Result<SocketLb> {
     lb.set_maglev(maglev);
     lb.attach(&args.cgroup_root)
         .with_context(|| format!("attaching to cgroup {}", args.cgroup_root.display()))?;
+    // The userspace forwarder's interception, kept by a previous agent for its next one (the
+    // dataplane was switched): nothing listens on it now, so connections the socket LB does
+    // not rewrite (the node's own processes) would be refused. It goes.
+    let intercept = userspace_config(&args.proxy).intercept;
+    if Interception::exists(&intercept.table) {
+        match Interception::remove_leftover(&intercept) {
+            Ok(_) => tracing::warn!(
+                table = %intercept.table,
+                "removed the userspace forwarder's interception a previous agent left: this agent runs the eBPF socket LB"
+            ),
+            Err(e) => tracing::warn!(
+                table = %intercept.table,
+                error = %e,
+                "could not remove the userspace interception a previous agent left (mcs-agent uninstall)"
+            ),
+        }
+    }
     Ok(lb)
 }
 

@@ -10,6 +10,7 @@ use std::{
     net::TcpStream,
     path::Path,
     process::Stdio,
+    time::{Duration, Instant},
 };
 
 use common::*;
@@ -496,6 +497,135 @@ fn a_restarted_agent_keeps_its_frontends_intercepted_and_holds_connections_until
         assert!(reply.as_ref().is_ok_and(|r| r.ends_with(" b")), "{reply:?}");
     });
     sb.stop_agent();
+}
+
+/// A child process killed when dropped (a failed assertion leaves no agent behind).
+struct Killed(Option<std::process::Child>);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// An upgrade as the chart's userspace DaemonSet rolls it (maxSurge): the next agent starts
+/// beside the running one and listens on the same frontends (SO_REUSEPORT); the old one,
+/// stopped, waits for it, closes its listeners (queued connections migrate,
+/// `net.ipv4.tcp_migrate_req`) and leaves the interception to it. Under a client's steady
+/// connections, none fails; the next agent serves after the old one is gone. Stopped with no
+/// next agent, an agent waits its bound, says so and still keeps the interception.
+#[test]
+fn the_next_agent_takes_over_the_frontends_and_no_connection_is_refused() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    if !prerequisites() {
+        return;
+    }
+    let mut sb = Sandbox::new(&ALL);
+    sb.start_agent(&["--handover-wait-s", "20"]);
+    let mut old = Killed(sb.agent.take());
+    let next_port = sb.metrics_port + 1;
+    let (stop, done) = (AtomicBool::new(false), AtomicUsize::new(0));
+    let sb = &sb;
+    let (tried, failed, next) = std::thread::scope(|s| {
+        let load = s.spawn(|| {
+            let (mut tried, mut failed) = (0usize, Vec::new());
+            let deadline = Instant::now() + Duration::from_secs(90);
+            while !stop.load(Ordering::Acquire) && tried < 50_000 && Instant::now() < deadline {
+                let msg = format!("q{tried}");
+                match sb.tcp("198.18.100.10:80", &msg) {
+                    Ok(r) if r.ends_with(&format!(" {msg}")) => {}
+                    other => failed.push(format!("{msg}: {other:?}")),
+                }
+                tried += 1;
+                done.store(tried, Ordering::Release);
+            }
+            (tried, failed)
+        });
+        let progress = |n: usize| {
+            let from = done.load(Ordering::Acquire);
+            wait_until("the client's connections go on", || {
+                done.load(Ordering::Acquire) >= from + n || load.is_finished()
+            });
+        };
+        progress(100);
+        let mut next = Killed(Some(sb.spawn_agent(
+            &[],
+            next_port,
+            &["--handover-wait-s", "2"],
+        )));
+        sb.wait_ready(next_port, next.0.as_mut().unwrap());
+        progress(100);
+        let o = old.0.as_ref().unwrap();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(o.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let o = old.0.take().unwrap();
+        let out = o.wait_with_output().unwrap();
+        let log = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{log}");
+        assert!(
+            log.contains("the next agent waits on every frontend too"),
+            "the old agent did not see the next one: {log}"
+        );
+        assert!(
+            log.contains("interception kept for the node's next agent"),
+            "{log}"
+        );
+        progress(200);
+        stop.store(true, Ordering::Release);
+        let (tried, failed) = load.join().unwrap();
+        (tried, failed, next)
+    });
+    assert!(
+        failed.is_empty(),
+        "{} of {tried} connections failed across the handover: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+    let served_by_next = sb
+        .http_on(next_port, "/metrics")
+        .map(|(_, m)| {
+            m.lines()
+                .filter_map(|l| l.strip_prefix("mcs_proxy_connections_total"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>()
+        })
+        .unwrap_or(0.0);
+    assert!(
+        served_by_next >= 200.0,
+        "the next agent served {served_by_next} connections"
+    );
+    assert!(
+        sb.nft_table()
+            .is_some_and(|t| t.contains("198.18.100.10 . tcp . 80")),
+        "the interception was not left to the next agent"
+    );
+    // The last agent stops with no next one: it waits its bound (2 s), says so, and keeps
+    // the interception (a restart; an uninstall is `mcs-agent uninstall` or the DaemonSet
+    // deleted).
+    let mut next = next;
+    let n = next.0.take().unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(n.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let out = n.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("no next agent on every frontend in time"),
+        "{log}"
+    );
+    assert!(sb.nft_table().is_some(), "a restart keeps the interception");
+    eprintln!(
+        "{tried} connections across the handover, none failed; the next agent served {served_by_next}"
+    );
 }
 
 #[test]

@@ -14,7 +14,7 @@ use kube::{
     api::{DeleteParams, Patch, PatchParams, PostParams},
 };
 use mcs_model::NodeConfig;
-use mcs_proxy::userspace::{Userspace, UserspaceConfig, metrics::ProxyMetrics};
+use mcs_proxy::userspace::{Stop, Userspace, UserspaceConfig, metrics::ProxyMetrics};
 use mcs_sync::{SyncConfig, SyncLoop, http::Health, metrics::Metrics};
 use mcs_test_support::apiserver;
 
@@ -127,7 +127,7 @@ fn endpoint_changes_through_the_apiserver_reach_the_forwarder() {
             .run(rx, stop_rx)
             .await
             .into_dataplane()
-            .shutdown()
+            .shutdown(Stop::default())
             .await;
     });
     wait_until("controller ready", || health.is_ready());

@@ -243,8 +243,36 @@ fn the_apiserver_accepts_crds_base_and_chart() {
     ]);
     assert!(custom.contains("MCS_CLUSTER_ID: \"c7\""), "{custom}");
     assert!(
-        custom.contains("containerPort: 9500") && custom.contains("MCS_METRICS_ADDR: 0.0.0.0:9500")
+        custom.contains("port: 9500") && custom.contains("MCS_METRICS_ADDR: 0.0.0.0:9500"),
+        "{custom}"
     );
+
+    // The update strategy: with the userspace dataplane the next agent starts beside the old
+    // one (maxSurge), so the agent declares no ports (each would be a hostPort on the host
+    // network, and the scheduler would keep the surging pod off the node); one node at a
+    // time otherwise (two eBPF agents would write the same pinned maps).
+    let strategy = |yaml: &str| {
+        let ds = objects(yaml)
+            .into_iter()
+            .find(|o| o["kind"] == "DaemonSet")
+            .unwrap();
+        assert!(
+            ds["spec"]["template"]["spec"]["containers"][0]["ports"].is_null(),
+            "{ds}"
+        );
+        ds["spec"]["updateStrategy"]["rollingUpdate"].clone()
+    };
+    assert_eq!(
+        strategy(&helm_template(&["--set", "dataplane=userspace"])),
+        serde_json::json!({"maxSurge": 1, "maxUnavailable": 0})
+    );
+    for dp in ["ebpf", "auto"] {
+        assert_eq!(
+            strategy(&helm_template(&["--set", &format!("dataplane={dp}")])),
+            serde_json::json!({"maxUnavailable": 1}),
+            "{dp}"
+        );
+    }
     assert!(
         custom.contains("path: /sys/fs/cgroup/unified")
             && custom.contains("mountPath: /run/mcs/cgroup")
@@ -487,7 +515,7 @@ fn dns_service_and_the_aks_coredns_custom_snippet() {
         .iter()
         .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == "mcs-dns")
         .expect("Service mcs-dns");
-    let ports: Vec<(&str, i64, &str)> = svc["spec"]["ports"]
+    let ports: Vec<(&str, i64, i64)> = svc["spec"]["ports"]
         .as_array()
         .unwrap()
         .iter()
@@ -495,11 +523,11 @@ fn dns_service_and_the_aks_coredns_custom_snippet() {
             (
                 p["protocol"].as_str().unwrap(),
                 p["port"].as_i64().unwrap(),
-                p["targetPort"].as_str().unwrap(),
+                p["targetPort"].as_i64().unwrap(),
             )
         })
         .collect();
-    assert_eq!(ports, [("UDP", 53, "dns"), ("TCP", 53, "dns-tcp")]);
+    assert_eq!(ports, [("UDP", 53, 10053), ("TCP", 53, 10053)]);
     let ds = default.iter().find(|o| o["kind"] == "DaemonSet").unwrap();
     let env = ds["spec"]["template"]["spec"]["containers"][0]["env"].to_string();
     // Every node address (both families on a dual-stack node) at the DNS port.

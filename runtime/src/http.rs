@@ -56,13 +56,63 @@ pub async fn serve(listener: TcpListener, registry: Arc<Registry>, health: Healt
     }
 }
 
-/// Binds `addr` and serves in a background task; returns the bound address.
+/// A TCP listener on `addr` with SO_REUSEADDR and SO_REUSEPORT: the next agent of a node
+/// (a DaemonSet rolling with maxSurge, host network) binds the same port while this one
+/// still serves, and takes over its connections when it closes.
+pub fn listen_shared(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let s = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    s.set_reuseaddr(true)?;
+    s.set_reuseport(true)?;
+    s.bind(addr)?;
+    s.listen(1024)
+}
+
+/// How long [`bind_patiently`] retries an address in use.
+pub const BIND_PATIENCE: Duration = Duration::from_secs(120);
+
+/// `bind()` again every second while it fails with "address in use", at most
+/// [`BIND_PATIENCE`]: the node's previous agent of a version before SO_REUSEPORT holds
+/// the port until it exits, which a DaemonSet rolling with maxSurge makes it do once this
+/// one's pod is ready (its readiness probe reaches the old agent on the shared port).
+pub async fn bind_patiently<T>(
+    what: &str,
+    addr: SocketAddr,
+    mut bind: impl FnMut() -> std::io::Result<T>,
+) -> std::io::Result<T> {
+    let t0 = std::time::Instant::now();
+    let mut warned = false;
+    loop {
+        match bind() {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && t0.elapsed() < BIND_PATIENCE => {
+                if !warned {
+                    tracing::warn!(%addr, what, error = %e, "address in use (the node's previous agent, of a version that does not share it?); trying again every second for up to {} s", BIND_PATIENCE.as_secs());
+                    warned = true;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Ok(v) => {
+                if warned {
+                    tracing::info!(%addr, what, waited_s = t0.elapsed().as_secs(), "bound after waiting");
+                }
+                return Ok(v);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Binds `addr` ([`listen_shared`], [`bind_patiently`]) and serves in a background task;
+/// returns the bound address.
 pub async fn spawn(
     addr: SocketAddr,
     registry: Arc<Registry>,
     health: Health,
 ) -> std::io::Result<SocketAddr> {
-    let listener = TcpListener::bind(addr).await?;
+    let listener = bind_patiently("metrics", addr, || listen_shared(addr)).await?;
     let local = listener.local_addr()?;
     tokio::spawn(serve(listener, registry, health));
     Ok(local)

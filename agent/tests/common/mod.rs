@@ -125,6 +125,14 @@ impl Sandbox {
 
     /// As [`Sandbox::start_agent`], the agent run by `wrapper` (e.g. `prlimit --nofile=N:N`).
     pub fn start_agent_wrapped(&mut self, wrapper: &[&str], extra: &[&str]) {
+        let mut agent = self.spawn_agent(wrapper, self.metrics_port, extra);
+        self.wait_ready(self.metrics_port, &mut agent);
+        self.agent = Some(agent);
+    }
+
+    /// Another agent in the node namespace (beside `agent`, as a DaemonSet's next pod),
+    /// serving metrics on `metrics_port`; not waited for ([`Sandbox::wait_ready`]).
+    pub fn spawn_agent(&self, wrapper: &[&str], metrics_port: u16, extra: &[&str]) -> Child {
         let bin = env!("CARGO_BIN_EXE_mcs-agent");
         let mut cmd = match wrapper.split_first() {
             Some((program, args)) => {
@@ -144,10 +152,7 @@ impl Sandbox {
             "--file-poll-ms",
             "50",
         ])
-        .args([
-            "--metrics-addr",
-            &format!("127.0.0.1:{}", self.metrics_port),
-        ])
+        .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
         .arg("--source")
         .arg(format!("file:{}", self.dir.path().display()))
         // A userspace agent removes an eBPF socket LB pinned in its --bpf-pin-dir (a switched
@@ -162,29 +167,33 @@ impl Sandbox {
         } else {
             Stdio::piped()
         });
-        self.agent = Some(cmd.spawn().unwrap());
+        cmd.spawn().unwrap()
+    }
+
+    /// Waits until `agent` (metrics on `metrics_port`) is ready; panics with its log if it
+    /// exits first.
+    pub fn wait_ready(&self, metrics_port: u16, agent: &mut Child) {
         let deadline = Instant::now() + WAIT;
-        while self.http("/readyz").map(|(c, _)| c) != Some(200) {
-            if let Some(status) = self.agent.as_mut().unwrap().try_wait().unwrap() {
+        while self.http_on(metrics_port, "/readyz").map(|(c, _)| c) != Some(200) {
+            if let Some(status) = agent.try_wait().unwrap() {
                 let mut log = String::new();
-                self.agent
-                    .as_mut()
-                    .unwrap()
-                    .stderr
-                    .take()
-                    .unwrap()
-                    .read_to_string(&mut log)
-                    .unwrap();
+                if let Some(mut e) = agent.stderr.take() {
+                    e.read_to_string(&mut log).unwrap();
+                }
                 panic!("agent exited ({status}): {log}");
             }
-            assert!(Instant::now() < deadline, "agent not ready");
+            if Instant::now() > deadline {
+                let _ = agent.kill();
+                let _ = agent.wait();
+                panic!("agent not ready");
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
         if let Some(engine) = tcp_engine() {
             // The suite must test the engine it says.
             let want_io_uring = engine == "io-uring";
             let workers = || {
-                let (_, body) = self.http("/metrics")?;
+                let (_, body) = self.http_on(metrics_port, "/metrics")?;
                 body.lines()
                     .find_map(|l| l.strip_prefix("mcs_proxy_tcp_io_uring_workers "))?
                     .trim()
@@ -192,11 +201,14 @@ impl Sandbox {
                     .ok()
             };
             while (workers().unwrap_or(0) > 0) != want_io_uring {
-                assert!(
-                    Instant::now() < deadline,
-                    "MCS_TEST_TCP_ENGINE={engine} but mcs_proxy_tcp_io_uring_workers is {:?}",
-                    workers()
-                );
+                if Instant::now() > deadline {
+                    let seen = workers();
+                    let _ = agent.kill();
+                    let _ = agent.wait();
+                    panic!(
+                        "MCS_TEST_TCP_ENGINE={engine} but mcs_proxy_tcp_io_uring_workers is {seen:?}"
+                    );
+                }
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
@@ -231,7 +243,11 @@ impl Sandbox {
     }
 
     pub fn http(&self, path: &str) -> Option<(u16, String)> {
-        let port = self.metrics_port;
+        self.http_on(self.metrics_port, path)
+    }
+
+    /// GET `path` from the agent whose metrics are on `port`; status and the whole response.
+    pub fn http_on(&self, port: u16, path: &str) -> Option<(u16, String)> {
         let path = path.to_string();
         self.node
             .run(move || {

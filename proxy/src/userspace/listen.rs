@@ -225,6 +225,25 @@ impl FrontendSockets {
         }
     }
 
+    /// How many of the open frontends another process (the next agent) also waits on, out of
+    /// how many: more TCP listeners on the address than this forwarder's, a second
+    /// unconnected UDP socket.
+    pub fn taken_over(&self) -> (usize, usize) {
+        let waiting = waiting_sockets();
+        let count = |p, a: &SocketAddr| waiting.get(&(p, *a)).copied().unwrap_or(0);
+        let tcp = self
+            .tcp
+            .iter()
+            .filter(|(a, (_, n))| count(Protocol::Tcp, a) > *n)
+            .count();
+        let udp = self
+            .udp
+            .keys()
+            .filter(|a| count(Protocol::Udp, a) > 1)
+            .count();
+        (tcp + udp, self.tcp.len() + self.udp.len())
+    }
+
     /// Whether `n` more sockets fit the budget.
     fn spend(&self, n: usize) -> io::Result<()> {
         if self.sockets + n > self.budget {
@@ -313,9 +332,72 @@ fn udp_socket(addr: SocketAddr) -> io::Result<Socket> {
     }
     transparent(&s, addr)?;
     s.set_reuse_address(true)?;
+    // As the TCP listeners: the next agent of the node binds beside this one and takes the
+    // new flows when this one closes (flows with a session stay on their connected socket).
+    s.set_reuse_port(true)?;
     s.set_nonblocking(true)?;
     s.bind(&addr.into())?;
     Ok(s)
+}
+
+/// Sockets waiting for new flows in this network namespace, per protocol and address: TCP
+/// listeners and unconnected UDP sockets (`/proc/net/{tcp,tcp6,udp,udp6}`; what cannot be
+/// read counts as none).
+pub fn waiting_sockets() -> HashMap<(Protocol, SocketAddr), usize> {
+    let mut out = HashMap::new();
+    for (file, protocol) in [
+        ("/proc/net/tcp", Protocol::Tcp),
+        ("/proc/net/tcp6", Protocol::Tcp),
+        ("/proc/net/udp", Protocol::Udp),
+        ("/proc/net/udp6", Protocol::Udp),
+    ] {
+        let Ok(text) = std::fs::read_to_string(file) else {
+            continue;
+        };
+        count_waiting(&text, protocol, &mut out);
+    }
+    out
+}
+
+/// [`waiting_sockets`] of one `/proc/net` table: TCP in LISTEN (0A), UDP unconnected (07,
+/// no remote address).
+fn count_waiting(text: &str, protocol: Protocol, out: &mut HashMap<(Protocol, SocketAddr), usize>) {
+    let want = if protocol == Protocol::Tcp {
+        "0A"
+    } else {
+        "07"
+    };
+    for line in text.lines().skip(1) {
+        let mut f = line.split_whitespace().skip(1);
+        let (Some(local), Some(remote), Some(st)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        // A connected UDP socket (a session's) has a remote address.
+        if st != want || remote.chars().any(|c| c != '0' && c != ':') {
+            continue;
+        }
+        if let Some(a) = proc_addr(local) {
+            *out.entry((protocol, a)).or_default() += 1;
+        }
+    }
+}
+
+/// An address as `/proc/net` prints it: the address as native-endian 32-bit words in hex,
+/// `:`, the port in hex.
+fn proc_addr(s: &str) -> Option<SocketAddr> {
+    let (ip, port) = s.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let mut bytes = Vec::with_capacity(16);
+    for i in (0..ip.len()).step_by(8) {
+        let word = u32::from_str_radix(ip.get(i..i + 8)?, 16).ok()?;
+        bytes.extend_from_slice(&word.to_ne_bytes());
+    }
+    let ip = match bytes.len() {
+        4 => std::net::IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
+        16 => std::net::IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?),
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, port))
 }
 
 /// The lowest port this process may not bind, when it lacks `CAP_NET_BIND_SERVICE`
@@ -353,6 +435,45 @@ pub fn can_open_transparent() -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn waiting_sockets_are_read_from_proc_net_tables() {
+        let word = |b: [u8; 4]| format!("{:08X}", u32::from_ne_bytes(b));
+        let v4 = format!("{}:0050", word([198, 18, 100, 10]));
+        let v6 = [
+            [0x20, 0x01, 0, 2],
+            [0, 0, 0, 0],
+            [0, 0, 0, 0],
+            [0, 0, 0, 0x10],
+        ]
+        .map(word)
+        .concat()
+            + ":1F90";
+        let zero4 = "00000000:0000";
+        let zero6 = format!("{}:0000", "0".repeat(32));
+        let head = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n";
+        let tcp = format!(
+            "{head}   0: {v4} {zero4} 0A 00000000:00000000 00:00000000 00000000     0        0 1\n   1: {v4} {zero4} 0A 0\n   2: {v4} {} 01 0\n   3: {v6} {zero6} 0A 0\n",
+            word([198, 18, 0, 2]) + ":9C40"
+        );
+        let udp = format!(
+            "{head}   0: {v4} {zero4} 07 0\n   1: {v4} {} 01 0\n   2: {v4} {} 07 0\n",
+            word([198, 18, 0, 2]) + ":9C40",
+            word([198, 18, 0, 3]) + ":9C41"
+        );
+        let mut out = HashMap::new();
+        count_waiting(&tcp, Protocol::Tcp, &mut out);
+        count_waiting(&udp, Protocol::Udp, &mut out);
+        let a4: SocketAddr = "198.18.100.10:80".parse().unwrap();
+        let a6: SocketAddr = "[2001:2::10]:8080".parse().unwrap();
+        // Two listeners (the established connection is not one); one unconnected UDP socket
+        // (the connected ones, even in state 07, are sessions).
+        assert_eq!(out.get(&(Protocol::Tcp, a4)), Some(&2));
+        assert_eq!(out.get(&(Protocol::Tcp, a6)), Some(&1));
+        assert_eq!(out.get(&(Protocol::Udp, a4)), Some(&1));
+        assert_eq!(out.len(), 3, "{out:?}");
+        assert_eq!(proc_addr("zz:0050"), None);
+    }
 
     #[test]
     fn a_frontend_listens_on_every_worker_or_on_four_taken_in_turn() {

@@ -152,7 +152,8 @@ pub struct Userspace {
     /// The listening sockets of the frontends in `programmed`.
     sockets: Box<FrontendSockets>,
     shutdown: watch::Sender<bool>,
-    cap: Arc<Semaphore>,
+    /// The TCP worker threads: each ends once its connections are done after shutdown.
+    workers: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Userspace {
@@ -169,6 +170,7 @@ impl Userspace {
                 "no CAP_NET_BIND_SERVICE: frontends on ports below {port} cannot be intercepted (the DaemonSet grants it)"
             );
         }
+        migrate_queued_connections();
         let (shutdown, shutdown_rx) = watch::channel(false);
         let shared = Arc::new(Shared {
             routes: SharedRoutes::new(),
@@ -196,17 +198,20 @@ impl Userspace {
             n => n,
         };
         let mut feeds = Vec::with_capacity(workers);
+        let mut threads = Vec::with_capacity(workers);
         for i in 0..workers {
             let (tx, rx) = listen::feed().map_err(|source| StartError::Listen {
                 what: "making a TCP worker's eventfd",
                 source,
             })?;
-            spawn_worker(i, rx, io_uring, shared.clone(), cap.clone()).map_err(|source| {
-                StartError::Listen {
-                    what: "starting a TCP worker",
-                    source,
-                }
-            })?;
+            threads.push(
+                spawn_worker(i, rx, io_uring, shared.clone(), cap.clone()).map_err(|source| {
+                    StartError::Listen {
+                        what: "starting a TCP worker",
+                        source,
+                    }
+                })?,
+            );
             feeds.push(tx);
         }
         let mut sockets = Box::new(FrontendSockets::new(
@@ -251,7 +256,7 @@ impl Userspace {
             leftover: Some(leftover),
             sockets,
             shutdown,
-            cap,
+            workers: threads,
         })
     }
 
@@ -260,24 +265,97 @@ impl Userspace {
         self.shared.routes.load().len()
     }
 
-    /// Stops accepting (the listeners close, so new connections are refused at once), waits
-    /// up to the drain bound for open connections to finish, then removes the interception.
-    /// The interception stays while they drain: without it their packets no longer reach
-    /// the forwarder's sockets, and the kernel answers them with resets.
-    pub async fn shutdown(self) {
+    /// Stops: with [`Stop::successor_wait`], first waits (at most that long) until another
+    /// process — the node's next agent, started beside this one — waits on every frontend
+    /// too; then stops accepting (the listeners close: new connections go to the next
+    /// agent's sockets, and with `net.ipv4.tcp_migrate_req` those queued on a closing
+    /// listener too; with no next agent they are refused), waits up to the drain bound for
+    /// open connections to finish, and then removes the interception unless
+    /// [`Stop::keep_interception`]. The interception stays while they drain: without it
+    /// their packets no longer reach the forwarder's sockets, and the kernel answers them
+    /// with resets.
+    pub async fn shutdown(self, stop: Stop) {
+        if !stop.successor_wait.is_zero() {
+            let t0 = std::time::Instant::now();
+            loop {
+                let (taken, all) = self.sockets.taken_over();
+                if taken == all {
+                    tracing::info!(
+                        frontends = all,
+                        waited_ms = t0.elapsed().as_millis() as u64,
+                        "the next agent waits on every frontend too; closing this one's sockets"
+                    );
+                    break;
+                }
+                if t0.elapsed() >= stop.successor_wait {
+                    tracing::warn!(
+                        frontends = all,
+                        without_next_agent = all - taken,
+                        waited_s = stop.successor_wait.as_secs(),
+                        "no next agent on every frontend in time; closing this one's sockets (connections to the rest are refused until one listens)"
+                    );
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
         let _ = self.shutdown.send(true);
-        let max = self.shared.config.max_connections as u32;
-        let drained = tokio::time::timeout(
+        // Until every worker has ended: not merely until no connection is open, since a
+        // worker may still hold connections the kernel accepted for it as its listeners
+        // closed, which would be closed unserved with the process.
+        let workers = self.workers;
+        let joined = tokio::time::timeout(
             self.shared.config.drain_timeout + Duration::from_secs(1),
-            self.cap.acquire_many(max),
+            tokio::task::spawn_blocking(move || {
+                for w in workers {
+                    let _ = w.join();
+                }
+            }),
         )
         .await;
-        if drained.is_err() {
+        if joined.is_err() {
             tracing::warn!("connections still open after the drain bound; closing");
         }
         drop(self.sockets);
-        if let Err(e) = self.intercept.uninstall() {
+        if stop.keep_interception {
+            tracing::info!(
+                table = %self.intercept.config().table,
+                "interception kept for the node's next agent (a restart, not an uninstall)"
+            );
+        } else if let Err(e) = self.intercept.uninstall() {
             tracing::warn!(error = %e, "removing interception");
+        }
+    }
+}
+
+/// How [`Userspace::shutdown`] stops.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Stop {
+    /// Leave the nftables table and the policy routing for the next agent (a restart or an
+    /// upgrade: it installs over them without a gap, keeping their frontends intercepted).
+    pub keep_interception: bool,
+    /// Before closing, wait at most this long for the next agent to wait on every frontend
+    /// (a DaemonSet rolling with maxSurge starts it beside this one). Zero: close at once.
+    pub successor_wait: Duration,
+}
+
+/// `net.ipv4.tcp_migrate_req` (IPv4 and IPv6): a closing listener's queued connections
+/// move to another listener of its SO_REUSEPORT group (the next agent's) instead of
+/// being reset. Set when off; a failure is logged (then those few are reset at a handover).
+fn migrate_queued_connections() {
+    const KEY: &str = "/proc/sys/net/ipv4/tcp_migrate_req";
+    match std::fs::read_to_string(KEY) {
+        Ok(v) if v.trim() == "1" => {}
+        Ok(_) => match std::fs::write(KEY, "1") {
+            Ok(()) => tracing::info!(
+                "set net.ipv4.tcp_migrate_req=1: connections queued on a closing listener move to the next agent's"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot set net.ipv4.tcp_migrate_req=1 (in a container /proc/sys is read-only: set it on the node, docs/install.md#upgrades); at a handover to the next agent, connections queued on this one's listeners are reset")
+            }
+        },
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read net.ipv4.tcp_migrate_req (a kernel before 5.14?); at a handover to the next agent, connections queued on this one's listeners are reset")
         }
     }
 }
@@ -291,7 +369,7 @@ fn spawn_worker(
     io_uring: bool,
     shared: Arc<Shared>,
     cap: Arc<Semaphore>,
-) -> std::io::Result<()> {
+) -> std::io::Result<std::thread::JoinHandle<()>> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -325,8 +403,7 @@ fn spawn_worker(
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             });
-        })?;
-    Ok(())
+        })
 }
 
 /// Resolves once `rx` says stop (or its sender is gone).

@@ -213,6 +213,11 @@ struct Worker<'s> {
     listeners: HashMap<u64, (std::net::TcpListener, SocketAddr)>,
     /// Not yet shut down: listeners are accepted on.
     accepting: bool,
+    /// Multishot accepts submitted and not yet ended (their last completion has no MORE
+    /// flag). One cancelled at shutdown may still complete with connections the kernel
+    /// accepted meanwhile: the worker serves them before it ends, or they would be closed
+    /// unserved with the ring.
+    armed_accepts: usize,
 }
 
 /// Runs a worker on the listeners `feed` hands over until shutdown and its connections are
@@ -237,6 +242,7 @@ pub fn run(ring: IoUring, feed: FeedRx, shared: &Shared, cap: Arc<Semaphore>) {
         feed,
         listeners: HashMap::new(),
         accepting: true,
+        armed_accepts: 0,
     };
     w.event_loop();
     shared.metrics.io_uring_workers.dec();
@@ -324,10 +330,11 @@ impl<'s> Worker<'s> {
                             tracing::warn!(error = %os_error(res), "accept failed");
                         }
                         let id = data >> 8;
-                        if !cqueue::more(flags)
-                            && let Some(lfd) = self.listeners.get(&id).map(|l| l.0.as_raw_fd())
-                        {
-                            self.push_accept(id, lfd);
+                        if !cqueue::more(flags) {
+                            self.armed_accepts = self.armed_accepts.saturating_sub(1);
+                            if let Some(lfd) = self.listeners.get(&id).map(|l| l.0.as_raw_fd()) {
+                                self.push_accept(id, lfd);
+                            }
                         }
                     }
                     op::FEED => {
@@ -348,7 +355,12 @@ impl<'s> Worker<'s> {
                             drain_until = Some(Instant::now() + self.shared.config.drain_timeout);
                         }
                         self.on_tick(drain_until);
-                        if !self.accepting && self.conns.iter().all(Option::is_none) {
+                        // Done once every connection ended and every cancelled accept has
+                        // completed (or the drain bound passed).
+                        let accepts_done = self.armed_accepts == 0
+                            || drain_until.is_some_and(|d| Instant::now() >= d);
+                        if !self.accepting && accepts_done && self.conns.iter().all(Option::is_none)
+                        {
                             for (fd, _, _) in self.waiting.drain(..) {
                                 self.shared.metrics.active_connections.dec();
                                 reset(&fd);
@@ -384,6 +396,7 @@ impl<'s> Worker<'s> {
     }
 
     fn push_accept(&mut self, id: u64, lfd: i32) {
+        self.armed_accepts += 1;
         self.push(
             opcode::AcceptMulti::new(types::Fd(lfd))
                 .flags(libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK)

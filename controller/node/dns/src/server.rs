@@ -403,9 +403,24 @@ const UDP_RECV_BUFFER: usize = 4 << 20;
 /// A UDP socket on `addr` with a receive buffer of [`UDP_RECV_BUFFER`]: forced past
 /// `net.core.rmem_max` with CAP_NET_ADMIN (as the DaemonSet runs), else as large as that
 /// limit allows (logged when it is smaller).
-fn bind_udp(addr: SocketAddr) -> anyhow::Result<tokio::net::UdpSocket> {
-    use nix::sys::socket::{setsockopt, sockopt};
-    let std_socket = std::net::UdpSocket::bind(addr)?;
+fn bind_udp(addr: SocketAddr) -> std::io::Result<tokio::net::UdpSocket> {
+    use nix::sys::socket::{
+        AddressFamily, SockFlag, SockType, SockaddrStorage, bind, setsockopt, socket, sockopt,
+    };
+    // SO_REUSEPORT (as the TCP listener): the next agent of the node binds beside this one.
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket(family, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    setsockopt(&fd, sockopt::ReusePort, &true)?;
+    bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrStorage::from(addr),
+    )?;
+    let std_socket = std::net::UdpSocket::from(fd);
     if setsockopt(&std_socket, sockopt::RcvBufForce, &UDP_RECV_BUFFER).is_err() {
         let _ = setsockopt(&std_socket, sockopt::RcvBuf, &UDP_RECV_BUFFER);
     }
@@ -419,7 +434,7 @@ fn bind_udp(addr: SocketAddr) -> anyhow::Result<tokio::net::UdpSocket> {
         );
     }
     std_socket.set_nonblocking(true)?;
-    Ok(tokio::net::UdpSocket::from_std(std_socket)?)
+    tokio::net::UdpSocket::from_std(std_socket)
 }
 
 /// The handler, shared by hickory-server's UDP sockets and our TCP listeners.
@@ -679,11 +694,15 @@ impl DnsServer {
         let mut addrs = Vec::new();
         let mut tcp = Vec::new();
         for addr in &config.listen {
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("binding the DNS address {addr} (TCP)"))?;
+            // Shared (SO_REUSEPORT), so the next agent of the node binds beside this one.
+            let listener = mcs_runtime::http::bind_patiently("DNS (TCP)", *addr, || {
+                mcs_runtime::http::listen_shared(*addr)
+            })
+            .await
+            .with_context(|| format!("binding the DNS address {addr} (TCP)"))?;
             let bound = listener.local_addr()?;
-            let udp = bind_udp(bound)
+            let udp = mcs_runtime::http::bind_patiently("DNS (UDP)", bound, || bind_udp(bound))
+                .await
                 .with_context(|| format!("binding the DNS address {bound} (UDP)"))?;
             tcp.push(tokio::spawn(serve_tcp(
                 listener,

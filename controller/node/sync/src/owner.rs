@@ -8,6 +8,10 @@
 //! before its pod is stopped, while it can still read (an uninstall also deletes its RBAC).
 //! [`Owner::removed`] is then read at shutdown.
 //!
+//! The same watch tells whether the DaemonSet rolls with `maxSurge` (the chart's userspace
+//! dataplane): then a stopping agent's next one starts beside it, and the userspace forwarder
+//! waits for it to listen before closing its own sockets ([`Owner::surges`]).
+//!
 //! On a watch error nothing changes: an agent that cannot tell keeps its programs (the
 //! restart behaviour), and says so.
 
@@ -30,6 +34,7 @@ pub struct Owner {
     name: String,
     removed: Arc<AtomicBool>,
     seen: Arc<AtomicBool>,
+    surges: Arc<AtomicBool>,
 }
 
 impl Owner {
@@ -41,6 +46,12 @@ impl Owner {
     /// Whether the DaemonSet is deleted or being deleted (as last seen).
     pub fn removed(&self) -> bool {
         self.removed.load(Ordering::Acquire)
+    }
+
+    /// Whether the DaemonSet rolls with a `maxSurge` above 0 (as last seen): a pod's
+    /// successor on its node starts before it stops.
+    pub fn surges(&self) -> bool {
+        self.surges.load(Ordering::Acquire)
     }
 
     /// Whether the watch has listed once (before that, [`Self::removed`] is false).
@@ -61,6 +72,24 @@ impl Owner {
     }
 }
 
+/// Whether `ds` rolls with a `maxSurge` above 0 (a number, or a percentage: any above 0%
+/// surges at least one pod).
+fn surges(ds: &DaemonSet) -> bool {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    let surge = ds
+        .spec
+        .as_ref()
+        .and_then(|s| s.update_strategy.as_ref())
+        .filter(|u| u.type_.as_deref().unwrap_or("RollingUpdate") == "RollingUpdate")
+        .and_then(|u| u.rolling_update.as_ref())
+        .and_then(|r| r.max_surge.as_ref());
+    match surge {
+        Some(IntOrString::Int(n)) => *n > 0,
+        Some(IntOrString::String(p)) => p.trim_end_matches('%').parse::<u32>().is_ok_and(|n| n > 0),
+        None => false,
+    }
+}
+
 /// Watches DaemonSet `namespace/name` in the background (needs get, list and watch on
 /// daemonsets in that namespace).
 pub fn watch(client: Client, namespace: &str, name: &str) -> Owner {
@@ -69,6 +98,7 @@ pub fn watch(client: Client, namespace: &str, name: &str) -> Owner {
         name: name.to_string(),
         removed: Arc::new(AtomicBool::new(false)),
         seen: Arc::new(AtomicBool::new(false)),
+        surges: Arc::new(AtomicBool::new(false)),
     };
     let api: Api<DaemonSet> = Api::namespaced(client, namespace);
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
@@ -90,6 +120,7 @@ pub fn watch(client: Client, namespace: &str, name: &str) -> Owner {
                         watcher::Event::InitApply(ds) | watcher::Event::Apply(ds) => {
                             listed = true;
                             existed = true;
+                            o.surges.store(surges(&ds), Ordering::Release);
                             o.set(ds.metadata.deletion_timestamp.is_some());
                         }
                         watcher::Event::InitDone if !listed && existed => o.set(true),

@@ -883,7 +883,8 @@ fn daemonset(name: &str) -> k8s_openapi::api::apps::v1::DaemonSet {
 }
 
 /// Under the deployed role, the agent sees its DaemonSet deleted (an uninstall) and created
-/// again (a restart after all); a name that never existed is never taken for an uninstall.
+/// again (a restart after all), and whether it rolls with maxSurge (the next agent starts
+/// beside this one); a name that never existed is never taken for an uninstall.
 #[tokio::test]
 async fn the_agent_tells_its_daemonset_deleted_from_present() {
     let Some(api) = apiserver::shared() else {
@@ -902,6 +903,27 @@ async fn the_agent_tells_its_daemonset_deleted_from_present() {
     let wrong = mcs_sync::owner::watch(agent.clone(), "mcs-system", "no-such-daemonset");
     until("the DaemonSet seen", || owner.seen()).await;
     assert!(!owner.removed(), "present: a stop is a restart");
+    // The API server's default strategy (maxSurge 0) does not surge; the chart's userspace
+    // one (maxSurge 1, maxUnavailable 0) does, and a percentage above 0 % does too.
+    assert!(!owner.surges(), "the default strategy does not surge");
+    let strategy = |surge: serde_json::Value, unavailable: serde_json::Value| {
+        kube::api::Patch::Merge(serde_json::json!({"spec": {"updateStrategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}}}))
+    };
+    let pp = kube::api::PatchParams::default();
+    ds.patch(name, &pp, &strategy(1.into(), 0.into()))
+        .await
+        .unwrap();
+    until("maxSurge 1 seen", || owner.surges()).await;
+    ds.patch(name, &pp, &strategy(0.into(), 1.into()))
+        .await
+        .unwrap();
+    until("maxSurge 0 seen", || !owner.surges()).await;
+    ds.patch(name, &pp, &strategy("10%".into(), 0.into()))
+        .await
+        .unwrap();
+    until("maxSurge 10% seen", || owner.surges()).await;
     ds.delete(name, &DeleteParams::default()).await.unwrap();
     until("the delete seen", || owner.removed()).await;
     ds.create(&PostParams::default(), &daemonset(name))
