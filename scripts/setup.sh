@@ -30,7 +30,10 @@ APT_PKGS=(etcd-server etcd-client nftables iproute2 bpftool openssl jq procps ps
   # the image without a registry or engine (deploy/image.sh)
   mmdebstrap buildah
   # the real ClusterSet's nodes (scripts/clusterset.sh): container runtime, CNI plugins
-  containerd runc containernetworking-plugins curl)
+  containerd runc containernetworking-plugins curl
+  # the chart's alerts (promtool test rules) and dashboard (a real Prometheus scraping the
+  # real ClusterSet: scripts/clusterset-monitoring.sh)
+  prometheus)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -44,8 +47,10 @@ if ((${#missing[@]})); then
   # So may haproxy and nginx; the harness starts its own inside its namespaces. And
   # containerd: scripts/clusterset.sh runs one per node with its own configuration.
   if command -v systemctl >/dev/null 2>&1; then
-    systemctl disable --now etcd haproxy nginx iperf3 containerd >/dev/null 2>&1 || true
+    systemctl disable --now etcd haproxy nginx iperf3 containerd prometheus >/dev/null 2>&1 || true
   fi
+  # Without systemd the package's init script may have started a Prometheus of its own.
+  if [[ -x /etc/init.d/prometheus ]]; then /etc/init.d/prometheus stop >/dev/null 2>&1 || true; fi
 else
   log "Debian packages present"
 fi

@@ -83,7 +83,7 @@ if ((dns == 0)); then echo "DNS bench smoke: ok"; else echo "DNS bench smoke: FA
 step "real ClusterSet: two dual-stack clusters of two nodes with kubelets (scripts/clusterset.sh up: our image, our chart, CoreDNS), end to end on real pods, the lifecycle suite under load, the whole upstream conformance suite, helm uninstall, down"
 set +e
 # Whatever happens below (a failure, a timeout's TERM), the clusters go.
-trap 'bash scripts/clusterset.sh down >/dev/null 2>&1 || true' EXIT
+trap 'bash scripts/clusterset-monitoring.sh stop >/dev/null 2>&1 || true; bash scripts/clusterset.sh down >/dev/null 2>&1 || true' EXIT
 # c1 with routed pods (ptp), c2 with pods on a Linux bridge and br_netfilter on (kubeadm's
 # settings): the e2e crosses both node networks, in both families (--ip-family dual). Our image from the debug binaries built above,
 # by the release image's pipeline (deploy/image.sh,
@@ -103,9 +103,17 @@ if ((up != 0)); then
 fi
 if ((up == 0)); then
   echo "clusterset up: ok ($(tail -1 target/clusterset-up.out))"
+  # A real Prometheus scrapes every agent and controller while the e2e runs (eBPF, userspace,
+  # DNS, exports); then every query of the chart's dashboard must return data and every alert
+  # expression be accepted.
+  bash scripts/clusterset-monitoring.sh start
+  monitoring=$?
   bash scripts/clusterset-e2e.sh
   e2e=$?
   if ((e2e == 0)); then echo "clusterset end to end: ok"; else echo "clusterset end to end: FAILED"; status=1; fi
+  ((monitoring == 0)) && { bash scripts/clusterset-monitoring.sh check; monitoring=$?; }
+  bash scripts/clusterset-monitoring.sh stop >/dev/null 2>&1
+  if ((monitoring == 0)); then echo "clusterset monitoring (dashboard queries, alert expressions): ok"; else echo "clusterset monitoring (dashboard queries, alert expressions): FAILED"; status=1; fi
   # Export → first connection from a pod, at a smoke size (proves it runs; asserts no speed).
   bash scripts/clusterset-latency.sh --others 100 --samples 5
   latency=$?

@@ -490,6 +490,8 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
         "c1",
         "--file-poll-ms",
         "100",
+        // The demo shows how the connections spread over the backends.
+        "--metrics-per-backend",
     ])
     .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
     .args(

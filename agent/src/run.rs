@@ -44,6 +44,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             }
             raise_open_files_limit();
             let proxy_metrics = ProxyMetrics::default();
+            proxy_metrics.set_per_backend(args.proxy.metrics_per_backend);
             proxy_metrics.register(registry);
             Ok(AnyDataplane::Userspace(
                 Userspace::start(userspace_config(&args.proxy), proxy_metrics)

@@ -23,7 +23,7 @@ fn tcp_udp_ipv6_local_first_then_failover_and_clean_exit() {
     let mut backends = ALL.to_vec();
     backends.extend(["198.18.1.2:5353", "198.18.2.2:5353"]);
     let mut sb = Sandbox::new(&backends);
-    sb.start_agent(&[]);
+    sb.start_agent(&["--metrics-per-backend"]);
     assert!(sb.nft_table().unwrap().contains("198.18.100.10 . tcp . 80"));
 
     // TCP to the ClusterSetIP: only the local cluster's two backends, both used.
@@ -125,7 +125,7 @@ fn when_every_local_backend_refuses_the_next_clusters_backends_take_the_connecti
     }
     // c1's web endpoints (198.18.1.2 and .3, ready in its slice) have no listener.
     let mut sb = Sandbox::new(&["198.18.2.2:8080", "198.18.2.3:8080"]);
-    sb.start_agent(&[]);
+    sb.start_agent(&["--metrics-per-backend"]);
     let mut served = std::collections::BTreeMap::new();
     for i in 0..20 {
         let r = sb
@@ -894,7 +894,7 @@ fn small_round_trips_and_bulk_both_ways_arrive_intact() {
             }
         }
     });
-    sb.start_agent(&[]);
+    sb.start_agent(&["--metrics-per-backend"]);
     let vip: std::net::SocketAddr = "198.18.100.10:80".parse().unwrap();
     sb.cli
         .run(move || {
@@ -968,7 +968,7 @@ fn a_loop_through_another_clusterset_ip_is_rejected_not_forwarded() {
          addressType: IPv4\nports: [{ name: http, protocol: TCP, port: 80 }]\n\
          endpoints: [{ addresses: [\"198.18.100.10\"] }, { addresses: [\"198.18.100.20\"] }]\n",
     );
-    sb.start_agent(&[]);
+    sb.start_agent(&["--metrics-per-backend"]);
     let (_, metrics) = sb.http("/metrics").unwrap();
     assert!(
         metrics

@@ -180,6 +180,10 @@ impl Userspace {
             per_client: conn::ClientCounts::new(config.max_connections_per_client),
         });
         let cap = Arc::new(Semaphore::new(config.max_connections));
+        shared
+            .metrics
+            .connection_limit
+            .set(i64::try_from(config.max_connections).unwrap_or(i64::MAX));
         let sessions = Arc::new(udp::Sessions::default());
         // Probed once here (each worker makes its own ring on its thread).
         let io_uring = match config.tcp_engine {

@@ -329,8 +329,21 @@ mod tests {
         out
     }
 
-    /// Metrics registered in a registry, empty routes, and the frontend the tests use.
+    /// Metrics registered in a registry (per backend: most tests look at one backend's
+    /// series), empty routes, and the frontend the tests use.
     fn bed() -> (
+        ProxyMetrics,
+        prometheus_client::registry::Registry,
+        SharedRoutes,
+        Frontend,
+    ) {
+        let (metrics, registry, routes, f) = bed_per_frontend();
+        metrics.set_per_backend(true);
+        (metrics, registry, routes, f)
+    }
+
+    /// As [`bed`], with the default series: per frontend only.
+    fn bed_per_frontend() -> (
         ProxyMetrics,
         prometheus_client::registry::Registry,
         SharedRoutes,
@@ -451,6 +464,75 @@ mod tests {
             value(&text, "connections", "198.18.1.2:8080"),
             Some(0),
             "{text}"
+        );
+    }
+
+    /// By default the backend counters are one series per frontend, their sum over its
+    /// backends, which never goes down: not when a backend that counted leaves, nor while a
+    /// connection of an old route still counts, nor after its slab is folded.
+    #[test]
+    fn per_frontend_series_sum_the_backends_and_never_go_down() {
+        let (metrics, registry, routes, f) = bed_per_frontend();
+        let set = |backends: &[&str]| upsert(&routes, &metrics, f, backends);
+        let total = |family: &str| -> Option<u64> {
+            let text = exposed(&registry);
+            assert!(!text.contains("backend="), "{text}");
+            let series = format!("mcs_proxy_{family}_total{{frontend=\"198.18.0.10:80/TCP\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&series))
+                .map(|v| v.parse().unwrap())
+        };
+        let first = set(&["198.18.1.2:8080", "198.18.1.3:8080"]);
+        assert_eq!(total("connections"), Some(0), "shown before any count");
+        first.backends.cells(0).connections.inc();
+        first.backends.cells(1).connections.inc_by(2);
+        first.backends.cells(1).bytes_rx.inc_by(10);
+        assert_eq!(total("connections"), Some(3));
+        // The backend that counted 2 leaves while `first` (a connection) still counts into it.
+        let second = set(&["198.18.1.2:8080"]);
+        first.backends.cells(1).connections.inc();
+        second.backends.cells(0).connections.inc();
+        assert_eq!(total("connections"), Some(5));
+        drop(first);
+        drop(second);
+        // Folded at the next change: what the departed backend counted stays in the sum.
+        let third = set(&["198.18.1.2:8080", "198.18.1.4:8080"]);
+        assert_eq!(metrics.retired_slabs(&third.frontend), 0);
+        assert_eq!(total("connections"), Some(5));
+        assert_eq!(total("bytes_rx"), Some(10));
+        third.backends.cells(1).connections.inc();
+        assert_eq!(total("connections"), Some(6));
+    }
+
+    /// The series budget of a scrape, by default: seven per frontend whatever its backends,
+    /// plus the forwarder's seven gauges and counters. At 100k imports of 10 endpoints each
+    /// (1M backends), per backend it would be over four million.
+    #[test]
+    fn a_scrape_at_100k_frontends_keeps_to_seven_series_per_frontend() {
+        const FRONTENDS: usize = 100_000;
+        const BUDGET: usize = 7 * FRONTENDS + 7;
+        let metrics = ProxyMetrics::default();
+        let mut registry = prometheus_client::registry::Registry::default();
+        metrics.register(&mut registry);
+        let backends: Vec<SocketAddr> = (0..10u16)
+            .map(|i| SocketAddr::from(([198, 18, 1, 2], 8000 + i)))
+            .collect();
+        let routes: Vec<_> = (0..FRONTENDS)
+            .map(|i| {
+                let [a, b, c] = [(i >> 16) as u8, (i >> 8) as u8, i as u8];
+                metrics.route(&format!("198.{}.{b}.{c}:80/TCP", 18 + a), &backends)
+            })
+            .collect();
+        routes[7].2.cells(3).connections.inc();
+        let text = exposed(&registry);
+        let series = text.lines().filter(|l| !l.starts_with('#')).count();
+        assert!(
+            series <= BUDGET,
+            "{series} series at {FRONTENDS} frontends, budget {BUDGET}"
+        );
+        assert!(
+            series >= 7 * FRONTENDS,
+            "every frontend has its series: {series}"
         );
     }
 

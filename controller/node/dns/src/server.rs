@@ -264,6 +264,25 @@ fn client_key(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// The question type as a label: the types the zone answers and a few common ones by name,
+/// every other one (a client may ask any of 65,536) as `other`, so a client cannot grow the
+/// label set.
+fn qtype_label(qtype: Option<RecordType>) -> &'static str {
+    match qtype {
+        None => "none",
+        Some(RecordType::A) => "A",
+        Some(RecordType::AAAA) => "AAAA",
+        Some(RecordType::SRV) => "SRV",
+        Some(RecordType::PTR) => "PTR",
+        Some(RecordType::TXT) => "TXT",
+        Some(RecordType::SOA) => "SOA",
+        Some(RecordType::NS) => "NS",
+        Some(RecordType::CNAME) => "CNAME",
+        Some(RecordType::ANY) => "ANY",
+        Some(_) => "other",
+    }
+}
+
 /// The response code as DNS tools print it (`NOERROR`, `NXDOMAIN`, ...).
 fn rcode_label(rcode: ResponseCode) -> String {
     match rcode {
@@ -290,7 +309,7 @@ impl Handler {
         self.metrics
             .queries
             .get_or_create(&QueryLabels {
-                qtype: qtype.map_or_else(|| "none".to_string(), |t| t.to_string()),
+                qtype: qtype_label(qtype).to_string(),
                 rcode: rcode_label(rcode),
             })
             .inc();
@@ -737,6 +756,18 @@ impl Drop for DnsServer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whatever type a client asks, the label is one of a fixed few.
+    #[test]
+    fn question_types_map_to_a_bounded_label_set() {
+        let labels: std::collections::BTreeSet<&str> = (0..=u16::MAX)
+            .map(|t| qtype_label(Some(RecordType::from(t))))
+            .chain([qtype_label(None)])
+            .collect();
+        assert_eq!(labels.len(), 11, "{labels:?}");
+        assert_eq!(qtype_label(Some(RecordType::AAAA)), "AAAA");
+        assert_eq!(qtype_label(Some(RecordType::from(65_000))), "other");
+    }
 
     #[test]
     fn rate_limit_is_per_client_and_per_ipv6_64_and_refills() {
