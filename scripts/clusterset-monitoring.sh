@@ -39,7 +39,8 @@ out = []
 for p in json.load(sys.stdin)["items"]:
     name = p["metadata"]["labels"].get("app.kubernetes.io/name")
     ip = p.get("status", {}).get("podIP")
-    if name not in ("mcs-agent", "mcs-controller") or p["status"].get("phase") != "Running" or not ip:
+    gone = p["metadata"].get("deletionTimestamp")
+    if name not in ("mcs-agent", "mcs-controller") or p["status"].get("phase") != "Running" or not ip or gone:
         continue
     port = 9464 if name == "mcs-agent" else 9465
     out.append({"targets": [f"{ip}:{port}"], "labels": {"cluster_id": c, "component": name,
@@ -70,13 +71,9 @@ EOF
     --storage.tsdb.path "$DIR/data" --web.listen-address "127.0.0.1:$PORT" \
     --storage.tsdb.retention.time 1d --log.level warn >"$DIR/prometheus.log" 2>&1 </dev/null &
   echo $! >"$DIR/pid"
-  # Pods come and go (the e2e deletes an agent, switches the dataplane): the targets follow.
-  (
-    while kill -0 "$(cat "$DIR/pid" 2>/dev/null)" 2>/dev/null; do
-      write_targets 2>/dev/null || true
-      sleep 5
-    done
-  ) >/dev/null 2>&1 </dev/null &
+  # Pods come and go (the e2e deletes an agent, switches the dataplane, restarts the
+  # controllers): the targets follow, from a loop in a session of its own.
+  setsid bash "$0" refresh-loop >/dev/null 2>&1 </dev/null &
   echo $! >"$DIR/refresher.pid"
   date +%s >"$DIR/started"
   local deadline=$((SECONDS + 60))
@@ -110,10 +107,18 @@ check() {
   [[ -f $DIR/pid ]] && kill -0 "$(cat "$DIR/pid")" 2>/dev/null || { echo "monitoring: not started (bash scripts/clusterset-monitoring.sh start)" >&2; exit 1; }
   local from now
   from=$(cat "$DIR/started"); now=$(date +%s)
-  # Every target was up at some point, and every one is up now.
-  local down
-  down=$(api query --data-urlencode 'query=up == 0' | python3 -c 'import json,sys; print(" ".join(r["metric"].get("pod","?") for r in json.load(sys.stdin)["data"]["result"]))')
-  [[ -z $down ]] || fail "targets down now: $down"
+  kill -0 "$(cat "$DIR/refresher.pid" 2>/dev/null)" 2>/dev/null ||
+    say "the target refresher had stopped (its log: $(tail -3 "$DIR/refresher.log" 2>/dev/null | tr '\n' ' ')); refreshing now"
+  # Every agent and controller running now is scraped and up (a target whose pod is gone
+  # goes from the file within a refresh and a scrape).
+  write_targets
+  local down="" deadline=$((SECONDS + 30))
+  while :; do
+    down=$(api query --data-urlencode 'query=up == 0' | python3 -c 'import json,sys; print(" ".join(r["metric"].get("pod","?") for r in json.load(sys.stdin)["data"]["result"]))')
+    [[ -z $down ]] || ((SECONDS > deadline)) && break
+    sleep 2
+  done
+  [[ -z $down ]] || fail "targets of running pods down: $down"
   # The dashboard's queries over the time since start, and the alerts' expressions now.
   python3 - "$CHART/monitoring/dashboard.json" "$CHART/monitoring/alerts.yaml" "$from" "$now" "$NETNS" "$PORT" <<'PYEOF' || failures=$((failures + 1))
 import json, subprocess, sys, urllib.parse
@@ -154,8 +159,18 @@ PYEOF
   say "every dashboard query returned data from the real ClusterSet; every alert expression is accepted"
 }
 
+# The loop behind `start` (its own session): the targets every 5 s while Prometheus runs.
+refresh_loop() {
+  set +e
+  while kill -0 "$(cat "$DIR/pid" 2>/dev/null)" 2>/dev/null; do
+    write_targets 2>>"$DIR/refresher.log" || echo "$(date +%T) write_targets failed" >>"$DIR/refresher.log"
+    sleep 5
+  done
+}
+
 case ${1:-} in
   start) start ;;
+  refresh-loop) refresh_loop ;;
   check) check ;;
   stop) stop_prometheus; rm -rf "$DIR"; say "stopped" ;;
   *) echo "usage: $0 start|check|stop" >&2; exit 2 ;;
