@@ -22,18 +22,13 @@ fn prerequisites() -> bool {
 }
 
 fn promtool(args: &[&str]) -> String {
-    let out = Command::new("promtool")
-        .args(args)
-        .current_dir(mcs_deploy::dir())
-        .output()
-        .expect("promtool runs");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "promtool {args:?}: {text}");
-    text
+    mcs_test_support::kubectl::stdout_of(
+        Command::new("promtool")
+            .args(args)
+            .current_dir(mcs_deploy::dir()),
+        None,
+    )
+    .unwrap()
 }
 
 #[test]
@@ -72,19 +67,16 @@ fn the_chart_ships_the_rules_and_the_dashboard_as_they_are_tested() {
         return;
     }
     let render = |set: &[&str]| {
-        let out = Command::new("helm")
-            .args(["template", "mcs"])
-            .arg(chart())
-            .args(["--set", "clustersetIPCIDRs={198.18.100.0/24}"])
-            .args(set)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_yaml::Deserializer::from_str(&String::from_utf8_lossy(&out.stdout))
+        let out = mcs_test_support::kubectl::stdout_of(
+            Command::new("helm")
+                .args(["template", "mcs"])
+                .arg(chart())
+                .args(["--set", "clustersetIPCIDRs={198.18.100.0/24}"])
+                .args(set),
+            None,
+        )
+        .unwrap();
+        serde_yaml::Deserializer::from_str(&out)
             .map(|d| serde::Deserialize::deserialize(d).unwrap())
             .filter(|v: &serde_json::Value| !v.is_null())
             .collect::<Vec<serde_json::Value>>()
