@@ -13,6 +13,7 @@
 #   bash scripts/clusterset.sh restart c<i> kube-apiserver|etcd|kube-controller-manager|kube-scheduler
 #                                              # stop it and start it again with the same command line
 #                                              # (e.g. an upgrade's image: deploy/image.sh with MCS_IMAGE_TAG)
+#   bash scripts/clusterset.sh stop|start c<i> COMPONENT   # stop one (a member down), start it again
 #   bash scripts/clusterset.sh rotate-tokens [--revoke]   # new 24 h member tokens for every
 #                                              # controller (--revoke: the old ones at once)
 #   bash scripts/clusterset.sh status
@@ -856,9 +857,20 @@ status() {
 # restart_component I NAME: a control-plane component of c<I> stopped (TERM, KILL after 15 s)
 # and started again with the command line it had; its old log kept beside the new one.
 restart_component() {
-  local i=$1 name=$2 f="$STATE/c$1/pids/$2" pid args=()
+  local i=$1 name=$2 f="$STATE/c$1/pids/$2" pid
   pid=$(cat "$f" 2>/dev/null) && kill -0 "$pid" 2>/dev/null || die "c$i: $name is not running"
-  mapfile -d '' args <"/proc/$pid/cmdline"
+  stop_component "$i" "$name"
+  start_component "$i" "$name"
+  log "c$i: $name restarted (pid $pid -> $(cat "$f"))"
+}
+
+# stop_component I NAME: stops it (SIGTERM, SIGKILL after 15 s) and keeps its command line
+# in $STATE/c<I>/stopped/NAME for start_component.
+stop_component() {
+  local i=$1 name=$2 f="$STATE/c$1/pids/$2" pid
+  pid=$(cat "$f" 2>/dev/null) && kill -0 "$pid" 2>/dev/null || die "c$i: $name is not running"
+  mkdir -p "$STATE/c$i/stopped"
+  cp "/proc/$pid/cmdline" "$STATE/c$i/stopped/$name"
   kill "$pid"
   local deadline=$((SECONDS + 15))
   while kill -0 "$pid" 2>/dev/null; do
@@ -866,11 +878,19 @@ restart_component() {
     sleep 0.1
   done
   mv "$STATE/c$i/logs/$name.log" "$STATE/c$i/logs/$name.log.$(date +%s)"
+}
+
+# start_component I NAME: starts what stop_component stopped, with the same command line
+# (an API server: until it is ready).
+start_component() {
+  local i=$1 name=$2 saved="$STATE/c$1/stopped/$2" args=()
+  [[ -f $saved ]] || die "c$i: $name was not stopped by this script (no $saved)"
+  mapfile -d '' args <"$saved"
+  rm -f "$saved"
   start "$i" "$name" "${args[@]}"
   if [[ $name == kube-apiserver ]]; then
     wait_for "kube-apiserver c$i" 60 "$STATE/c$i/logs/kube-apiserver.log" kc "$i" get --raw /readyz
   fi
-  log "c$i: $name restarted (pid $pid -> $(cat "$f"))"
 }
 
 # N and NODES of the ClusterSet that is up (for the commands after `up`).
@@ -925,11 +945,16 @@ case $cmd in
     [[ -f $STATE/kubeconfig ]] || die "not up"
     [[ -n ${TARGET:-} && -n ${COMPONENT:-} ]] || die "restart needs a cluster (c1, ...) and a component (kube-apiserver, ...)"
     restart_component "${TARGET#c}" "$COMPONENT" ;;
+  stop|start)
+    [[ -f $STATE/kubeconfig ]] || die "not up"
+    [[ -n ${TARGET:-} && -n ${COMPONENT:-} ]] || die "$cmd needs a cluster (c1, ...) and a component (kube-apiserver, ...)"
+    "${cmd}_component" "${TARGET#c}" "$COMPONENT"
+    if [[ $cmd == stop ]]; then log "c${TARGET#c}: $COMPONENT stopped (start it with: $0 start $TARGET $COMPONENT)"; else log "c${TARGET#c}: $COMPONENT started"; fi ;;
   rotate-tokens)
     [[ -f $STATE/kubeconfig ]] || die "not up"
     shape_from_state
     for ((i = 1; i <= N; i++)); do clusterset_secret "$i" "$REVOKE"; done
     log "new 24 h reader tokens in every controller's Secret (read within about two minutes, no restart)${REVOKE:+; the old ones revoked}" ;;
   help|"") sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' ;;
-  *) die "unknown command $cmd (up, down, status, install, import-image, restart, rotate-tokens)" ;;
+  *) die "unknown command $cmd (up, down, status, install, import-image, restart, stop, start, rotate-tokens)" ;;
 esac

@@ -80,7 +80,7 @@ dns=$?
 set -e
 if ((dns == 0)); then echo "DNS bench smoke: ok"; else echo "DNS bench smoke: FAILED"; status=1; fi
 
-step "real ClusterSet: two dual-stack clusters of two nodes with kubelets (scripts/clusterset.sh up: our image, our chart, CoreDNS), end to end on real pods, the lifecycle suite under load, the whole upstream conformance suite, helm uninstall, down"
+step "real ClusterSet: two dual-stack clusters of two nodes with kubelets (scripts/clusterset.sh up: our image, our chart, CoreDNS), end to end on real pods, kubectl mcs status/explain, the lifecycle suite under load, the whole upstream conformance suite, helm uninstall, down"
 set +e
 # Whatever happens below (a failure, a timeout's TERM), the clusters go.
 trap 'bash scripts/clusterset-monitoring.sh stop >/dev/null 2>&1 || true; bash scripts/clusterset.sh down >/dev/null 2>&1 || true' EXIT
@@ -88,7 +88,7 @@ trap 'bash scripts/clusterset-monitoring.sh stop >/dev/null 2>&1 || true; bash s
 # settings): the e2e crosses both node networks, in both families (--ip-family dual). Our image from the debug binaries built above,
 # by the release image's pipeline (deploy/image.sh,
 # which also runs them inside the image), imported into every node.
-cargo build --locked -q -p mcs-agent -p mcs-controller --bins &&
+cargo build --locked -q -p mcs-agent -p mcs-controller -p mcs-ctl --bins &&
   MCS_IMAGE_BIN_DIR=target/debug bash scripts/clusterset.sh up --cni mixed --nodes 2 --ip-family dual >target/clusterset-up.out
 up=$?
 # Bringing up two clusters on two shared cores once failed in CI with the controller's pods left
@@ -114,6 +114,12 @@ if ((up == 0)); then
   ((monitoring == 0)) && { bash scripts/clusterset-monitoring.sh check; monitoring=$?; }
   bash scripts/clusterset-monitoring.sh stop >/dev/null 2>&1
   if ((monitoring == 0)); then echo "clusterset monitoring (dashboard queries, alert expressions): ok"; else echo "clusterset monitoring (dashboard queries, alert expressions): FAILED"; status=1; fi
+  # The operator's CLI: `kubectl mcs status` healthy (also with only the chart's operator
+  # roles), `explain` on a fine, a conflicting and a rejected service, then c2's API server
+  # stopped (status names it, exit 1) and started again.
+  bash scripts/clusterset-operate.sh
+  operate=$?
+  if ((operate == 0)); then echo "clusterset kubectl mcs status/explain: ok"; else echo "clusterset kubectl mcs status/explain: FAILED"; status=1; fi
   # Export → first connection from a pod, at a smoke size (proves it runs; asserts no speed).
   bash scripts/clusterset-latency.sh --others 100 --samples 5
   latency=$?

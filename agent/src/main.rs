@@ -16,6 +16,7 @@ mod cli;
 mod commands;
 mod demo;
 mod guard;
+mod node_status;
 mod query;
 mod run;
 mod status;

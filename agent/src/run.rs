@@ -96,10 +96,21 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         tracing::info!(addrs = ?server.addrs, ttl = config.ttl, rate_limit = config.rate_limit, tcp_connections = config.tcp.connections, tcp_connections_per_client = config.tcp.per_client, fd_limit, "serving clusterset.local DNS (UDP and TCP)");
         Some(server)
     };
-    let addr = http::spawn(args.metrics_addr, Arc::new(registry), health.clone())
-        .await
-        .with_context(|| format!("binding the metrics address {}", args.metrics_addr))?;
-    tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+    // `/status`: answered by the sync loop between batches, plus the DNS listener's answers.
+    let (status_tx, status_rx) = mpsc::channel(8);
+    let status = crate::node_status::handler(
+        status_tx,
+        dns.as_ref().map(|d| d.addrs.clone()).unwrap_or_default(),
+    );
+    let addr = http::spawn_with_status(
+        args.metrics_addr,
+        Arc::new(registry),
+        health.clone(),
+        Some(status),
+    )
+    .await
+    .with_context(|| format!("binding the metrics address {}", args.metrics_addr))?;
+    tracing::info!(%addr, "serving /metrics, /healthz, /readyz, /status");
 
     // Uninstall or restart: told by whether the DaemonSet is deleted (mcs_sync::owner).
     let owner = match (
@@ -145,6 +156,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     if dns.is_some() {
         sync_loop = sync_loop.with_dns_zone(zone);
     }
+    let sync_loop = sync_loop.with_status_requests(status_rx);
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         mcs_runtime::signals::shutdown().await;

@@ -501,6 +501,115 @@ fn every_pod_ip_is_answered_on_at_the_dns_port() {
     }
 }
 
+/// `/status` (what `kubectl mcs` reads through the pod proxy): the node's summary, one
+/// service's frontends and backends, its rejections, and what the agent's own DNS listener
+/// answers when asked over UDP.
+#[test]
+fn status_reports_the_table_the_rejections_and_what_dns_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    write_objects(dir.path());
+    std::fs::write(
+        dir.path().join("stray.yaml"),
+        r#"apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceImport
+metadata: { name: stray, namespace: shop }
+spec:
+  type: ClusterSetIP
+  ips: ["198.18.250.1"]
+  ports: [{ name: http, protocol: TCP, port: 80 }]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-c1
+  namespace: shop
+  labels:
+    multicluster.kubernetes.io/service-name: web
+    multicluster.kubernetes.io/source-cluster: c1
+    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
+addressType: IPv4
+ports: [{ name: http, protocol: TCP, port: 8080 }]
+endpoints:
+  - { addresses: ["198.18.64.10"], conditions: { ready: true } }
+"#,
+    )
+    .unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let json = |path: &str| -> serde_json::Value {
+        let (code, body) = agent.http(path).expect("/status answers");
+        assert_eq!(code, 200, "{body}");
+        let (_, body) = body.split_once("\r\n\r\n").expect("a body");
+        serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
+    };
+
+    let all = json("/status");
+    assert_eq!(all["ready"], true);
+    assert_eq!(all["dataplane"], "log");
+    assert_eq!(all["cluster_id"], "c1");
+    assert!(all["frontends"].as_u64().unwrap() >= 3, "{all}");
+    assert_eq!(all["rejected_total"], 1, "{all}");
+    assert_eq!(all["rejected"][0]["object"], "ServiceImport shop/stray");
+    assert!(all["service"].is_null());
+    let checks = all["dns"]["checks"].as_array().unwrap();
+    assert_eq!(checks.len(), 1, "{all}");
+    assert_eq!(checks[0]["name"], "dns-version.clusterset.local.");
+    assert_eq!(checks[0]["rcode"], "NoError");
+    assert_eq!(checks[0]["answers"], serde_json::json!(["1.0.0"]));
+
+    let web = json("/status?service=shop%2Fweb");
+    let frontends: Vec<&str> = web["service"]["frontends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["frontend"].as_str().unwrap())
+        .collect();
+    assert!(frontends.contains(&"198.18.100.10:80/TCP"), "{web}");
+    assert!(frontends.contains(&"[2001:2::100:10]:53/UDP"), "{web}");
+    for f in web["service"]["frontends"].as_array().unwrap() {
+        assert_eq!(f["programmed"], true, "{f}");
+        // web's one slice is IPv4, with the http port only.
+        if f["frontend"] == "198.18.100.10:80/TCP" {
+            assert!(!f["backends"].as_array().unwrap().is_empty(), "{f}");
+        }
+    }
+    assert!(web["rejected"].as_array().unwrap().is_empty(), "{web}");
+    let answers = |st: &serde_json::Value, t: &str| {
+        st["dns"]["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["qtype"] == t)
+            .map(|c| c["answers"].clone())
+    };
+    assert_eq!(
+        answers(&web, "A"),
+        Some(serde_json::json!(["198.18.100.10"]))
+    );
+    assert_eq!(
+        answers(&web, "AAAA"),
+        Some(serde_json::json!(["2001:2::100:10"]))
+    );
+
+    let stray = json("/status?service=shop/stray");
+    assert!(stray["service"]["frontends"].as_array().unwrap().is_empty());
+    assert_eq!(
+        stray["rejected"][0]["object"], "ServiceImport shop/stray",
+        "{stray}"
+    );
+    assert!(
+        stray["rejected"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("198.18.250.1"),
+        "{stray}"
+    );
+    assert_eq!(answers(&stray, "A"), Some(serde_json::json!([])));
+
+    // Anything but a namespace/name is not looked up (nor asked of DNS).
+    let odd = json("/status?service=..%2F..%2Fetc");
+    assert!(odd["service"].is_null(), "{odd}");
+}
+
 #[test]
 fn a_client_over_the_rate_limit_is_dropped_and_counted() {
     let dir = tempfile::tempdir().unwrap();

@@ -60,6 +60,19 @@ fn tcp_udp_ipv6_local_first_then_failover_and_clean_exit() {
     let d = sb.distribution("198.18.100.10:80", 20);
     assert!(d.keys().all(|k| k.starts_with("198.18.2.")), "{d:?}");
 
+    // `/status` (what `kubectl mcs` reads): the forwarder's own figures, and the frontend
+    // with c2's backends now selected.
+    let (_, status) = sb.http("/status?service=shop/web").unwrap();
+    for want in [
+        "\"dataplane\": \"userspace\"",
+        "\"TCP frontends listening\"",
+        "\"UDP frontends listening\"",
+        "\"TCP connections open\"",
+        "\"frontend\": \"198.18.100.10:80/TCP\"",
+    ] {
+        assert!(status.contains(want), "{want} not in {status}");
+    }
+
     // Metrics per frontend and backend.
     let (_, metrics) = sb.http("/metrics").unwrap();
     assert!(

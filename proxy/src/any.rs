@@ -42,6 +42,14 @@ impl Dataplane for AnyDataplane {
         }
     }
 
+    fn report(&self) -> Vec<(&'static str, String)> {
+        match self {
+            Self::Log(d) => d.report(),
+            Self::Userspace(d) => d.report(),
+            Self::Ebpf(d) => d.report(),
+        }
+    }
+
     fn unprogrammed_version(&self) -> Option<u64> {
         match self {
             Self::Log(d) => d.unprogrammed_version(),

@@ -1,8 +1,11 @@
-//! `/metrics`, `/healthz` and `/readyz` on a small HTTP/1.1 server (GET only, one request per
-//! connection): enough for Prometheus and kubelet probes, without a web framework.
+//! `/metrics`, `/healthz`, `/readyz` and (when the binary gives one) `/status` on a small
+//! HTTP/1.1 server (GET only, one request per connection): enough for Prometheus, kubelet
+//! probes and `kubectl mcs` through the API server's pod proxy, without a web framework.
 
 use std::{
+    future::Future,
     net::SocketAddr,
+    pin::Pin,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -34,16 +37,27 @@ impl Health {
     }
 }
 
+/// What answers `GET /status?QUERY`: called with the decoded query parameters, it returns a
+/// JSON document (the binary's own read-only view of what it does).
+pub type StatusFn = Arc<
+    dyn Fn(Vec<(String, String)>) -> Pin<Box<dyn Future<Output = String> + Send>> + Send + Sync,
+>;
+
 /// Serves until the listener fails.
-pub async fn serve(listener: TcpListener, registry: Arc<Registry>, health: Health) {
+pub async fn serve(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    health: Health,
+    status: Option<StatusFn>,
+) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                let (registry, health) = (registry.clone(), health.clone());
+                let (registry, health, status) = (registry.clone(), health.clone(), status.clone());
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout(
                         Duration::from_secs(10),
-                        handle(stream, &registry, &health),
+                        handle(stream, &registry, &health, status.as_ref()),
                     )
                     .await;
                 });
@@ -112,16 +126,65 @@ pub async fn spawn(
     registry: Arc<Registry>,
     health: Health,
 ) -> std::io::Result<SocketAddr> {
+    spawn_with_status(addr, registry, health, None).await
+}
+
+/// [`spawn`], also answering `/status` with `status`.
+pub async fn spawn_with_status(
+    addr: SocketAddr,
+    registry: Arc<Registry>,
+    health: Health,
+    status: Option<StatusFn>,
+) -> std::io::Result<SocketAddr> {
     let listener = bind_patiently("metrics", addr, || listen_shared(addr)).await?;
     let local = listener.local_addr()?;
-    tokio::spawn(serve(listener, registry, health));
+    tokio::spawn(serve(listener, registry, health, status));
     Ok(local)
+}
+
+/// The parameters of a query string (`a=1&b=x%2Fy`), percent-decoded; `+` is a space.
+pub fn query_pairs(query: &str) -> Vec<(String, String)> {
+    query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    fn hex(c: u8) -> Option<u8> {
+        (c as char).to_digit(16).and_then(|d| u8::try_from(d).ok())
+    }
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let decoded = match b[i] {
+            b'%' if i + 2 < b.len() => hex(b[i + 1]).zip(hex(b[i + 2])).map(|(h, l)| h * 16 + l),
+            _ => None,
+        };
+        match (decoded, b[i]) {
+            (Some(v), _) => {
+                out.push(v);
+                i += 3;
+                continue;
+            }
+            (None, b'+') => out.push(b' '),
+            (None, c) => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 async fn handle(
     mut stream: TcpStream,
     registry: &Registry,
     health: &Health,
+    status_fn: Option<&StatusFn>,
 ) -> std::io::Result<()> {
     let mut buf = vec![0u8; 4096];
     let mut n = 0;
@@ -138,8 +201,13 @@ async fn handle(
     }
     let head = String::from_utf8_lossy(&buf[..n]);
     let mut parts = head.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
     let (status, ctype, body) = match (method, path) {
+        ("GET", "/status") if status_fn.is_some() => {
+            let f = status_fn.expect("checked");
+            ("200 OK", "application/json", f(query_pairs(query)).await)
+        }
         ("GET", "/metrics") => {
             let mut text = String::new();
             match prometheus_client::encoding::text::encode(&mut text, registry) {
@@ -161,7 +229,11 @@ async fn handle(
         ("GET", _) => (
             "404 Not Found",
             "text/plain",
-            "try /metrics, /healthz, /readyz\n".into(),
+            if status_fn.is_some() {
+                "try /metrics, /healthz, /readyz, /status\n".into()
+            } else {
+                "try /metrics, /healthz, /readyz\n".into()
+            },
         ),
         _ => ("405 Method Not Allowed", "text/plain", "GET only\n".into()),
     };
@@ -171,4 +243,24 @@ async fn handle(
     );
     stream.write_all(resp.as_bytes()).await?;
     stream.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::query_pairs;
+
+    #[test]
+    fn query_strings_are_decoded() {
+        assert_eq!(
+            query_pairs("service=shop%2Fweb&x=a+b&flag&bad=%zz%2"),
+            vec![
+                ("service".into(), "shop/web".into()),
+                ("x".into(), "a b".into()),
+                ("flag".into(), String::new()),
+                ("bad".into(), "%zz%2".into()),
+            ]
+        );
+        assert!(query_pairs("").is_empty());
+        assert_eq!(query_pairs("k=%C3%A9"), vec![("k".into(), "é".into())]);
+    }
 }

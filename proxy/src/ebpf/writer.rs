@@ -521,6 +521,15 @@ impl Dataplane for SocketLb {
         Some(self.failed_version)
     }
 
+    fn report(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("frontends programmed", self.programmed.len().to_string()),
+            ("frontends unprogrammable", self.failed.len().to_string()),
+            ("backend ids in use", self.ids.live_count().to_string()),
+            ("pin dir", self.pin_dir.display().to_string()),
+        ]
+    }
+
     fn unprogrammed(&self) -> Vec<Rejection> {
         self.failed
             .iter()

@@ -163,6 +163,11 @@ impl FrontendSockets {
     }
 
     /// Opens the sockets of `e` (nothing when they are open already).
+    /// TCP frontends listening, UDP frontends listening, sockets open, and the most there may be.
+    pub fn counts(&self) -> (usize, usize, usize, usize) {
+        (self.tcp.len(), self.udp.len(), self.sockets, self.budget)
+    }
+
     pub fn open(&mut self, e: &SetElement) -> io::Result<()> {
         let addr = SocketAddr::new(e.vip, e.port);
         match e.protocol {

@@ -428,6 +428,34 @@ impl Dataplane for Userspace {
         "userspace"
     }
 
+    fn report(&self) -> Vec<(&'static str, String)> {
+        let m = &self.shared.metrics;
+        let (tcp, udp, open, budget) = self.sockets.counts();
+        vec![
+            ("frontends intercepted", self.programmed.len().to_string()),
+            ("TCP frontends listening", tcp.to_string()),
+            ("UDP frontends listening", udp.to_string()),
+            ("listening sockets", format!("{open} of at most {budget}")),
+            (
+                "TCP connections open",
+                format!(
+                    "{} of at most {}",
+                    m.active_connections.get(),
+                    self.shared.config.max_connections
+                ),
+            ),
+            ("UDP sessions", m.udp_sessions.get().to_string()),
+            (
+                "TCP workers on io_uring",
+                m.io_uring_workers.get().to_string(),
+            ),
+            (
+                "nftables table",
+                format!("inet {}", self.shared.config.intercept.table),
+            ),
+        ]
+    }
+
     fn apply(&mut self, diff: &TableDiff) -> Result<(), DataplaneError> {
         for f in diff.upsert.keys().filter(|f| f.protocol == Protocol::Sctp) {
             tracing::warn!(frontend = %f, "SCTP is not forwarded by the userspace dataplane");

@@ -218,6 +218,11 @@ pub trait Dataplane {
     fn unprogrammed_version(&self) -> Option<u64> {
         None
     }
+    /// What this dataplane holds now, for a person (the agent's `/status`): a few named
+    /// figures, e.g. frontends programmed, listeners and open connections.
+    fn report(&self) -> Vec<(&'static str, String)> {
+        Vec::new()
+    }
 }
 
 /// A dataplane could not apply a diff.

@@ -14,6 +14,8 @@
 //! - [`sync_loop`]: the loop that coalesces bursts, flushes the index and applies diffs.
 //! - [`metrics`]: Prometheus metrics; [`http`] (from `mcs-runtime`): `/metrics`, `/healthz`, `/readyz`.
 //! - [`events`]: rate-limited Kubernetes Events for rejected objects.
+//! - [`status`]: the node's view for the agent's `/status` (counts, rejections, one
+//!   service's frontends and backends), answered by the sync loop between batches.
 //! - [`owner`]: whether the agent's DaemonSet is being removed (an uninstall, not a restart).
 #![forbid(unsafe_code)]
 
@@ -23,6 +25,7 @@ pub use mcs_runtime::http;
 pub mod metrics;
 pub mod owner;
 pub mod source;
+pub mod status;
 pub mod sync_loop;
 
 pub use source::SourceEvent;

@@ -23,6 +23,7 @@ use crate::{
     http::Health,
     metrics::{KindLabel, Metrics, ReasonLabel},
     source::SourceEvent,
+    status::{self, NodeStatus, StatusRequest},
 };
 
 /// Rejections logged one by one per flush; past these, one line says how many more (a full
@@ -69,6 +70,8 @@ pub struct SyncLoop<D> {
     pending_retry: Option<TableDiff>,
     /// The `clusterset.local` zone kept up to date at every flush, when DNS is served.
     zone: Option<Arc<mcs_model::dns::Zone>>,
+    /// `/status` questions, answered between batches.
+    status_rx: Option<mpsc::Receiver<StatusRequest>>,
 }
 
 /// The dataplane's unprogrammed frontends as last seen: its version when it keeps one, else
@@ -110,7 +113,25 @@ impl<D: Dataplane> SyncLoop<D> {
             rejected_from: None,
             pending_retry: None,
             zone: None,
+            status_rx: None,
         }
+    }
+
+    /// Also answers the questions sent on `rx` (the agent's `/status`), between batches.
+    pub fn with_status_requests(mut self, rx: mpsc::Receiver<StatusRequest>) -> Self {
+        self.status_rx = Some(rx);
+        self
+    }
+
+    /// The answer to a `/status` question.
+    pub fn status(&self, service: Option<(String, String)>) -> NodeStatus {
+        status::build(
+            &self.index,
+            &self.dataplane,
+            self.health.is_ready(),
+            &self.rejected,
+            service,
+        )
     }
 
     /// The index (for status and tests).
@@ -136,9 +157,14 @@ impl<D: Dataplane> SyncLoop<D> {
         mut shutdown: watch::Receiver<bool>,
     ) -> Self {
         let mut synced = false;
+        let mut status_rx = self.status_rx.take();
         loop {
             let first = tokio::select! {
                 ev = rx.recv() => ev,
+                Some(req) = next_request(&mut status_rx) => {
+                    let _ = req.reply.send(self.status(req.service));
+                    continue;
+                }
                 _ = shutdown.wait_for(|s| *s) => None,
             };
             let Some(first) = first else { break };
@@ -334,5 +360,16 @@ impl<D: Dataplane> SyncLoop<D> {
         self.metrics
             .backends
             .set(self.index.table_backends() as i64);
+    }
+}
+
+/// The next `/status` question; never, without a channel (or once it is closed).
+async fn next_request(rx: &mut Option<mpsc::Receiver<StatusRequest>>) -> Option<StatusRequest> {
+    match rx {
+        Some(rx) => match rx.recv().await {
+            Some(r) => Some(r),
+            None => std::future::pending().await,
+        },
+        None => std::future::pending().await,
     }
 }

@@ -1,0 +1,204 @@
+//! What the agent's `/status` says about its node: the sync loop answers [`StatusRequest`]s
+//! between batches (so the view is one consistent table, and nothing is copied per flush),
+//! with the whole picture in counts, the rejections, and, when asked for one service, its
+//! frontends with their backends as programmed.
+
+use std::sync::Arc;
+
+use mcs_model::{Backend, Dataplane, Index, Rejection};
+use serde::Serialize;
+use tokio::sync::oneshot;
+
+/// Rejections listed when no service is asked for (the count is always whole).
+pub const REJECTIONS_LISTED: usize = 100;
+
+/// A question to the sync loop.
+#[derive(Debug)]
+pub struct StatusRequest {
+    /// One service (`namespace`, `name`), or none for the node's summary.
+    pub service: Option<(String, String)>,
+    /// Where the answer goes.
+    pub reply: oneshot::Sender<NodeStatus>,
+}
+
+/// The node as the sync loop sees it.
+#[derive(Debug, Serialize)]
+pub struct NodeStatus {
+    /// This node (`--node-name`).
+    pub node: String,
+    /// This cluster's id, as the agent uses it (empty: not known yet).
+    pub cluster_id: String,
+    /// `ebpf`, `userspace` or `log`.
+    pub dataplane: &'static str,
+    /// The first full table is programmed (`/readyz`).
+    pub ready: bool,
+    /// ServiceImports and MCS EndpointSlices the agent holds.
+    pub service_imports: usize,
+    /// MCS EndpointSlices the agent holds.
+    pub endpoint_slices: usize,
+    /// Frontends (ClusterSetIP × port) in the table.
+    pub frontends: usize,
+    /// Backends over every frontend.
+    pub backends: usize,
+    /// Every object rejected now (by the guard, validation, or the dataplane).
+    pub rejected_total: usize,
+    /// The rejections: the asked service's, or the first [`REJECTIONS_LISTED`].
+    pub rejected: Vec<RejectionStatus>,
+    /// The dataplane's own figures ([`Dataplane::report`]), by name.
+    pub dataplane_report: std::collections::BTreeMap<String, String>,
+    /// The asked service, when one was.
+    pub service: Option<ServiceStatus>,
+}
+
+/// One rejection.
+#[derive(Debug, Serialize)]
+pub struct RejectionStatus {
+    /// `Kind namespace/name`.
+    pub object: String,
+    /// The reason's metric label.
+    pub reason: &'static str,
+    /// What exactly.
+    pub message: String,
+}
+
+impl From<&Rejection> for RejectionStatus {
+    fn from(r: &Rejection) -> Self {
+        Self {
+            object: r.object.clone(),
+            reason: r.reason.label(),
+            message: r.message.clone(),
+        }
+    }
+}
+
+/// One service on this node.
+#[derive(Debug, Serialize)]
+pub struct ServiceStatus {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// Its frontends in the table (none: not imported here, or rejected: see `rejected`).
+    pub frontends: Vec<FrontendStatus>,
+}
+
+/// One frontend as programmed.
+#[derive(Debug, Serialize)]
+pub struct FrontendStatus {
+    /// `vip:port/PROTO`.
+    pub frontend: String,
+    /// The dataplane programmed it (false: see the `unprogrammable` rejection).
+    pub programmed: bool,
+    /// ClientIP affinity timeout, when asked.
+    pub affinity_timeout_seconds: Option<u32>,
+    /// Every backend, with whether new connections go to it (`selected`) or it is tried
+    /// when every selected one refuses (`fallback`).
+    pub backends: Vec<Backend>,
+}
+
+/// Builds the answer from the sync loop's state.
+pub(crate) fn build<D: Dataplane>(
+    index: &Index,
+    dataplane: &D,
+    ready: bool,
+    rejected: &std::collections::BTreeSet<Rejection>,
+    service: Option<(String, String)>,
+) -> NodeStatus {
+    let node = index.node();
+    let table = index.table();
+    let (imports, slices) = index.object_counts();
+    let listed: Vec<RejectionStatus> = match &service {
+        Some((ns, name)) => rejected
+            .iter()
+            .filter(|r| concerns(&r.object, ns, name))
+            .map(RejectionStatus::from)
+            .collect(),
+        None => rejected
+            .iter()
+            .take(REJECTIONS_LISTED)
+            .map(RejectionStatus::from)
+            .collect(),
+    };
+    let service = service.map(|(namespace, name)| {
+        let key = format!("{namespace}/{name}");
+        let unprogrammed: Vec<String> = dataplane
+            .unprogrammed()
+            .into_iter()
+            .filter(|r| r.object == format!("ServiceImport {key}"))
+            .map(|r| r.message)
+            .collect();
+        let frontends = table
+            .frontends
+            .iter()
+            .filter(|(_, s)| s.service == key)
+            .map(|(f, s): (_, &Arc<mcs_model::Service>)| {
+                let prefix = format!("frontend {f}:");
+                FrontendStatus {
+                    frontend: f.to_string(),
+                    programmed: !unprogrammed.iter().any(|m| m.starts_with(&prefix)),
+                    affinity_timeout_seconds: s.affinity.map(|a| a.timeout_seconds),
+                    backends: s.backends.clone(),
+                }
+            })
+            .collect();
+        ServiceStatus {
+            namespace,
+            name,
+            frontends,
+        }
+    });
+    NodeStatus {
+        node: node.node_name.clone().unwrap_or_default(),
+        cluster_id: node.cluster_id.clone(),
+        dataplane: dataplane.name(),
+        ready,
+        service_imports: imports,
+        endpoint_slices: slices,
+        frontends: table.frontends.len(),
+        backends: index.table_backends(),
+        rejected_total: rejected.len(),
+        rejected: listed,
+        dataplane_report: dataplane
+            .report()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+        service,
+    }
+}
+
+/// Whether a rejected object (`Kind ns/name`) is the service's: its ServiceImport, or an
+/// EndpointSlice of it (MCS slices are named after the service: `name-…`).
+fn concerns(object: &str, ns: &str, name: &str) -> bool {
+    let Some((kind, rest)) = object.split_once(' ') else {
+        return false;
+    };
+    let Some((ons, oname)) = rest.split_once('/') else {
+        return false;
+    };
+    ons == ns
+        && match kind {
+            "ServiceImport" => oname == name,
+            "EndpointSlice" => oname.strip_prefix(name).is_some_and(|r| r.starts_with('-')),
+            _ => false,
+        }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::concerns;
+
+    #[test]
+    fn a_rejection_concerns_its_import_and_its_slices_only() {
+        assert!(concerns("ServiceImport shop/web", "shop", "web"));
+        assert!(concerns("EndpointSlice shop/web-c2-x7k2p", "shop", "web"));
+        assert!(!concerns(
+            "EndpointSlice shop/webber-c2-x7k2p",
+            "shop",
+            "web"
+        ));
+        assert!(!concerns("ServiceImport shop/webber", "shop", "web"));
+        assert!(!concerns("ServiceImport other/web", "shop", "web"));
+        assert!(!concerns("garbage", "shop", "web"));
+    }
+}
