@@ -39,6 +39,8 @@ pub struct Metrics {
     pub diffs_applied_total: Counter,
     /// Diffs the dataplane failed to apply.
     pub dataplane_errors_total: Counter,
+    /// 1 once the first full table is programmed (`/readyz`), else 0.
+    pub ready: Gauge,
 }
 
 impl Metrics {
@@ -56,6 +58,7 @@ impl Metrics {
             ),
             diffs_applied_total: Counter::default(),
             dataplane_errors_total: Counter::default(),
+            ready: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("mcs");
         r.register(
@@ -97,6 +100,11 @@ impl Metrics {
             "dataplane_errors",
             "Diffs the dataplane failed to apply",
             m.dataplane_errors_total.clone(),
+        );
+        r.register(
+            "ready",
+            "1 once the first full table is programmed (as /readyz), else 0",
+            m.ready.clone(),
         );
         m
     }

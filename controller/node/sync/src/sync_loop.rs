@@ -264,6 +264,7 @@ impl<D: Dataplane> SyncLoop<D> {
                 "first full table programmed; ready"
             );
             self.health.set_ready();
+            self.metrics.ready.set(1);
         }
     }
 
