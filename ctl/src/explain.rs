@@ -117,7 +117,7 @@ fn summary(found: &[(String, Found)], ns: &str, name: &str) -> Section {
                         ports(want)
                     ),
                     format!(
-                        "make Service {ns}/{name}'s ports (name, port, protocol) the same in every exporting cluster: until then the oldest export's ports are imported (PortConflict) and {c}'s endpoints only serve the ports they share"
+                        "make Service {ns}/{name}'s ports (name, port, protocol) the same in every exporting cluster: until then the import carries the oldest export's ports (PortConflict) and {c}'s endpoints are left out of the ports that differ (the endpoints lines show which clusters serve)"
                     ),
                 );
             }
