@@ -8,6 +8,9 @@
 
 use std::{path::PathBuf, process::Command};
 
+mod common;
+
+use common::{helm_template, objects};
 use mcs_test_support::{prereq, require};
 
 fn chart() -> PathBuf {
@@ -66,21 +69,7 @@ fn the_chart_ships_the_rules_and_the_dashboard_as_they_are_tested() {
     if !prerequisites() {
         return;
     }
-    let render = |set: &[&str]| {
-        let out = mcs_test_support::kubectl::stdout_of(
-            Command::new("helm")
-                .args(["template", "mcs"])
-                .arg(chart())
-                .args(["--set", "clustersetIPCIDRs={198.18.100.0/24}"])
-                .args(set),
-            None,
-        )
-        .unwrap();
-        serde_yaml::Deserializer::from_str(&out)
-            .map(|d| serde::Deserialize::deserialize(d).unwrap())
-            .filter(|v: &serde_json::Value| !v.is_null())
-            .collect::<Vec<serde_json::Value>>()
-    };
+    let render = |set: &[&str]| objects(&helm_template(set));
     let kinds = |objs: &[serde_json::Value]| {
         objs.iter()
             .map(|o| o["kind"].as_str().unwrap().to_string())

@@ -8,6 +8,9 @@ use std::{
     process::Command,
 };
 
+mod common;
+
+use common::{TEST_CIDRS, helm_template, objects};
 use mcs_test_support::{
     apiserver::{self, User},
     prereq, require,
@@ -52,28 +55,6 @@ fn strip_config_checksums(helmed: &mut [serde_json::Value]) {
 }
 
 /// Objects of a multi-document YAML, sorted by (kind, namespace, name).
-fn objects(yaml: &str) -> Vec<serde_json::Value> {
-    let mut v: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(yaml)
-        .map(|d| serde::Deserialize::deserialize(d).unwrap())
-        .filter(|v: &serde_json::Value| !v.is_null())
-        .collect();
-    let key = |o: &serde_json::Value| {
-        (
-            o["kind"].as_str().unwrap_or_default().to_string(),
-            o["metadata"]["namespace"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string(),
-            o["metadata"]["name"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string(),
-        )
-    };
-    v.sort_by_key(key);
-    v
-}
-
 fn prerequisites() -> bool {
     require(prereq::all([
         apiserver::prerequisites(),
@@ -82,27 +63,6 @@ fn prerequisites() -> bool {
             .map(|_| ())
             .ok_or_else(|| "kubectl not found".to_string()),
     ]))
-}
-
-/// The ClusterSetIP ranges the chart is rendered with.
-const TEST_CIDRS: &str = "198.18.100.0/24,2001:2::100:0/112";
-
-fn helm_template(extra: &[&str]) -> String {
-    run(
-        Command::new("helm")
-            .args([
-                "template",
-                "mcs",
-                &mcs_deploy::dir()
-                    .join("helm/mcs-dataplane")
-                    .display()
-                    .to_string(),
-                "--set",
-                "clustersetIPCIDRs={198.18.100.0/24,2001:2::100:0/112}",
-            ])
-            .args(extra),
-        None,
-    )
 }
 
 #[test]
