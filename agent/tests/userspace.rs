@@ -512,18 +512,6 @@ fn a_restarted_agent_keeps_its_frontends_intercepted_and_holds_connections_until
     sb.stop_agent();
 }
 
-/// A child process killed when dropped (a failed assertion leaves no agent behind).
-struct Killed(Option<std::process::Child>);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// An upgrade as the chart's userspace DaemonSet rolls it (maxSurge): the next agent starts
 /// beside the running one and listens on the same frontends (SO_REUSEPORT); the old one,
 /// stopped, waits for it, closes its listeners (queued connections migrate,
@@ -571,16 +559,7 @@ fn the_next_agent_takes_over_the_frontends_and_no_connection_is_refused() {
         )));
         sb.wait_ready(next_port, next.0.as_mut().unwrap());
         progress(100);
-        let o = old.0.as_ref().unwrap();
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(o.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        )
-        .unwrap();
-        let o = old.0.take().unwrap();
-        let out = o.wait_with_output().unwrap();
-        let log = String::from_utf8_lossy(&out.stderr).to_string();
-        assert!(out.status.success(), "{log}");
+        let log = stop_agent(old.0.take().unwrap());
         assert!(
             log.contains("the next agent waits on every frontend too"),
             "the old agent did not see the next one: {log}"
@@ -622,15 +601,7 @@ fn the_next_agent_takes_over_the_frontends_and_no_connection_is_refused() {
     // the interception (a restart; an uninstall is `mcs-agent uninstall` or the DaemonSet
     // deleted).
     let mut next = next;
-    let n = next.0.take().unwrap();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(n.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    let out = n.wait_with_output().unwrap();
-    let log = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(out.status.success(), "{log}");
+    let log = stop_agent(next.0.take().unwrap());
     assert!(
         log.contains("no next agent on every frontend in time"),
         "{log}"

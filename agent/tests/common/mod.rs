@@ -41,6 +41,37 @@ impl Drop for Sandbox {
     }
 }
 
+/// SIGTERM to an agent process (as the kubelet stops its pod).
+pub fn sigterm(agent: &Child) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+}
+
+/// SIGTERM, then the agent's exit, which must be a success; returns its log (stderr, when
+/// piped).
+pub fn stop_agent(agent: Child) -> String {
+    sigterm(&agent);
+    let out = agent.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "agent exit {}: {log}", out.status);
+    log
+}
+
+/// An agent process killed when dropped (a failed assertion leaves none behind).
+pub struct Killed(pub Option<Child>);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 pub fn examples() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/two-clusters")
 }
@@ -222,12 +253,7 @@ impl Sandbox {
 
     /// Sends the agent SIGTERM without waiting for it to exit.
     pub fn terminate_agent(&self) {
-        let a = self.agent.as_ref().unwrap();
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(a.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        )
-        .unwrap();
+        sigterm(self.agent.as_ref().unwrap());
     }
 
     /// Waits for the agent to exit, which must be a success; returns its log.
