@@ -345,9 +345,25 @@ rss_sample() {
 soak() {
   # The API server restart at a quarter, the warm-up sample at half (after the agents' and
   # controllers' re-lists), the last at the end: growth between the two is steady churn's.
-  local end=$((SECONDS + 60 * SOAK)) restart_at=$((SECONDS + 15 * SOAK)) warm_at=$((SECONDS + 30 * SOAK))
-  local n=0 restarted=0 warm="" c
+  local start=$SECONDS end=$((SECONDS + 60 * SOAK)) restart_at=$((SECONDS + 15 * SOAK)) warm_at=$((SECONDS + 30 * SOAK))
+  local n=0 restarted=0 warm="" c next_sample=$SECONDS
+  # Every process's RSS every 30 s ("<seconds> <key> <KiB> <threads>"), to tell a slope from
+  # a step (and a step from a new thread's).
+  local series="$root/target/lifecycle/soak-rss.txt"
+  mkdir -p "${series%/*}"
+  : >"$series"
+  series_sample() {
+    local key rss thr
+    rss_sample | while read -r key rss; do
+      thr=$(awk '/^Threads:/ {print $2}' "/proc/${key##*/}/status" 2>/dev/null || true)
+      echo "$((SECONDS - start)) $key $rss ${thr:-?}"
+    done >>"$series"
+  }
   while ((SECONDS < end)); do
+    if ((SECONDS >= next_sample)); then
+      series_sample
+      next_sample=$((SECONDS + 30))
+    fi
     n=$((n + 1))
     c=c$((n % 2 + 1))
     kc "$c" -n "$NS" create service clusterip "churn-$n" --tcp=80:8080 >/dev/null
@@ -380,6 +396,17 @@ soak() {
     awk -v p="$pct" 'BEGIN {exit !(p >= 10)}' && { fail "soak: ${key%/*} RSS grew $pct % after warm-up"; grown=1; }
   done <<<"$warm"
   if ((grown == 0)); then say "   soak: every agent and controller within 10 % of its size after warm-up"; fi
+  series_sample
+  # Per process: its RSS at each quarter, and its largest rise between two samples (when).
+  say "   soak: RSS (MiB) at 0, 1/4, 1/2, 3/4, end; largest rise between samples 30 s apart ($series):"
+  awk -v q=$((15 * SOAK)) '
+    { k = $2; t = $1; r = $3
+      if (!(k in first)) { first[k] = r; keys[++nk] = k }
+      for (i = 1; i <= 3; i++) if (t <= i * q) at[k, i] = r
+      if (k in prev && r - prev[k] > rise[k]) { rise[k] = r - prev[k]; when[k] = t }
+      prev[k] = r }
+    END { for (j = 1; j <= nk; j++) { k = keys[j]; sub(/\/[0-9]+$/, "", k); kk = keys[j]
+      printf "     %s: %d %d %d %d %d; +%.1f MiB at %d s\n", k, first[kk] / 1024, at[kk, 1] / 1024, at[kk, 2] / 1024, at[kk, 3] / 1024, prev[kk] / 1024, rise[kk] / 1024, when[kk] } }' "$series"
 }
 
 current_dp=ebpf
