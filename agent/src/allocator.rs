@@ -8,13 +8,14 @@
 //! sync no slower.
 //!
 //! `unsafe`: the options are set by calling mimalloc's C functions, before any other thread
-//! exists. The option numbers are mimalloc v3's (`mi_option_e` in its `mimalloc.h`): the Rust
+//! exists; `/status` reads its process counters (`mi_process_info`) the same way. The
+//! option numbers are mimalloc v3's (`mi_option_e` in its `mimalloc.h`): the Rust
 //! binding names neither. An option is changed only while it holds v3's documented default,
 //! so a library with other numbers (or an option the operator set with `MIMALLOC_*`) is left
 //! alone and said so.
 #![allow(unsafe_code)]
 
-use libmimalloc_sys::{mi_option_get, mi_option_set, mi_option_t};
+use libmimalloc_sys::{mi_option_get, mi_option_set, mi_option_t, mi_process_info};
 
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -43,4 +44,41 @@ pub fn tune() -> Vec<String> {
         }
     })
     .collect()
+}
+
+/// What the allocator says of the process, for `/status`: bytes it has committed now and at
+/// most (mimalloc estimates both on Linux from what it reserved read/write), and the RSS it
+/// sees. Beside the kernel's RSS, this tells memory the heap holds from code and stacks.
+#[derive(Debug, serde::Serialize)]
+pub struct HeapInfo {
+    /// Committed by the allocator now.
+    pub committed_bytes: usize,
+    /// The most it ever had committed.
+    pub peak_committed_bytes: usize,
+    /// The process's resident set as the allocator reads it.
+    pub rss_bytes: usize,
+}
+
+/// The allocator's view now.
+pub fn heap_info() -> HeapInfo {
+    let (mut rss, mut commit, mut peak_commit) = (0usize, 0usize, 0usize);
+    // SAFETY: every out-parameter is a valid pointer to a usize or null (optional, per
+    // mimalloc's documentation); the call only reads process counters.
+    unsafe {
+        mi_process_info(
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            &mut rss,
+            std::ptr::null_mut(),
+            &mut commit,
+            &mut peak_commit,
+            std::ptr::null_mut(),
+        );
+    }
+    HeapInfo {
+        committed_bytes: commit,
+        peak_committed_bytes: peak_commit,
+        rss_bytes: rss,
+    }
 }

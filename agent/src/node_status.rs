@@ -1,7 +1,8 @@
 //! The agent's `/status` on its metrics port: read-only JSON for `kubectl mcs` (reached
 //! through the API server's pod proxy, so it needs no network path to the node). The sync
 //! loop answers for the table ([`mcs_sync::status`]); this adds the agent's version and what
-//! its own DNS listener answers, asked over UDP like any client would.
+//! its own DNS listener answers, asked over UDP like any client would, and the allocator's
+//! view of its memory.
 //!
 //! `GET /status` is the node's summary; `GET /status?service=NAMESPACE/NAME` adds that
 //! service's frontends and backends, its rejections and its DNS answers.
@@ -26,6 +27,8 @@ struct AgentStatus {
     node: Option<NodeStatus>,
     /// Set when the sync loop did not answer.
     error: Option<String>,
+    /// The allocator's view of the process's memory.
+    heap: crate::allocator::HeapInfo,
     /// What the agent's DNS listener answers (absent: the agent serves no DNS).
     dns: Option<DnsStatus>,
 }
@@ -90,6 +93,7 @@ pub(crate) fn handler(tx: mpsc::Sender<StatusRequest>, dns: Vec<SocketAddr>) -> 
                 version: env!("CARGO_PKG_VERSION"),
                 node,
                 error,
+                heap: crate::allocator::heap_info(),
                 dns,
             };
             serde_json::to_string_pretty(&status)

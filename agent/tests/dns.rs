@@ -550,6 +550,10 @@ endpoints:
     assert_eq!(all["rejected_total"], 1, "{all}");
     assert_eq!(all["rejected"][0]["object"], "ServiceImport shop/stray");
     assert!(all["service"].is_null());
+    assert!(
+        all["heap"]["committed_bytes"].as_u64().unwrap() > 0,
+        "{all}"
+    );
     let checks = all["dns"]["checks"].as_array().unwrap();
     assert_eq!(checks.len(), 1, "{all}");
     assert_eq!(checks[0]["name"], "dns-version.clusterset.local.");
