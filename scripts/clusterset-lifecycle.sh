@@ -347,16 +347,17 @@ soak() {
   # controllers' re-lists), the last at the end: growth between the two is steady churn's.
   local start=$SECONDS end=$((SECONDS + 60 * SOAK)) restart_at=$((SECONDS + 15 * SOAK)) warm_at=$((SECONDS + 30 * SOAK))
   local n=0 restarted=0 warm="" c next_sample=$SECONDS
-  # Every process's RSS every 30 s ("<seconds> <key> <KiB> <threads>"), to tell a slope from
-  # a step (and a step from a new thread's).
+  # Every process's RSS every 30 s ("<seconds> <key> <KiB> <threads> <huge KiB>"), to tell a
+  # slope from a step (and a step from a new thread's, or from khugepaged's huge pages).
   local series="$root/target/lifecycle/soak-rss.txt"
   mkdir -p "${series%/*}"
   : >"$series"
   series_sample() {
-    local key rss thr
+    local key rss thr huge
     rss_sample | while read -r key rss; do
       thr=$(awk '/^Threads:/ {print $2}' "/proc/${key##*/}/status" 2>/dev/null || true)
-      echo "$((SECONDS - start)) $key $rss ${thr:-?}"
+      huge=$(awk '/^AnonHugePages:/ {print $2}' "/proc/${key##*/}/smaps_rollup" 2>/dev/null || true)
+      echo "$((SECONDS - start)) $key $rss ${thr:-?} ${huge:-?}"
     done >>"$series"
   }
   while ((SECONDS < end)); do
@@ -398,15 +399,16 @@ soak() {
   if ((grown == 0)); then say "   soak: every agent and controller within 10 % of its size after warm-up"; fi
   series_sample
   # Per process: its RSS at each quarter, and its largest rise between two samples (when).
-  say "   soak: RSS (MiB) at 0, 1/4, 1/2, 3/4, end; largest rise between samples 30 s apart ($series):"
+  say "   soak: RSS (MiB) at 0, 1/4, 1/2, 3/4, end; largest rise between samples 30 s apart; most in huge pages ($series):"
   awk -v q=$((15 * SOAK)) '
     { k = $2; t = $1; r = $3
       if (!(k in first)) { first[k] = r; keys[++nk] = k }
       for (i = 1; i <= 3; i++) if (t <= i * q) at[k, i] = r
       if (k in prev && r - prev[k] > rise[k]) { rise[k] = r - prev[k]; when[k] = t }
+      if ($5 ~ /^[0-9]+$/ && $5 > huge[k]) huge[k] = $5
       prev[k] = r }
     END { for (j = 1; j <= nk; j++) { k = keys[j]; sub(/\/[0-9]+$/, "", k); kk = keys[j]
-      printf "     %s: %d %d %d %d %d; +%.1f MiB at %d s\n", k, first[kk] / 1024, at[kk, 1] / 1024, at[kk, 2] / 1024, at[kk, 3] / 1024, prev[kk] / 1024, rise[kk] / 1024, when[kk] } }' "$series"
+      printf "     %s: %d %d %d %d %d; +%.1f MiB at %d s; %d MiB huge\n", k, first[kk] / 1024, at[kk, 1] / 1024, at[kk, 2] / 1024, at[kk, 3] / 1024, prev[kk] / 1024, rise[kk] / 1024, when[kk], huge[kk] / 1024 } }' "$series"
 }
 
 current_dp=ebpf

@@ -1,11 +1,22 @@
-//! The agent's allocator: mimalloc, told to give freed memory back to the system at once.
+//! The agent's allocator: mimalloc, told to give freed memory back to the system at once,
+//! and the process kept off transparent huge pages.
 //!
 //! Why not glibc's malloc: with the runtime's threads it keeps an arena per thread, and the
 //! agent held ~130 MiB more at 1M endpoints (556 vs 427 MiB, docs/performance.md). Why the two
-//! options: a full sync allocates and frees the list responses it reads (tens of MB); with
+//! purge options: a full sync allocates and frees the list responses it reads (tens of MB); with
 //! mimalloc's defaults that memory stayed resident for a second or more, and arenas were
 //! committed ahead of use. At 10k imports the agent's RSS went from ~95 to ~63 MiB, with the
 //! sync no slower.
+//!
+//! Why no transparent huge pages: mimalloc asks for them (`madvise(MADV_HUGEPAGE)` on its
+//! arenas), so on a node whose THP setting is `madvise` (or `always`) the kernel's khugepaged
+//! collapses the arena's sparsely used 2 MiB ranges into huge pages whenever its scan reaches
+//! the process: in a 25-minute soak every agent's RSS stepped once by ~8 MiB (four huge pages)
+//! at a random time, with the same work before and after. A node agent's heap is small and
+//! its hot path is the kernel's: the TLB gains nothing worth memory that depends on when a
+//! kernel thread passes. So mimalloc's `allow_thp` is cleared (no more `madvise`) and the
+//! process sets `PR_SET_THP_DISABLE`, which also covers what was mapped before `main`.
+//! `MIMALLOC_ALLOW_THP` in the environment (any value) leaves both as they are.
 //!
 //! `unsafe`: the options are set by calling mimalloc's C functions, before any other thread
 //! exists; `/status` reads its process counters (`mi_process_info`) the same way. The
@@ -24,26 +35,45 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const ARENA_EAGER_COMMIT: mi_option_t = 4;
 /// `mi_option_purge_delay`: milliseconds before freed memory is given back.
 const PURGE_DELAY: mi_option_t = 15;
+/// `mi_option_allow_thp`: 1 (default) advises transparent huge pages on what it maps.
+const ALLOW_THP: mi_option_t = 43;
 
-/// Sets the options; returns what it did, for the log (the logger does not exist yet).
+/// Sets the options and the process's THP flag; returns what it did, for the log (the logger
+/// does not exist yet).
 pub fn tune() -> Vec<String> {
-    [
+    let thp_asked = std::env::var_os("MIMALLOC_ALLOW_THP").is_some();
+    let mut options = vec![
         ("purge_delay", PURGE_DELAY, 1000, 0),
         ("arena_eager_commit", ARENA_EAGER_COMMIT, 2, 0),
-    ]
-    .into_iter()
-    .map(|(name, option, default, value)| {
-        // SAFETY: reading and writing an option of the global allocator, by its number, from
-        // the only thread (called first thing in `main`).
-        let now = unsafe { mi_option_get(option) };
-        if now == default {
-            unsafe { mi_option_set(option, value) };
-            format!("mimalloc {name} {now} -> {value}")
-        } else {
-            format!("mimalloc {name} is {now}, not the default {default}: left as it is")
+    ];
+    if !thp_asked {
+        options.push(("allow_thp", ALLOW_THP, 1, 0));
+    }
+    let mut notes: Vec<String> = options
+        .into_iter()
+        .map(|(name, option, default, value)| {
+            // SAFETY: reading and writing an option of the global allocator, by its number,
+            // from the only thread (called first thing in `main`).
+            let now = unsafe { mi_option_get(option) };
+            if now == default {
+                unsafe { mi_option_set(option, value) };
+                format!("mimalloc {name} {now} -> {value}")
+            } else {
+                format!("mimalloc {name} is {now}, not the default {default}: left as it is")
+            }
+        })
+        .collect();
+    notes.push(if thp_asked {
+        "MIMALLOC_ALLOW_THP is set: transparent huge pages left as the node has them".to_string()
+    } else {
+        match nix::sys::prctl::set_thp_disable(true) {
+            Ok(()) => "transparent huge pages off for this process (PR_SET_THP_DISABLE)".into(),
+            Err(e) => {
+                format!("could not turn transparent huge pages off (PR_SET_THP_DISABLE): {e}")
+            }
         }
-    })
-    .collect()
+    });
+    notes
 }
 
 /// What the allocator says of the process, for `/status`: bytes it has committed now and at
@@ -57,6 +87,11 @@ pub struct HeapInfo {
     pub peak_committed_bytes: usize,
     /// The process's resident set as the allocator reads it.
     pub rss_bytes: usize,
+    /// Whether the process is kept off transparent huge pages (`PR_GET_THP_DISABLE`).
+    pub thp_disabled: bool,
+    /// Anonymous memory the kernel backs with huge pages now (`AnonHugePages` of
+    /// `/proc/self/smaps_rollup`; absent where that file is not readable).
+    pub anon_huge_pages_bytes: Option<u64>,
 }
 
 /// The allocator's view now.
@@ -80,5 +115,29 @@ pub fn heap_info() -> HeapInfo {
         committed_bytes: commit,
         peak_committed_bytes: peak_commit,
         rss_bytes: rss,
+        thp_disabled: nix::sys::prctl::get_thp_disable().unwrap_or(false),
+        anon_huge_pages_bytes: std::fs::read_to_string("/proc/self/smaps_rollup")
+            .ok()
+            .and_then(|rollup| kib_field(&rollup, "AnonHugePages:"))
+            .map(|kib| kib * 1024),
+    }
+}
+
+/// The value of a `Name:   123 kB` line of a `/proc` file, in KiB.
+fn kib_field(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn reads_a_kib_field_of_smaps_rollup() {
+        let rollup = "Rss:               47104 kB\nAnonymous:         19200 kB\nAnonHugePages:      8192 kB\n";
+        assert_eq!(super::kib_field(rollup, "AnonHugePages:"), Some(8192));
+        assert_eq!(super::kib_field(rollup, "Rss:"), Some(47104));
+        assert_eq!(super::kib_field(rollup, "ShmemHugePages:"), None);
     }
 }

@@ -47,7 +47,11 @@ fn main() -> ExitCode {
     });
     mcs_runtime::logging::init(filter);
     for note in tuned {
-        tracing::debug!("allocator: {note}");
+        if note.starts_with("could not") {
+            tracing::warn!("allocator: {note}");
+        } else {
+            tracing::debug!("allocator: {note}");
+        }
     }
     match commands::run(cli) {
         Ok(code) => code,

@@ -554,6 +554,8 @@ endpoints:
         all["heap"]["committed_bytes"].as_u64().unwrap() > 0,
         "{all}"
     );
+    // Kept off transparent huge pages (allocator.rs says why).
+    assert_eq!(all["heap"]["thp_disabled"], true, "{all}");
     let checks = all["dns"]["checks"].as_array().unwrap();
     assert_eq!(checks.len(), 1, "{all}");
     assert_eq!(checks[0]["name"], "dns-version.clusterset.local.");
