@@ -14,9 +14,11 @@
 //! the process: in a 25-minute soak every agent's RSS stepped once by ~8 MiB (four huge pages)
 //! at a random time, with the same work before and after. A node agent's heap is small and
 //! its hot path is the kernel's: the TLB gains nothing worth memory that depends on when a
-//! kernel thread passes. So mimalloc's `allow_thp` is cleared (no more `madvise`) and the
-//! process sets `PR_SET_THP_DISABLE`, which also covers what was mapped before `main`.
-//! `MIMALLOC_ALLOW_THP` in the environment (any value) leaves both as they are.
+//! kernel thread passes. So mimalloc is built without that `madvise` (feature `no_thp`: it
+//! would otherwise already have advised the arena that serves the allocations made before
+//! `main`, and their first fault takes a huge page), its `allow_thp` is cleared, and the
+//! process sets `PR_SET_THP_DISABLE`, which also covers a node whose setting is `always`.
+//! `MIMALLOC_ALLOW_THP` in the environment (any value) leaves the last two as they are.
 //!
 //! `unsafe`: the options are set by calling mimalloc's C functions, before any other thread
 //! exists; `/status` reads its process counters (`mi_process_info`) the same way. The
