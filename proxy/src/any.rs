@@ -1,7 +1,7 @@
 //! One of the dataplanes, chosen at start (`mcs-agent run --dataplane`): what the agent's sync
 //! loop hands its diffs to.
 
-use mcs_model::{Dataplane, DataplaneError, Rejection, TableDiff};
+use mcs_model::{Dataplane, DataplaneError, Frontend, Rejection, TableDiff};
 
 use crate::{ebpf::SocketLb, log::LogDataplane, userspace::Userspace};
 
@@ -39,6 +39,14 @@ impl Dataplane for AnyDataplane {
             Self::Log(d) => d.unprogrammed(),
             Self::Userspace(d) => d.unprogrammed(),
             Self::Ebpf(d) => d.unprogrammed(),
+        }
+    }
+
+    fn programmed(&self, frontend: &Frontend) -> bool {
+        match self {
+            Self::Log(d) => d.programmed(frontend),
+            Self::Userspace(d) => d.programmed(frontend),
+            Self::Ebpf(d) => d.programmed(frontend),
         }
     }
 

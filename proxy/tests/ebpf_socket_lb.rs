@@ -438,6 +438,8 @@ fn maps_are_sized_as_asked_and_a_pinned_size_is_kept() {
     );
     let failed: Vec<String> = lb.unprogrammed().iter().map(|r| r.object.clone()).collect();
     assert_eq!(failed, ["ServiceImport ns/d"]);
+    assert!(!lb.programmed(&frontend("198.18.0.23:80")));
+    assert!(lb.programmed(&frontend("198.18.0.22:80")));
     assert_eq!(lb.frontends_in_map(), 3);
     assert_eq!(lb.backend_ids(), 7, "backend ids leaked");
     let r = f.probe(&tcp("198.18.0.21:80"));
@@ -454,6 +456,7 @@ fn maps_are_sized_as_asked_and_a_pinned_size_is_kept() {
     gone.remove.push(frontend("198.18.0.20:80"));
     lb.apply(&gone).unwrap();
     assert!(lb.unprogrammed().is_empty(), "{:?}", lb.unprogrammed());
+    assert!(lb.programmed(&frontend("198.18.0.23:80")));
     assert_ne!(lb.unprogrammed_version(), v1);
     assert_eq!(lb.frontends_in_map(), 3);
     drop(lb);

@@ -542,6 +542,10 @@ impl Dataplane for SocketLb {
             })
             .collect()
     }
+
+    fn programmed(&self, frontend: &Frontend) -> bool {
+        !self.failed.contains_key(frontend)
+    }
 }
 
 /// Frontends that could not be programmed, with the service and why.

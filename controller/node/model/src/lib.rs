@@ -211,6 +211,11 @@ pub trait Dataplane {
     fn unprogrammed(&self) -> Vec<validate::Rejection> {
         Vec::new()
     }
+    /// Whether a frontend of the applied table is programmed: false exactly for the ones
+    /// [`Dataplane::unprogrammed`] lists.
+    fn programmed(&self, _frontend: &Frontend) -> bool {
+        true
+    }
     /// A number that changes whenever [`Dataplane::unprogrammed`] would answer differently,
     /// so a caller need not build that list after every diff to see whether it changed
     /// (it holds every frontend that did not fit: at scale, tens of thousands). `None`, the

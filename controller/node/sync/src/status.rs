@@ -121,24 +121,15 @@ pub(crate) fn build<D: Dataplane>(
     };
     let service = service.map(|(namespace, name)| {
         let key = format!("{namespace}/{name}");
-        let unprogrammed: Vec<String> = dataplane
-            .unprogrammed()
-            .into_iter()
-            .filter(|r| r.object == format!("ServiceImport {key}"))
-            .map(|r| r.message)
-            .collect();
         let frontends = table
             .frontends
             .iter()
             .filter(|(_, s)| s.service == key)
-            .map(|(f, s): (_, &Arc<mcs_model::Service>)| {
-                let prefix = format!("frontend {f}:");
-                FrontendStatus {
-                    frontend: f.to_string(),
-                    programmed: !unprogrammed.iter().any(|m| m.starts_with(&prefix)),
-                    affinity_timeout_seconds: s.affinity.map(|a| a.timeout_seconds),
-                    backends: s.backends.clone(),
-                }
+            .map(|(f, s): (_, &Arc<mcs_model::Service>)| FrontendStatus {
+                frontend: f.to_string(),
+                programmed: dataplane.programmed(f),
+                affinity_timeout_seconds: s.affinity.map(|a| a.timeout_seconds),
+                backends: s.backends.clone(),
             })
             .collect();
         ServiceStatus {
