@@ -40,9 +40,24 @@ const PURGE_DELAY: mi_option_t = 15;
 /// `mi_option_allow_thp`: 1 (default) advises transparent huge pages on what it maps.
 const ALLOW_THP: mi_option_t = 43;
 
-/// Sets the options and the process's THP flag; returns what it did, for the log (the logger
-/// does not exist yet).
-pub fn tune() -> Vec<String> {
+/// What [`tune`] did, for the log (the logger does not exist yet when it runs).
+pub struct Note {
+    /// It did not do what it meant to (a warning; else a debug line).
+    pub failed: bool,
+    pub text: String,
+}
+
+impl Note {
+    fn done(text: String) -> Self {
+        Self {
+            failed: false,
+            text,
+        }
+    }
+}
+
+/// Sets the options and the process's THP flag; returns what it did.
+pub fn tune() -> Vec<Note> {
     let thp_asked = std::env::var_os("MIMALLOC_ALLOW_THP").is_some();
     let mut options = vec![
         ("purge_delay", PURGE_DELAY, 1000, 0),
@@ -51,28 +66,35 @@ pub fn tune() -> Vec<String> {
     if !thp_asked {
         options.push(("allow_thp", ALLOW_THP, 1, 0));
     }
-    let mut notes: Vec<String> = options
+    let mut notes: Vec<Note> = options
         .into_iter()
         .map(|(name, option, default, value)| {
             // SAFETY: reading and writing an option of the global allocator, by its number,
             // from the only thread (called first thing in `main`).
             let now = unsafe { mi_option_get(option) };
-            if now == default {
+            Note::done(if now == default {
                 unsafe { mi_option_set(option, value) };
                 format!("mimalloc {name} {now} -> {value}")
             } else {
                 format!("mimalloc {name} is {now}, not the default {default}: left as it is")
-            }
+            })
         })
         .collect();
     notes.push(if thp_asked {
-        "MIMALLOC_ALLOW_THP is set: transparent huge pages left as the node has them".to_string()
+        Note::done(
+            "MIMALLOC_ALLOW_THP is set: transparent huge pages left as the node has them".into(),
+        )
     } else {
         match nix::sys::prctl::set_thp_disable(true) {
-            Ok(()) => "transparent huge pages off for this process (PR_SET_THP_DISABLE)".into(),
-            Err(e) => {
-                format!("could not turn transparent huge pages off (PR_SET_THP_DISABLE): {e}")
-            }
+            Ok(()) => Note::done(
+                "transparent huge pages off for this process (PR_SET_THP_DISABLE)".into(),
+            ),
+            Err(e) => Note {
+                failed: true,
+                text: format!(
+                    "could not turn transparent huge pages off (PR_SET_THP_DISABLE): {e}"
+                ),
+            },
         }
     });
     notes
@@ -80,7 +102,8 @@ pub fn tune() -> Vec<String> {
 
 /// What the allocator says of the process, for `/status`: bytes it has committed now and at
 /// most (mimalloc estimates both on Linux from what it reserved read/write), and the RSS it
-/// sees. Beside the kernel's RSS, this tells memory the heap holds from code and stacks.
+/// sees. Beside the kernel's RSS, this tells memory the heap holds from code and stacks. And
+/// the kernel's side of the heap: whether huge pages are off, and how much sits in them.
 #[derive(Debug, serde::Serialize)]
 pub struct HeapInfo {
     /// Committed by the allocator now.

@@ -47,10 +47,10 @@ fn main() -> ExitCode {
     });
     mcs_runtime::logging::init(filter);
     for note in tuned {
-        if note.starts_with("could not") {
-            tracing::warn!("allocator: {note}");
+        if note.failed {
+            tracing::warn!("allocator: {}", note.text);
         } else {
-            tracing::debug!("allocator: {note}");
+            tracing::debug!("allocator: {}", note.text);
         }
     }
     match commands::run(cli) {
