@@ -62,10 +62,12 @@ pub struct SourceArgs {
     #[arg(long)]
     pub kubeconfig: Option<PathBuf>,
     /// Longest wait, in milliseconds, between two attempts of a failed watch (`--source
-    /// kube`): retries start at 100 ms and double up to this, jittered. While the API server
-    /// is away the dataplane keeps its last table; this bounds how late changes made
-    /// meanwhile arrive once it is back.
-    #[arg(long, default_value_t = 5000)]
+    /// kube`): retries start at 100 ms and double up to this, jittered down to half; only a
+    /// completed list or a watch event starts them over, so an API server failing lists is
+    /// asked at most ~13 times a minute per watcher. While the API server is away the
+    /// dataplane keeps its last table; this bounds how late changes made meanwhile arrive
+    /// once it is back.
+    #[arg(long, default_value_t = 20_000)]
     pub watch_retry_max_ms: u64,
     #[command(flatten)]
     pub guard: GuardArgs,
@@ -298,7 +300,9 @@ pub struct ProxyArgs {
     /// Firewall mark and routing table of intercepted packets.
     #[arg(long, default_value_t = 0x4d43)]
     pub fwmark: u32,
-    /// Most open TCP connections; more are refused with a reset.
+    /// Most open TCP connections; more are refused with a reset. Its last quarter is kept
+    /// for clients holding fewer than a sixteenth of that quarter each, so a few clients at
+    /// their own cap cannot take it all.
     #[arg(long, default_value_t = 65_536)]
     pub max_connections: usize,
     /// Most open TCP connections of one client address; more are refused with a reset.

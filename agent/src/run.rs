@@ -42,7 +42,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     "--proxy-port (MCS_PROXY_PORT) is ignored: the forwarder listens on each frontend's ClusterSetIP and port"
                 );
             }
-            raise_open_files_limit();
+            mcs_runtime::open_files::raise();
             let proxy_metrics = ProxyMetrics::default();
             proxy_metrics.set_per_backend(args.proxy.metrics_per_backend);
             proxy_metrics.register(registry);
@@ -299,35 +299,6 @@ fn start_ebpf(args: &RunArgs) -> anyhow::Result<SocketLb> {
         }
     }
     Ok(lb)
-}
-
-/// The forwarder holds two descriptors per connection and listening sockets per frontend: its
-/// open-files limit goes up to the system's `fs.nr_open` where it may (CAP_SYS_RESOURCE, or a
-/// hard limit that high, as containerd gives containers), else its soft limit up to its hard
-/// one (as Go programs do by themselves).
-fn raise_open_files_limit() {
-    use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
-        tracing::warn!("could not read the open-files limit");
-        return;
-    };
-    let nr_open: u64 = std::fs::read_to_string("/proc/sys/fs/nr_open")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(hard);
-    let want = nr_open.max(hard);
-    if soft >= want {
-        tracing::debug!(soft, "open-files limit already at its most");
-        return;
-    }
-    let to = if setrlimit(Resource::RLIMIT_NOFILE, want, want).is_ok() {
-        want
-    } else if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
-        hard
-    } else {
-        soft
-    };
-    tracing::info!(from = soft, to, "open-files limit");
 }
 
 fn userspace_config(p: &ProxyArgs) -> UserspaceConfig {

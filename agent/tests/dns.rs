@@ -1317,3 +1317,173 @@ fn a_huge_headless_service_is_answered_within_one_message() {
     );
     assert_eq!(m.metadata.response_code, ResponseCode::NXDomain);
 }
+
+/// Issue 52: the metrics port is on the host network, so every pod of the node reaches it.
+/// On a table at the caps (one import of 100 ports with 990 backends each: 99,000
+/// backends, whose whole `/status` answer would be ~30 MB), 1,000 idle connections from 100
+/// addresses and 20 `/status` requests whose answers are never read leave the agent small,
+/// and `/healthz`, `/status` and DNS keep answering everyone else.
+#[test]
+fn the_metrics_port_is_bounded_against_idle_connections_and_unread_answers() {
+    lift_own_fd_limit();
+    let dir = tempfile::tempdir().unwrap();
+    let ports: String = (1..=100)
+        .map(|p| format!("  - {{ name: p{p}, protocol: TCP, port: {p} }}\n"))
+        .collect();
+    let endpoints: String = (0..990)
+        .map(|i| {
+            format!(
+                "  - {{ addresses: [\"198.18.{}.{}\"], conditions: {{ ready: true }} }}\n",
+                72 + i / 250,
+                2 + i % 250
+            )
+        })
+        .collect();
+    let slice_ports: String = (1..=100)
+        .map(|p| format!("  - {{ name: p{p}, protocol: TCP, port: {} }}\n", 8000 + p))
+        .collect();
+    std::fs::write(
+        dir.path().join("big.yaml"),
+        format!(
+            r#"apiVersion: multicluster.x-k8s.io/v1beta1
+kind: ServiceImport
+metadata: {{ name: big, namespace: shop }}
+spec:
+  type: ClusterSetIP
+  ips: ["198.18.100.20"]
+  ports:
+{ports}---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: big-c1
+  namespace: shop
+  labels:
+    multicluster.kubernetes.io/service-name: big
+    multicluster.kubernetes.io/source-cluster: c1
+    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
+addressType: IPv4
+ports:
+{slice_ports}endpoints:
+{endpoints}"#
+        ),
+    )
+    .unwrap();
+    write_objects(dir.path());
+    // At 1,024 descriptors (soft = hard, as a container runtime may set them), where the
+    // listener keeps to a quarter of them and DNS over TCP to half.
+    let agent = Agent::start_with_fd_limit(dir.path(), 1024, &[]);
+    let to: SocketAddr = format!("127.0.0.1:{}", agent.metrics).parse().unwrap();
+    let deadline = Instant::now() + WAIT;
+    let total_backends = || -> u64 {
+        let (_, body) = agent.http("/status").expect("/status answers");
+        let (_, json) = body.split_once("\r\n\r\n").unwrap();
+        let st: serde_json::Value = serde_json::from_str(json).unwrap();
+        st["backends"].as_u64().unwrap_or(0)
+    };
+    while total_backends() < 99_000 {
+        assert!(
+            Instant::now() < deadline,
+            "the big import was never programmed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // One service's answer lists 1,000 backends and says it is truncated; the counts are whole.
+    let (code, body) = agent
+        .http("/status?service=shop/big")
+        .expect("/status answers");
+    assert_eq!(code, 200);
+    assert!(body.len() < 1_000_000, "{} bytes", body.len());
+    let (_, json) = body.split_once("\r\n\r\n").unwrap();
+    let st: serde_json::Value = serde_json::from_str(json).unwrap();
+    assert_eq!(st["service"]["truncated"], true);
+    let fes = st["service"]["frontends"].as_array().unwrap();
+    assert_eq!(fes.len(), 100);
+    let listed: usize = fes
+        .iter()
+        .map(|f| f["backends"].as_array().unwrap().len())
+        .sum();
+    assert_eq!(listed, 1000);
+    assert!(
+        fes.iter()
+            .all(|f| f["backends_total"] == 990 && f["selected"] == 990)
+    );
+
+    // 20 readers ask for the big answer and never read it (each from its own address).
+    let unread: Vec<TcpStream> = (0..20)
+        .map(|i| {
+            let mut s = connect_from(&format!("127.0.1.{}", i + 1), to).unwrap();
+            write!(s, "GET /status?service=shop%2Fbig HTTP/1.0\r\n\r\n").unwrap();
+            s
+        })
+        .collect();
+    // 1,000 idle connections from 100 addresses (10 each, within an address's 16): past the
+    // listener's places each one pushes out the oldest idle one.
+    let idle: Vec<TcpStream> = (0..1000)
+        .filter_map(|i| connect_from(&format!("127.0.2.{}", 1 + i % 100), to).ok())
+        .collect();
+    assert_eq!(agent.http("/healthz").map(|(c, _)| c), Some(200));
+    let q = query("web.shop.svc.clusterset.local.", RecordType::A, None);
+    assert_eq!(rdatas(&udp(agent.dns, &q).0), ["198.18.100.10"]);
+    // A small answer is still served to another reader (or refused at once as busy while
+    // the unread ones hold every large-answer slot: never queued, never a timeout).
+    let (code, _) = agent
+        .http("/status")
+        .expect("/status answers or refuses at once");
+    assert!(code == 200 || code == 503, "{code}");
+    // One address holds at most 16 connections: the 17th gets a 503 at once.
+    let mut mine: Vec<TcpStream> = (0..17)
+        .map(|_| connect_from("127.0.3.1", to).unwrap())
+        .collect();
+    let mut last = mine.pop().unwrap();
+    last.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut answer = String::new();
+    last.read_to_string(&mut answer).unwrap();
+    assert!(
+        answer.starts_with("HTTP/1.1 503")
+            && answer.contains("too many connections from your address"),
+        "{answer:?}"
+    );
+    let rss_kib = |field: &str| -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", agent.child.id()))
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+            .unwrap()
+    };
+    let peak = rss_kib("VmHWM:");
+    assert!(
+        peak < 128 * 1024,
+        "the agent's peak RSS is {} MiB",
+        peak / 1024
+    );
+    assert!(
+        agent.open_fds() < 1024,
+        "{} descriptors open",
+        agent.open_fds()
+    );
+    // Every unread request was answered (200, or 503 when every large-answer slot was
+    // taken) or closed: none hangs.
+    for mut s in unread {
+        s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        let mut head = [0u8; 12];
+        match s.read_exact(&mut head) {
+            Ok(()) => assert!(
+                head.starts_with(b"HTTP/1.1 200") || head.starts_with(b"HTTP/1.1 503"),
+                "{:?}",
+                String::from_utf8_lossy(&head)
+            ),
+            Err(e) => assert!(
+                !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ),
+                "an unread /status request hangs: {e}"
+            ),
+        }
+    }
+    drop((idle, mine));
+    assert_eq!(agent.http("/healthz").map(|(c, _)| c), Some(200));
+    assert!(agent.child_alive());
+}

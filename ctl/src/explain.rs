@@ -460,18 +460,36 @@ fn node_checks(s: &mut Section, what: &str, st: &Value, import: Option<&ServiceI
             .filter(|b| b["selected"].as_bool().unwrap_or(false))
             .map(backend)
             .collect();
-        let fallback = backends
-            .iter()
-            .filter(|b| b["fallback"].as_bool().unwrap_or(false))
-            .count();
+        // An agent lists at most 1,000 backends per answer; its counts are whole (an older
+        // agent gives only the list).
+        let count = |field: &str, listed: usize| {
+            f[field]
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .unwrap_or(listed)
+        };
+        let fallback = count(
+            "fallback",
+            backends
+                .iter()
+                .filter(|b| b["fallback"].as_bool().unwrap_or(false))
+                .count(),
+        );
+        let selected_total = count("selected", selected.len());
         let programmed = f["programmed"].as_bool().unwrap_or(false);
         let detail = format!(
             "{} ({dp}{}): {} selected{}{}",
             f["frontend"].as_str().unwrap_or("?"),
             if programmed { "" } else { ", NOT programmed" },
-            selected.len(),
+            selected_total,
             if selected.is_empty() {
                 String::new()
+            } else if selected.len() < selected_total {
+                format!(
+                    " [{}, and {} more]",
+                    selected.join(", "),
+                    selected_total - selected.len()
+                )
             } else {
                 format!(" [{}]", selected.join(", "))
             },
@@ -487,7 +505,7 @@ fn node_checks(s: &mut Section, what: &str, st: &Value, import: Option<&ServiceI
             "the dataplane could not program it: see the agent's unprogrammable rejection and its map sizes (mcs-agent status, docs/install.md Sizing)"
         };
         s.verdict(
-            programmed && !selected.is_empty(),
+            programmed && selected_total > 0,
             Level::Fail,
             what,
             detail,

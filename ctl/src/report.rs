@@ -143,8 +143,12 @@ impl Report {
         }
     }
 
-    /// The text form: a block per section, a line per check, its fix below it.
+    /// The text form: a block per section, a line per check, its fix below it. Every text
+    /// that may come from an object, an agent or an API server (names, conditions, Lease
+    /// holders, errors) has its control characters written as escapes, so none can erase or
+    /// forge a line or drive the terminal.
     pub fn text(&self) -> String {
+        use mcs_model::render::escaped;
         let width = self
             .sections
             .iter()
@@ -154,17 +158,17 @@ impl Report {
             .min(28);
         let mut out = String::new();
         for s in &self.sections {
-            let _ = writeln!(out, "{}", s.title);
+            let _ = writeln!(out, "{}", escaped(&s.title));
             for c in &s.checks {
                 let _ = writeln!(
                     out,
                     "  {:<4}  {:<width$}  {}",
                     c.level.word(),
-                    c.what,
-                    c.detail
+                    escaped(&c.what),
+                    escaped(&c.detail)
                 );
                 if let Some(fix) = &c.fix {
-                    let _ = writeln!(out, "        {:<width$}  fix: {fix}", "");
+                    let _ = writeln!(out, "        {:<width$}  fix: {}", "", escaped(fix));
                 }
             }
             out.push('\n');
@@ -224,5 +228,26 @@ mod tests {
             "start c2's API server"
         );
         assert!(j.get("data").is_none());
+    }
+
+    /// Issue 52: a condition message, an agent's answer or a Lease holder with an ESC (or a
+    /// newline) is printed escaped: it can neither erase a FAIL line nor forge one.
+    #[test]
+    fn control_characters_from_objects_are_printed_escaped() {
+        let mut s = Section::new("cluster c1\u{1b}[2J");
+        s.push_fix(
+            Level::Fail,
+            "export Valid",
+            "False: \u{1b}[1A\u{1b}[2K  OK    everything fine\nstatus: everything OK",
+            "look at \u{7}it",
+        );
+        let t = Report::new("status".into(), vec![s], serde_json::Value::Null).text();
+        assert!(!t.contains('\u{1b}') && !t.contains('\u{7}'), "{t:?}");
+        assert!(
+            t.contains("False: \\u{1b}[1A\\u{1b}[2K  OK    everything fine\\nstatus"),
+            "{t}"
+        );
+        assert!(t.starts_with("cluster c1\\u{1b}[2J\n"), "{t}");
+        assert!(t.ends_with("status: 1 failure(s), 0 warning(s)\n"), "{t}");
     }
 }

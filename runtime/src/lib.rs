@@ -5,6 +5,8 @@
 //!
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`retry`]: the retry delays of a failed watch.
+//! - [`watch`]: the list+watch driver: backoff that only a completed list or a watch event resets.
+//! - [`open_files`]: the open-files limit, raised as far as it may go.
 //! - [`signals`]: a clean stop on SIGTERM or SIGINT.
 //! - [`logging`]: the tracing subscriber.
 //! - [`cluster_id`]: what a cluster id may be.
@@ -13,5 +15,7 @@
 pub mod cluster_id;
 pub mod http;
 pub mod logging;
+pub mod open_files;
 pub mod retry;
 pub mod signals;
+pub mod watch;

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 /// The retry delays of a failed watch: 100 ms doubling up to `max`, each drawn in
-/// `[delay / 2, delay]` so that a DaemonSet's agents do not retry in step; reset on the
-/// watch's first good event.
+/// `[delay / 2, delay]` so that a DaemonSet's agents do not retry in step; reset by
+/// [`crate::watch::ListWatch`] on a completed list or a watch event only.
 #[derive(Debug)]
 pub struct WatchRetry {
     max: Duration,

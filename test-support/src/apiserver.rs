@@ -195,6 +195,12 @@ impl ApiServer {
             })
             .collect();
         let token_file = write("tokens.csv", &tokens)?;
+        // Lists and watches are audited (metadata only), so a test can count what clients
+        // asked and what they were answered ([`ApiServer::refused_reads`]).
+        let audit_policy = write(
+            "audit-policy.yaml",
+            "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n- level: Metadata\n  verbs: [list, watch]\n- level: None\n",
+        )?;
 
         let etcd_port = free_port()?;
         let etcd_peer_port = free_port()?;
@@ -240,6 +246,10 @@ impl ApiServer {
             "--disable-admission-plugins=ServiceAccount".into(),
             "--enable-priority-and-fairness=false".into(),
             format!("--cert-dir={}", p(&dir.join("certs"))),
+            format!("--audit-policy-file={}", p(&audit_policy)),
+            format!("--audit-log-path={}", p(&dir.join("audit.log"))),
+            "--audit-log-format=json".into(),
+            "--audit-log-mode=blocking".into(),
             "--v=1".into(),
         ];
         let apiserver = Supervised::spawn(
@@ -275,6 +285,27 @@ impl ApiServer {
             api.dir.display()
         );
         Ok(api)
+    }
+
+    /// LIST and WATCH requests this API server answered 403 Forbidden, by resource, as its
+    /// audit log records them (written before the answer is sent): how often clients retry a
+    /// read they are refused (a broken watch is started again before anything is listed).
+    pub fn refused_reads(&self) -> std::collections::BTreeMap<String, usize> {
+        let mut by = std::collections::BTreeMap::new();
+        let text = std::fs::read_to_string(self.dir.join("audit.log")).unwrap_or_default();
+        for line in text.lines() {
+            let Ok(ev) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            if (ev["verb"] == "list" || ev["verb"] == "watch")
+                && ev["stage"] == "ResponseComplete"
+                && ev["responseStatus"]["code"] == 403
+                && let Some(r) = ev["objectRef"]["resource"].as_str()
+            {
+                *by.entry(r.to_string()).or_insert(0) += 1;
+            }
+        }
+        by
     }
 
     /// `https://127.0.0.1:<port>`.

@@ -66,8 +66,11 @@ struct RunArgs {
     /// Do not elect a leader (a single replica).
     #[arg(long)]
     no_leader_election: bool,
-    /// Longest wait, in milliseconds, between two attempts of a failed watch.
-    #[arg(long, default_value_t = 5000)]
+    /// Longest wait, in milliseconds, between two attempts of a failed list or watch:
+    /// retries start at 100 ms and double up to this, jittered down to half; only a completed
+    /// list or a watch event starts them over (a member failing lists is asked at most ~13
+    /// times a minute per watcher).
+    #[arg(long, default_value_t = 20_000)]
     watch_retry_max_ms: u64,
     /// Seconds between full passes (every service computed and compared), a safety net:
     /// passes compute only what changed, which a property test shows equal to a full pass,
@@ -115,7 +118,7 @@ struct RunArgs {
     exports_per_member: usize,
     /// The most bytes of exported labels and annotations (keys, values and 64 bytes per
     /// entry) this controller keeps of one namespace's ServiceExports in one member. An
-    /// export that does not fit is kept without them and refused (`Valid=False`,
+    /// export that does not fit is kept and imported without them (`Valid=True`, reason
     /// `ExportedMetadataOverBudget`; mcs_controller_exports_over_budget) until others shrink
     /// or go; the ones that came first are kept. Every cluster's controller should be given
     /// the same value.
@@ -172,6 +175,9 @@ async fn cluster_id_from_property() -> anyhow::Result<String> {
 }
 
 async fn run(mut args: RunArgs) -> anyhow::Result<()> {
+    // A watch per kind per member, the metrics listener's connections: none of them may be
+    // what stops another socket from opening.
+    mcs_runtime::open_files::raise();
     let cluster_id = match args.cluster_id.take().filter(|c| !c.is_empty()) {
         Some(c) => c,
         None => cluster_id_from_property().await?,

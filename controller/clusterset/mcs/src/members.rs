@@ -20,7 +20,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures::StreamExt as _;
 use k8s_openapi::api::{
     core::v1::{Namespace, Service},
     discovery::v1::EndpointSlice,
@@ -35,7 +34,10 @@ use mcs_merge::ServiceShape;
 use crate::budget::{MetaBudget, MetaLimits};
 use crate::held::{HeldImport, HeldSlice};
 use crate::objects::{LABEL_K8S_SERVICE_NAME, LeanExport, ObjKey, WireExport, shape};
-use mcs_runtime::retry::WatchRetry;
+use mcs_runtime::{
+    retry::WatchRetry,
+    watch::{ListWatch, Next},
+};
 use serde::de::DeserializeOwned;
 use tokio::sync::Notify;
 
@@ -275,12 +277,28 @@ impl Changes {
 /// Whether a member answers.
 #[derive(Debug, Default)]
 struct Health {
-    /// When the first of the current run of failures happened (none: healthy).
-    failing_since: Option<Instant>,
+    /// The member's watchers failing now, by kind: a member is failing while any of them
+    /// is (one that fails every list is not made healthy by another's events).
+    failing: std::collections::BTreeMap<&'static str, Failing>,
     /// The last error, for logs and status.
     last_error: Option<String>,
-    /// Whether the last error was the member refusing our credentials (HTTP 401 or 403).
-    unauthorized: bool,
+}
+
+/// One watcher's run of failures.
+#[derive(Debug)]
+struct Failing {
+    /// When the first of them happened.
+    since: Instant,
+    /// Whether the member refused our credentials (HTTP 401 or 403) in any of them: it
+    /// sticks until that watcher succeeds, so a member answering 401 and 5xx by turns does
+    /// not flip between "unauthorized" and "unreachable" on every error.
+    refused: bool,
+}
+
+impl Health {
+    fn failing_since(&self) -> Option<Instant> {
+        self.failing.values().map(|f| f.since).min()
+    }
 }
 
 /// One member cluster.
@@ -363,7 +381,7 @@ impl Member {
             .last_error
             .clone()
             .unwrap_or_else(|| "not listed yet".into());
-        match h.failing_since {
+        match h.failing_since() {
             Some(t) if t.elapsed() > timeout => MemberState::Gone(error),
             Some(_) => MemberState::Unsure(error),
             None if !self.listed() => {
@@ -382,36 +400,49 @@ impl Member {
         self.exports.listed() && self.services.listed() && self.slices.listed()
     }
 
-    /// For how long it has failed without a success since (none: it answers).
+    /// For how long it has failed without a success since (none: it answers): the oldest
+    /// run of failures of any of its watchers.
     pub fn failing_for(&self) -> Option<Duration> {
         self.health
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .failing_since
+            .failing_since()
             .map(|t| t.elapsed())
     }
 
-    /// Whether the member's last answer was a refusal of our credentials (401/403).
+    /// Whether the member refused our credentials (401/403) since one of its failing
+    /// watchers last succeeded.
     pub fn unauthorized(&self) -> bool {
         self.health
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .unauthorized
+            .failing
+            .values()
+            .any(|f| f.refused)
     }
 
-    fn ok(&self) {
+    /// Watcher `kind` completed a list or saw a watch event.
+    fn ok(&self, kind: &'static str) {
         let mut h = self.health.lock().unwrap_or_else(|p| p.into_inner());
-        h.unauthorized = false;
-        if h.failing_since.take().is_some() {
+        if h.failing.remove(kind).is_some() && h.failing.is_empty() {
             tracing::info!(cluster = %self.id, "member cluster answers again");
         }
     }
 
-    /// A failed list or watch; `refused`: the member answered 401 or 403.
-    fn failed(&self, e: &str, refused: Option<u16>) {
+    /// Watcher `kind`'s list or watch failed (`streak`: failures in a row, `retry`: its wait
+    /// before the next attempt); `refused`: the member answered 401 or 403.
+    fn failed(
+        &self,
+        kind: &'static str,
+        e: &str,
+        refused: Option<u16>,
+        streak: u32,
+        retry: Duration,
+    ) {
         let mut h = self.health.lock().unwrap_or_else(|p| p.into_inner());
+        let was_refused = h.failing.values().any(|f| f.refused);
         if let Some(code) = refused
-            && !h.unauthorized
+            && !was_refused
         {
             tracing::warn!(
                 cluster = %self.id,
@@ -420,11 +451,16 @@ impl Member {
                 "member cluster refuses our credentials: its user in --clusterset-kubeconfig has a wrong, expired or revoked token, or lacks read access (docs/install.md); its imports stay until the member timeout. A token file (tokenFile) is read again within a minute"
             );
         }
-        h.unauthorized = refused.is_some();
-        if h.failing_since.is_none() {
+        if h.failing.is_empty() {
             tracing::warn!(cluster = %self.id, error = e, "member cluster does not answer");
-            h.failing_since = Some(Instant::now());
+        } else {
+            tracing::debug!(cluster = %self.id, error = e, failures = streak, retry_ms = retry.as_millis() as u64, "member cluster still fails");
         }
+        let f = h.failing.entry(kind).or_insert_with(|| Failing {
+            since: Instant::now(),
+            refused: false,
+        });
+        f.refused |= refused.is_some();
         h.last_error = Some(e.to_string());
     }
 }
@@ -450,6 +486,7 @@ pub fn start(
     };
     let all = watcher::Config::default;
     tokio::spawn(watch(
+        "ServiceExport",
         Api::<WireExport>::all(client.clone()),
         all(),
         ctx(),
@@ -457,6 +494,7 @@ pub fn start(
         LeanExport::new,
     ));
     tokio::spawn(watch(
+        "Service",
         Api::<Service>::all(client.clone()),
         all(),
         ctx(),
@@ -464,6 +502,7 @@ pub fn start(
         |svc| shape(&svc),
     ));
     tokio::spawn(watch(
+        "EndpointSlice",
         Api::<EndpointSlice>::all(client.clone()),
         all().labels(LABEL_K8S_SERVICE_NAME),
         ctx(),
@@ -472,6 +511,7 @@ pub fn start(
     ));
     if let Some(local) = local {
         tokio::spawn(watch(
+            "Namespace",
             Api::<Namespace>::all(client.clone()),
             all(),
             ctx(),
@@ -486,6 +526,7 @@ pub fn start(
             },
         ));
         tokio::spawn(watch(
+            "ServiceImport",
             Api::<mcs_api::ServiceImport>::all(client.clone()),
             all(),
             ctx(),
@@ -494,6 +535,7 @@ pub fn start(
         ));
         let ours = format!("{}={}", mcs_api::LABEL_MANAGED_BY, crate::MANAGER);
         tokio::spawn(watch(
+            "our EndpointSlice",
             Api::<EndpointSlice>::all(client),
             all().labels(&ours),
             ctx(),
@@ -601,21 +643,10 @@ pub fn lean_member_slice(es: EndpointSlice) -> EndpointSlice {
     }
 }
 
-/// The HTTP code of a watch error that is the API server refusing our credentials (401
-/// Unauthorized, 403 Forbidden).
-fn refusal(e: &watcher::Error) -> Option<u16> {
-    let code = match e {
-        watcher::Error::InitialListFailed(kube::Error::Api(s))
-        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
-        | watcher::Error::WatchFailed(kube::Error::Api(s)) => s.code,
-        watcher::Error::WatchError(s) => s.code,
-        _ => return None,
-    };
-    matches!(code, 401 | 403).then_some(code)
-}
-
-/// Keeps `store` equal to the cluster's objects of kind `K`, each kept as `lean` makes it.
+/// Keeps `store` equal to the cluster's objects of kind `K`, each kept as `lean` makes it;
+/// `watcher_name` keys its failures in the member's health.
 async fn watch<K, V>(
+    watcher_name: &'static str,
     api: Api<K>,
     config: watcher::Config,
     ctx: Ctx,
@@ -627,25 +658,25 @@ async fn watch<K, V>(
     V: Send + Sync + 'static,
 {
     let kind = K::kind(&K::DynamicType::default()).to_string();
-    let mut retry = WatchRetry::new(ctx.retry_max);
-    let mut stream = watcher(api, config).boxed();
+    let mut stream = ListWatch::new(watcher(api, config), ctx.retry_max);
     let mut pending: Option<HashMap<ObjKey, Arc<V>>> = None;
-    while let Some(item) = stream.next().await {
-        let ev = match item {
-            Ok(ev) => {
-                retry.reset();
-                ctx.member.ok();
-                ev
+    while let Some(next) = stream.next().await {
+        let ev = match next {
+            Next::Event { event, proof } => {
+                // Only a completed list or a watch event says the member answers: kube's
+                // watcher yields `Init` before every list attempt, failing or not.
+                if proof {
+                    ctx.member.ok(watcher_name);
+                }
+                event
             }
-            Err(watcher::Error::WatchError(s)) if s.code == 410 => continue,
-            Err(e) => {
-                let msg = format!("{kind}: {e}");
-                ctx.member.failed(&msg, refusal(&e));
+            Next::Failed(f) => {
+                let msg = format!("{kind}: {}", f.error);
+                ctx.member
+                    .failed(watcher_name, &msg, f.refused(), f.streak, f.delay);
                 // The reconciler keeps time while a member fails (its timeout may pass
                 // without any event).
                 ctx.wake.notify_one();
-                let delay = retry.next().unwrap_or(ctx.retry_max);
-                tokio::time::sleep(delay).await;
                 continue;
             }
         };

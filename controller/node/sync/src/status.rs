@@ -9,8 +9,12 @@ use mcs_model::{Backend, Dataplane, Index, Rejection};
 use serde::Serialize;
 use tokio::sync::oneshot;
 
-/// Rejections listed when no service is asked for (the count is always whole).
+/// Rejections listed in one answer (the count is always whole).
 pub const REJECTIONS_LISTED: usize = 100;
+
+/// Backends listed in one answer, over all of the asked service's frontends (each frontend's
+/// counts are always whole): an answer stays under ~300 KB however large the service.
+pub const BACKENDS_LISTED: usize = 1_000;
 
 /// A question to the sync loop.
 #[derive(Debug)]
@@ -80,6 +84,9 @@ pub struct ServiceStatus {
     pub name: String,
     /// Its frontends in the table (none: not imported here, or rejected: see `rejected`).
     pub frontends: Vec<FrontendStatus>,
+    /// Some backends are not listed: more than [`BACKENDS_LISTED`] in all (each frontend's
+    /// `backends_total`, `selected` and `fallback` count them all).
+    pub truncated: bool,
 }
 
 /// One frontend as programmed.
@@ -91,9 +98,16 @@ pub struct FrontendStatus {
     pub programmed: bool,
     /// ClientIP affinity timeout, when asked.
     pub affinity_timeout_seconds: Option<u32>,
-    /// Every backend, with whether new connections go to it (`selected`) or it is tried
-    /// when every selected one refuses (`fallback`).
+    /// Its backends, with whether new connections go to it (`selected`) or it is tried
+    /// when every selected one refuses (`fallback`): all of them unless the service's answer
+    /// is `truncated`.
     pub backends: Vec<Backend>,
+    /// Backends in all.
+    pub backends_total: usize,
+    /// Selected backends in all.
+    pub selected: usize,
+    /// Fallback backends in all.
+    pub fallback: usize,
 }
 
 /// Builds the answer from the sync loop's state.
@@ -111,6 +125,7 @@ pub(crate) fn build<D: Dataplane>(
         Some((ns, name)) => rejected
             .iter()
             .filter(|r| concerns(&r.object, ns, name))
+            .take(REJECTIONS_LISTED)
             .map(RejectionStatus::from)
             .collect(),
         None => rejected
@@ -121,21 +136,32 @@ pub(crate) fn build<D: Dataplane>(
     };
     let service = service.map(|(namespace, name)| {
         let key = format!("{namespace}/{name}");
+        let mut room = BACKENDS_LISTED;
+        let mut truncated = false;
         let frontends = table
             .frontends
             .iter()
             .filter(|(_, s)| s.service == key)
-            .map(|(f, s): (_, &Arc<mcs_model::Service>)| FrontendStatus {
-                frontend: f.to_string(),
-                programmed: dataplane.programmed(f),
-                affinity_timeout_seconds: s.affinity.map(|a| a.timeout_seconds),
-                backends: s.backends.clone(),
+            .map(|(f, s): (_, &Arc<mcs_model::Service>)| {
+                let listed = s.backends.len().min(room);
+                room -= listed;
+                truncated |= listed < s.backends.len();
+                FrontendStatus {
+                    frontend: f.to_string(),
+                    programmed: dataplane.programmed(f),
+                    affinity_timeout_seconds: s.affinity.map(|a| a.timeout_seconds),
+                    backends: s.backends[..listed].to_vec(),
+                    backends_total: s.backends.len(),
+                    selected: s.backends.iter().filter(|b| b.selected).count(),
+                    fallback: s.backends.iter().filter(|b| b.fallback).count(),
+                }
             })
             .collect();
         ServiceStatus {
             namespace,
             name,
             frontends,
+            truncated,
         }
     });
     NodeStatus {

@@ -936,3 +936,46 @@ async fn the_agent_tells_its_daemonset_deleted_from_present() {
     );
     ds.delete(name, &DeleteParams::default()).await.unwrap();
 }
+
+/// Issue 52: an API server refusing every list (the agent's account not bound to its role
+/// yet) is asked at most once per backoff step by each watcher — kube's watcher yields `Init`
+/// before every list attempt, which used to reset the backoff (~13 lists a second per
+/// watcher) — and the source syncs within one backoff step of being allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_server_refusing_lists_is_asked_once_per_backoff_step() {
+    if !mcs_test_support::require(apiserver::prerequisites()) {
+        return;
+    }
+    // A dedicated apiserver: its request counts are this test's alone.
+    let api = ApiServer::start().expect("start apiserver");
+    let admin = api.client().await;
+    let agent = api.client_as(User::Agent).await;
+    let t0 = std::time::Instant::now();
+    // The shipped default retry cap (20 s).
+    let run = run_kube_source(agent, Some("c1"));
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let lists = api.refused_reads();
+    eprintln!("LISTs and WATCHes refused in {:?}: {lists:?}", t0.elapsed());
+    // The ServiceImport watcher lists; the EndpointSlice watcher's first list (asking whether
+    // slices come in protobuf) is retried the same way.
+    for resource in ["serviceimports", "endpointslices"] {
+        let n = lists.get(resource).copied().unwrap_or(0);
+        assert!(n >= 1, "{resource}: no refused list counted ({lists:?})");
+        assert!(
+            n <= 15,
+            "{resource}: {n} lists and watches in a minute ({lists:?})"
+        );
+    }
+    assert!(!run.health.is_ready());
+    // Allowed now: ready within one backoff step (20 s) and a list.
+    apply_rbac(admin.clone()).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(45);
+    while !run.health.is_ready() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not synced within 45 s of the binding"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = run.stop.send(true);
+}

@@ -59,7 +59,8 @@ pub fn start_controller(id: &str, kubeconfig: &PathBuf) -> Controller {
 }
 
 /// The controller of cluster `id` with `extra` arguments (metrics on a random loopback port
-/// unless they say `--metrics-addr`). Its log goes to the test's stderr with
+/// unless they say `--metrics-addr`; watch retries capped at 500 ms unless they say
+/// `--watch-retry-max-ms`). Its log goes to the test's stderr with
 /// `MCS_TEST_CONTROLLER_LOG` set.
 pub fn start_controller_with(id: &str, kubeconfig: &PathBuf, extra: &[&str]) -> Controller {
     start_controller_env(id, kubeconfig, extra, &[])
@@ -80,7 +81,11 @@ pub fn start_controller_env(
     let child = Command::new(env!("CARGO_BIN_EXE_mcs-controller"))
         .args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
         .args(metrics)
-        .args(["--watch-retry-max-ms", "500"])
+        .args(if extra.contains(&"--watch-retry-max-ms") {
+            &[][..]
+        } else {
+            &["--watch-retry-max-ms", "500"][..]
+        })
         .args(extra)
         .envs(env.iter().copied())
         .arg("--clusterset-kubeconfig")

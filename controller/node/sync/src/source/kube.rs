@@ -1,11 +1,13 @@
 //! The kube source: watchers (list + watch) on ServiceImports, EndpointSlices carrying the MCS
 //! service-name label, and the cluster-id ClusterProperty.
 //!
-//! A failed watch is retried with [`WatchRetry`]: exponential from 100 ms, capped at
-//! [`Options::retry_max`] (default 5 s, jittered down to half), reset on the first event; a `410 Gone` re-lists at once. kube-rs's
-//! default caps at 30 s (jitter up to twice that), so after an API server outage of a minute
-//! changes made meanwhile could arrive half a minute late; the dataplane keeps serving its
-//! last table all the while.
+//! Every watcher runs through [`ListWatch`] (`mcs-runtime`): a failed list or watch is retried
+//! after [`WatchRetry`]'s delays, exponential from 100 ms, capped at [`Options::retry_max`]
+//! (default 20 s, jittered down to half), and only a completed list or a watch event starts
+//! them over, so an API server failing lists is asked at most ~13 times a minute by each
+//! watcher of each agent (kube-runtime's `Init` before every list attempt resets nothing). A
+//! first `410 Gone` re-lists at once. The dataplane keeps serving its last table all the
+//! while; changes made during an outage arrive within `retry_max` of the API server's return.
 //!
 //! The ServiceImport version is discovered, not assumed: the group's preferred version when
 //! the agent reads it, else the other one it reads (`v1beta1`, `v1alpha1`), so a cluster whose
@@ -115,7 +117,7 @@ impl Default for Options {
     fn default() -> Self {
         Self {
             watch_cluster_id: false,
-            retry_max: Duration::from_secs(5),
+            retry_max: Duration::from_secs(20),
             slices: SliceEncoding::default(),
             slice_list: slice_watch::ListFrom::Cache,
         }
@@ -123,6 +125,7 @@ impl Default for Options {
 }
 
 pub use mcs_runtime::retry::WatchRetry;
+use mcs_runtime::watch::{ListWatch, Next};
 
 /// Runs the watchers until the receiver is dropped. Sends `Synced` once every watcher has
 /// listed.
@@ -363,7 +366,7 @@ impl Relister {
 }
 
 async fn watch<K>(
-    mut stream: BoxStream<'static, watcher::Result<watcher::Event<K>>>,
+    stream: BoxStream<'static, watcher::Result<watcher::Event<K>>>,
     retry_max: Duration,
     tx: mpsc::Sender<SourceEvent>,
     remaining: Arc<AtomicUsize>,
@@ -375,7 +378,7 @@ async fn watch<K>(
 {
     let kind = K::kind(&K::DynamicType::default()).to_string();
     let mut state = Relister::default();
-    let mut retry = WatchRetry::new(retry_max);
+    let mut stream = ListWatch::new(stream, retry_max);
     let send = |ev: Option<SourceEvent>| {
         let tx = tx.clone();
         async move {
@@ -385,33 +388,20 @@ async fn watch<K>(
             }
         }
     };
-    while let Some(item) = tokio::select! {
-        item = stream.next() => item,
+    while let Some(next) = tokio::select! {
+        next = stream.next() => next,
         () = tx.closed() => None,
     } {
-        let step = match item {
-            Ok(ev) => {
-                kube::runtime::utils::Backoff::reset(&mut retry);
-                state.on(ev)
-            }
-            // 410 Gone: the resource version is too old (an API server restarted, history
-            // compacted). Not a failure: the watcher re-lists next, at once.
-            Err(watcher::Error::WatchError(status)) if status.code == 410 => {
-                tracing::info!(kind, reason = %status.message, "watch expired; re-listing");
-                continue;
-            }
-            Err(e) => {
-                let delay = retry.next().unwrap_or(retry_max);
+        let step = match next {
+            Next::Event { event, .. } => state.on(event),
+            Next::Failed(f) => {
                 tracing::warn!(
                     kind,
-                    error = %e,
-                    retry_ms = delay.as_millis() as u64,
+                    error = %f.error,
+                    failures = f.streak,
+                    retry_ms = f.delay.as_millis() as u64,
                     "watch failed; retrying"
                 );
-                tokio::select! {
-                    () = tokio::time::sleep(delay) => {}
-                    () = tx.closed() => return,
-                }
                 continue;
             }
         };
