@@ -146,7 +146,8 @@ pub struct Limits {
     pub endpoints_per_slice: usize,
     /// Backends of one frontend (more are trimmed, deterministically: selected ones first).
     pub backends_per_frontend: usize,
-    /// Frontends of the whole table (imports are admitted oldest first; the rest rejected).
+    /// Frontends of the whole table (past it, namespaces share the table fairly, each one's
+    /// imports oldest first; the rest are rejected).
     pub frontends: usize,
     /// Backends of the whole table, summed over frontends (admitted as frontends are).
     pub backends: usize,

@@ -8,8 +8,9 @@
 //! Ownership: a VIP belongs to one import, with all its ports: the oldest claimant by
 //! [`validate::AgeKey`] (creationTimestamp, then uid, then name). Every other claimant loses
 //! the whole VIP (`vip_conflict`). Capacity: while the table's totals are within
-//! [`Limits`](crate::guard::Limits), every import is admitted; past them, imports are admitted
-//! oldest first while they fit and the rest are rejected (`over_capacity`) — a walk over all
+//! [`Limits`](crate::guard::Limits), every import is admitted; past them, namespaces share the
+//! table fairly (dominant-resource fairness over the frontends and backends caps), each one's
+//! imports oldest first, and what does not fit is rejected (`over_capacity`) — a walk over all
 //! imports, done only while over a cap.
 
 use std::{
@@ -58,7 +59,7 @@ pub struct Index {
     imports: HashMap<ServiceRef, ImportEntry>,
     /// Keyed by `(namespace, name)`, shared with `slices_by_service`.
     slices: HashMap<Arc<SliceKey>, SliceEntry>,
-    /// The slices naming each service (distinct; a service has a few per cluster).
+    /// The slices naming each service (distinct, sorted; a service has a few per cluster).
     slices_by_service: HashMap<ServiceRef, Vec<Arc<SliceKey>>>,
     derived: HashMap<ServiceRef, Derived>,
     /// Who claims each VIP, oldest first (distinct; almost always one).
@@ -159,7 +160,11 @@ impl Index {
             if keys.len() < 4 {
                 keys.reserve_exact(1);
             }
-            keys.push(key.clone());
+            // Kept sorted: what depends on the order of a service's slices (which slice's
+            // ports an endpoint listed twice gets in DNS) is the same whatever order they
+            // came in, as in a fresh compute.
+            let at = keys.binary_search(&key).unwrap_or_else(|at| at);
+            keys.insert(at, key.clone());
             self.dirty.insert(svc.clone());
         }
         if !rejections.is_empty() {
@@ -303,41 +308,70 @@ impl Index {
         diff
     }
 
-    /// Which imports the caps leave out: none while the totals fit, else the ones that do not
-    /// fit when admitted oldest first.
+    /// Which imports the caps leave out: none while the totals fit, else those left out by a
+    /// fair filling of the table. Namespaces take turns, the one holding the smallest share of
+    /// the table (the larger of its fraction of the frontends cap and of the backends cap:
+    /// dominant-resource fairness) admitting its next-oldest import while it fits; an import
+    /// that does not fit is left out and its namespace goes on with its younger ones. So a
+    /// namespace whose imports need no more than an equal share of each cap is never left
+    /// out because another namespace holds more (up to the one import by which a namespace
+    /// may overshoot its turn), and within a namespace older imports come first. A walk over
+    /// every import, done only while over a cap.
     fn admission(&self) -> BTreeMap<ServiceRef, Rejection> {
+        use std::{cmp::Reverse, collections::BinaryHeap};
         let limits = &self.node.guard.limits;
         let mut out = BTreeMap::new();
         if self.totals.0 <= limits.frontends && self.totals.1 <= limits.backends {
             return out;
         }
-        let mut order: Vec<(&AgeKey, &ServiceRef, &Derived)> = self
-            .derived
-            .iter()
-            .filter_map(|(s, d)| d.age_key.as_ref().map(|a| (a, s, d)))
-            .collect();
-        order.sort_by(|a, b| a.0.cmp(b.0));
+        // Each namespace's imports, youngest first (taken from the end).
+        let mut queues: BTreeMap<&str, Vec<(&AgeKey, &ServiceRef, &Derived)>> = BTreeMap::new();
+        for (s, d) in &self.derived {
+            if let Some(a) = d.age_key.as_ref() {
+                queues.entry(&s.namespace).or_default().push((a, s, d));
+            }
+        }
+        for q in queues.values_mut() {
+            q.sort_by(|a, b| b.0.cmp(a.0));
+        }
+        // A namespace's dominant share, exact: max(f / F, b / B) scaled by F * B.
+        let (cap_f, cap_b) = (limits.frontends as u128, limits.backends as u128);
+        let share = |f: usize, b: usize| (f as u128 * cap_b).max(b as u128 * cap_f);
+        let mut used: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
+        let mut turns: BinaryHeap<Reverse<(u128, &str)>> =
+            queues.keys().map(|ns| Reverse((0, *ns))).collect();
         let (mut frontends, mut backends) = (0usize, 0usize);
-        for (_, svc, d) in order {
+        while let Some(Reverse((_, ns))) = turns.pop() {
+            let Some((_, svc, d)) = queues.get_mut(ns).and_then(Vec::pop) else {
+                continue;
+            };
             let (f, b) = (frontends + d.frontends.len(), backends + d.backends);
+            let mine = used.entry(ns).or_default();
             if f <= limits.frontends && b <= limits.backends {
                 (frontends, backends) = (f, b);
-                continue;
+                mine.0 += d.frontends.len();
+                mine.1 += d.backends;
+            } else {
+                out.insert(
+                    svc.clone(),
+                    Rejection {
+                        object: format!("ServiceImport {svc}"),
+                        reason: Reason::OverCapacity,
+                        message: format!(
+                            "its {} frontends / {} backends do not fit: the table holds at most {} frontends and {} backends; past them namespaces share it fairly (namespace {ns} holds {} frontends / {} backends of it) and within a namespace older imports come first",
+                            d.frontends.len(),
+                            d.backends,
+                            limits.frontends,
+                            limits.backends,
+                            mine.0,
+                            mine.1,
+                        ),
+                    },
+                );
             }
-            out.insert(
-                svc.clone(),
-                Rejection {
-                    object: format!("ServiceImport {svc}"),
-                    reason: Reason::OverCapacity,
-                    message: format!(
-                        "its {} frontends / {} backends do not fit: the table holds at most {} frontends and {} backends, and older imports come first",
-                        d.frontends.len(),
-                        d.backends,
-                        limits.frontends,
-                        limits.backends
-                    ),
-                },
-            );
+            if queues.get(ns).is_some_and(|q| !q.is_empty()) {
+                turns.push(Reverse((share(mine.0, mine.1), ns)));
+            }
         }
         out
     }

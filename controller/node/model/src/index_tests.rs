@@ -473,6 +473,13 @@ fn hostile_addresses_include_mapped_and_v6_forms() {
         "::",
         "::1",
         "ff02::1",
+        // Cloud metadata services outside link-local (issue 52).
+        "fd00:ec2::254",
+        "100.100.100.200",
+        "::ffff:100.100.100.200",
+        "168.63.129.16",
+        "192.0.0.192",
+        "fd20:ce::254",
     ] {
         assert!(hostile(bad.parse().unwrap()).is_some(), "{bad}");
     }

@@ -1,6 +1,8 @@
 //! The node's guard at work: objects written by someone careless or hostile are rejected or
 //! trimmed with a reason, and everything else keeps working (issue 11).
 
+use std::collections::BTreeSet;
+
 use crate::{
     Guard, IpCidr, Limits, NodeConfig,
     index::{Index, compute},
@@ -263,6 +265,91 @@ fn caps_reject_with_reasons_and_keep_the_rest() {
         reasons_of(&rej, "ServiceImport ns/web")[0].0,
         Reason::TooManyBackends
     );
+}
+
+/// Issue 52's hog: one namespace fills the table with old many-port imports (no endpoints);
+/// an import of another namespace, younger than all of them, is still admitted, and the hog
+/// loses its youngest import instead. Within the hog, older imports keep their place.
+#[test]
+fn past_the_caps_a_namespace_within_its_share_is_admitted_whatever_another_holds() {
+    let mut n = node("c1");
+    n.guard.limits.frontends = 100;
+    let mk = |ns: &str, name: &str, vip: &str, ports: i64, day: u8| {
+        let p: Vec<(&str, &str, i64)> = (1..=ports).map(|p| ("", "TCP", p)).collect();
+        let mut i = mk_import(name, &[vip], &p);
+        i.namespace = ns.into();
+        i.created = Some(format!("2026-01-{day:02}T00:00:00Z"));
+        i
+    };
+    let mut idx = Index::new(n);
+    // 10 imports of 10 ports: the whole table.
+    for k in 0..10u8 {
+        idx.upsert_import(mk(
+            "hog",
+            &format!("h{k}"),
+            &format!("198.18.0.{}", 10 + k),
+            10,
+            1 + k,
+        ));
+    }
+    idx.flush();
+    assert_eq!(idx.table().frontends.len(), 100);
+    assert!(idx.rejections().is_empty());
+    // Two small imports in two other namespaces, the youngest of all.
+    idx.upsert_import(mk("shop", "web", "198.18.1.10", 1, 20));
+    idx.upsert_import(mk("bank", "api", "198.18.1.11", 2, 21));
+    idx.flush();
+    let vips: BTreeSet<String> = idx
+        .table()
+        .frontends
+        .keys()
+        .map(|f| f.vip.to_string())
+        .collect();
+    assert!(
+        vips.contains("198.18.1.10") && vips.contains("198.18.1.11"),
+        "{vips:?}"
+    );
+    let rej = idx.rejections();
+    let over: Vec<&str> = rej
+        .iter()
+        .filter(|r| r.reason == Reason::OverCapacity)
+        .map(|r| r.object.as_str())
+        .collect();
+    assert_eq!(
+        over,
+        ["ServiceImport hog/h9"],
+        "the hog's youngest import goes"
+    );
+    assert!(
+        rej[0].message.contains("namespaces share it fairly"),
+        "{}",
+        rej[0].message
+    );
+    assert_eq!(idx.table().frontends.len(), 93);
+    // Within one namespace the old rule holds: a third small namespace arriving takes from
+    // the hog again (its next-youngest), never from shop or bank.
+    idx.upsert_import(mk("blog", "www", "198.18.1.12", 8, 22));
+    idx.flush();
+    let over: BTreeSet<String> = idx
+        .rejections()
+        .iter()
+        .filter(|r| r.reason == Reason::OverCapacity)
+        .map(|r| r.object.clone())
+        .collect();
+    assert_eq!(
+        over,
+        BTreeSet::from([
+            "ServiceImport hog/h8".to_string(),
+            "ServiceImport hog/h9".to_string()
+        ])
+    );
+    // The newcomers leave: the hog gets its whole table back.
+    for (ns, name) in [("shop", "web"), ("bank", "api"), ("blog", "www")] {
+        idx.delete_import(ns, name);
+    }
+    idx.flush();
+    assert_eq!(idx.table().frontends.len(), 100);
+    assert!(idx.rejections().is_empty());
 }
 
 #[test]

@@ -251,12 +251,28 @@ fn protocol_and_port(
     }
 }
 
+/// Cloud instance metadata (and platform) services outside the link-local ranges, which
+/// answer the node's own identity: an endpoint there would let a tenant have the node (the
+/// userspace forwarder connects from the node's network namespace) ask for its credentials.
+/// AWS's IPv6 IMDS, Alibaba Cloud's, Azure's WireServer, Oracle Cloud's, Google Cloud's IPv6
+/// metadata server. (169.254.169.254 and its link-local kin are refused as link-local.)
+pub const CLOUD_METADATA: [IpAddr; 5] = [
+    IpAddr::V6(std::net::Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254)),
+    IpAddr::V4(Ipv4Addr::new(100, 100, 100, 200)),
+    IpAddr::V4(Ipv4Addr::new(168, 63, 129, 16)),
+    IpAddr::V4(Ipv4Addr::new(192, 0, 0, 192)),
+    IpAddr::V6(std::net::Ipv6Addr::new(0xfd20, 0xce, 0, 0, 0, 0, 0, 0x254)),
+];
+
 /// Why an address must never be programmed, if it must not.
 pub fn hostile(ip: IpAddr) -> Option<&'static str> {
     let ip = match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
         v4 => v4,
     };
+    if CLOUD_METADATA.contains(&ip) {
+        return Some("a cloud metadata service");
+    }
     match ip {
         IpAddr::V4(v4) => {
             if v4.is_unspecified() {
