@@ -23,26 +23,49 @@ const CLIENT_BUCKETS: usize = 16_384;
 
 /// Open connections per client address, in buckets by hash: one atomic add on accept and one
 /// subtract on close, no lock and no allocation per connection.
+///
+/// Two limits: `limit` always, and, once the forwarder's whole cap is nearly spent (less
+/// than its last quarter left, [`ClientCounts::scarce`]), `reserved`: the last quarter is kept
+/// for clients holding fewer than that many, a sixteenth of it each, so a handful of
+/// clients at their own cap (four at the defaults: 4 × 16,384 = 65,536) cannot leave every
+/// other pod of the node refused.
 #[derive(Debug)]
 pub struct ClientCounts {
     limit: u32,
+    reserved: u32,
+    /// Free places of the whole cap below which only `reserved` holds.
+    reserve: usize,
     buckets: Box<[AtomicU32]>,
 }
 
 impl ClientCounts {
-    /// At most `limit` open connections per client.
-    pub fn new(limit: usize) -> Self {
+    /// At most `limit` open connections per client, of a forwarder holding at most `total`.
+    pub fn new(limit: usize, total: usize) -> Self {
+        let limit = u32::try_from(limit.max(1)).unwrap_or(u32::MAX);
+        let reserve = total / 4;
         Self {
-            limit: u32::try_from(limit.max(1)).unwrap_or(u32::MAX),
+            limit,
+            reserved: u32::try_from(reserve / 16)
+                .unwrap_or(u32::MAX)
+                .clamp(1, limit),
+            reserve,
             buckets: (0..CLIENT_BUCKETS).map(|_| AtomicU32::new(0)).collect(),
         }
     }
 
-    /// Takes a slot for `client`, or `None` when it has `limit` open already.
-    pub(super) fn take(&self, client: SocketAddr) -> Option<ClientSlot<'_>> {
+    /// Whether `free` places left of the whole cap (after this connection took its own) are
+    /// within its last quarter.
+    pub(super) fn scarce(&self, free: usize) -> bool {
+        free < self.reserve
+    }
+
+    /// Takes a slot for `client`, or `None` when it has `limit` open already, or, with the
+    /// cap `scarce`, `reserved`.
+    pub(super) fn take(&self, client: SocketAddr, scarce: bool) -> Option<ClientSlot<'_>> {
         let h = super::routes::flow_hash(client, true) as usize % CLIENT_BUCKETS;
         let b = &self.buckets[h];
-        if b.fetch_add(1, Ordering::Relaxed) >= self.limit {
+        let limit = if scarce { self.reserved } else { self.limit };
+        if b.fetch_add(1, Ordering::Relaxed) >= limit {
             b.fetch_sub(1, Ordering::Relaxed);
             return None;
         }
@@ -180,6 +203,55 @@ impl Drop for PooledBuf {
 
 #[cfg(test)]
 mod tests {
+    use super::ClientCounts;
+
+    /// Issue 52: four clients at their own cap used to fill the whole cap; now the last
+    /// quarter is kept for clients that hold few, and a fifth client is served.
+    #[test]
+    fn clients_at_their_cap_leave_the_last_quarter_to_the_others() {
+        let (total, per_client) = (64usize, 16usize);
+        let counts = ClientCounts::new(per_client, total);
+        let mut free = total;
+        let mut held = Vec::new();
+        let accept = |client: &str, free: &mut usize| {
+            if *free == 0 {
+                return None;
+            }
+            let slot = counts.take(client.parse().unwrap(), counts.scarce(*free - 1))?;
+            *free -= 1;
+            Some(slot)
+        };
+        let mut served = [0; 5];
+        for (i, c) in [
+            "198.18.9.1:1",
+            "198.18.9.2:1",
+            "198.18.9.3:1",
+            "198.18.9.4:1",
+        ]
+        .iter()
+        .enumerate()
+        {
+            for _ in 0..per_client {
+                if let Some(s) = accept(c, &mut free) {
+                    held.push(s);
+                    served[i] += 1;
+                }
+            }
+        }
+        // Three took their 16 each; the fourth got one of the reserve (a sixteenth of 16).
+        assert_eq!(served[..4], [16, 16, 16, 1]);
+        // A fifth client is served, as are more newcomers, one each, while the reserve lasts.
+        let fifth = accept("198.18.9.5:1", &mut free);
+        assert!(fifth.is_some());
+        assert!(accept("198.18.9.5:1", &mut free).is_none());
+        let sixth = accept("[2001:2::9:6]:1", &mut free);
+        assert!(sixth.is_some());
+        drop((fifth, sixth, held));
+        // Without the reserve (a cap of 2), the per-client cap alone.
+        let small = ClientCounts::new(16, 2);
+        assert!(!small.scarce(0) && small.take("198.18.9.1:1".parse().unwrap(), false).is_some());
+    }
+
     use super::*;
 
     /// A bulk pipe is grown when taken and shrunk to the default when given back.

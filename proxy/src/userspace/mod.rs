@@ -177,7 +177,10 @@ impl Userspace {
             config: config.clone(),
             metrics,
             shutdown: shutdown_rx,
-            per_client: conn::ClientCounts::new(config.max_connections_per_client),
+            per_client: conn::ClientCounts::new(
+                config.max_connections_per_client,
+                config.max_connections,
+            ),
         });
         let cap = Arc::new(Semaphore::new(config.max_connections));
         shared

@@ -181,10 +181,12 @@ async fn accept_loop(
             reset(&stream);
             continue;
         };
+        // Past three quarters of the cap, only clients holding few are taken.
+        let scarce = shared.per_client.scarce(cap.available_permits());
         let shared = shared.clone();
         let signals = signals.0.clone();
         tokio::spawn(async move {
-            let Some(slot) = shared.per_client.take(client) else {
+            let Some(slot) = shared.per_client.take(client, scarce) else {
                 // This client has its share open already: refuse it alone.
                 if let Some(route) = shared.routes.load().get(dst, Protocol::Tcp) {
                     route.frontend_counters.refused.inc();

@@ -571,7 +571,8 @@ impl<'s> Worker<'s> {
             reset(&fd);
             return;
         };
-        let Some(slot) = self.shared.per_client.take(client) else {
+        let scarce = self.shared.per_client.scarce(self.cap.available_permits());
+        let Some(slot) = self.shared.per_client.take(client, scarce) else {
             route.frontend_counters.refused.inc();
             reset(&fd);
             return;

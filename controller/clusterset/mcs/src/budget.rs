@@ -4,11 +4,14 @@
 //! namespace may hold thousands of exports: without a bound in bytes one tenant could make
 //! every cluster's controller hold gigabytes (and be killed at its memory limit).
 //!
-//! An export whose metadata does not fit is kept without it, refused ([`OVER_BUDGET`], its
-//! `Valid=False`), and remembered with its size; when others in its namespace shrink or go
-//! and it would fit, its key is queued ([`MetaBudget::readmit`]) and the member's re-admit
-//! task reads it again from the API server. Exports come in as their events do (a complete
-//! list: oldest first), so at the edge of the budget the ones that came first are kept.
+//! An export whose metadata does not fit is kept without it ([`OVER_BUDGET`]: imported
+//! without its labels and annotations, its `Valid` condition says why), and remembered with
+//! its size; when others shrink or go, the refused exports that fit the freed room together
+//! (in key order, not each alone: one freed byte must not queue thousands of reads) are
+//! queued ([`MetaBudget::readmit`]) and the member's re-admit task reads them again from the
+//! API server. Exports come in as their events do (a complete list: oldest first), so at the
+//! edge of the budget the ones that came first are kept; the per-member budget is first come
+//! across namespaces, but a namespace past it loses only its exports' metadata.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
@@ -21,8 +24,8 @@ use tokio::sync::Notify;
 use crate::members::Admission;
 use crate::objects::{LeanExport, ObjKey};
 
-/// `Valid=False` reason: the export's labels and annotations do not fit its namespace's (or
-/// member's) budget.
+/// `Valid=True` reason: the export is imported without its labels and annotations, which do
+/// not fit its namespace's (or member's) budget.
 pub const OVER_BUDGET: &str = "ExportedMetadataOverBudget";
 
 /// Bytes charged per label or annotation beyond its key and value (the map entry and the
@@ -126,18 +129,38 @@ impl MetaBudget {
                 s.by_namespace.remove(&key.0);
             }
         }
-        // Refused exports that would fit now (each alone: admitting them again decides).
-        let fits: Vec<ObjKey> = s
-            .over
-            .iter()
-            .filter(|(k, need)| {
+        // Refused exports that fit the room there is now, together (as many as could be
+        // admitted, not every one that would fit alone), minus those already queued.
+        let mut room_total = self.limits.per_member.saturating_sub(s.total);
+        let mut room_ns: HashMap<&str, usize> = HashMap::new();
+        for k in &s.readmit {
+            if let Some(need) = s.over.get(k) {
+                room_total = room_total.saturating_sub(*need);
                 let in_ns = s.by_namespace.get(&k.0).copied().unwrap_or(0);
-                in_ns + **need <= self.limits.per_namespace
-                    && s.total + **need <= self.limits.per_member
-            })
-            .map(|(k, _)| k.clone())
-            .filter(|k| !s.readmit.contains(k))
-            .collect();
+                let r = room_ns
+                    .entry(&k.0)
+                    .or_insert_with(|| self.limits.per_namespace.saturating_sub(in_ns));
+                *r = r.saturating_sub(*need);
+            }
+        }
+        let mut fits: Vec<ObjKey> = Vec::new();
+        for (k, need) in &s.over {
+            if room_total == 0 {
+                break;
+            }
+            if s.readmit.contains(k) || *need > room_total {
+                continue;
+            }
+            let in_ns = s.by_namespace.get(&k.0).copied().unwrap_or(0);
+            let r = room_ns
+                .entry(&k.0)
+                .or_insert_with(|| self.limits.per_namespace.saturating_sub(in_ns));
+            if *need <= *r {
+                *r -= need;
+                room_total -= need;
+                fits.push(k.clone());
+            }
+        }
         if !fits.is_empty() {
             s.readmit.extend(fits);
             self.wake.notify_one();
@@ -161,19 +184,19 @@ impl Admission<LeanExport> for MetaBudget {
             s.over.insert(key.clone(), need);
             let message = if over_ns {
                 format!(
-                    "the exported labels and annotations of namespace {}'s exports are kept up to {} bytes (mcs-controller --exported-metadata-bytes-per-namespace) and this export's {need} do not fit; it is taken when others shrink or go",
+                    "the exported labels and annotations of namespace {}'s exports are kept up to {} bytes (mcs-controller --exported-metadata-bytes-per-namespace) and this export's {need} do not fit; they are taken when others shrink or go",
                     key.0, self.limits.per_namespace
                 )
             } else {
                 format!(
-                    "the exported labels and annotations of this cluster's exports are kept up to {} bytes (mcs-controller --exported-metadata-bytes-per-member) and this export's {need} do not fit; it is taken when others shrink or go",
+                    "the exported labels and annotations of this cluster's exports are kept up to {} bytes (mcs-controller --exported-metadata-bytes-per-member) and this export's {need} do not fit; they are taken when others shrink or go",
                     self.limits.per_member
                 )
             };
             return Arc::new(LeanExport {
                 labels: BTreeMap::new(),
                 annotations: BTreeMap::new(),
-                refused: Some(Refusal::new(OVER_BUDGET, message)),
+                metadata_dropped: Some(Refusal::new(OVER_BUDGET, message)),
                 ..(*e).clone()
             });
         }
@@ -223,46 +246,99 @@ mod tests {
         });
         assert_eq!(meta_bytes(&export(400)), 400);
         let a = b.admit(&key("shop", "a"), export(400));
-        assert!(a.refused.is_none() && !a.annotations.is_empty());
-        assert!(b.admit(&key("shop", "b"), export(400)).refused.is_none());
+        assert!(a.metadata_dropped.is_none() && !a.annotations.is_empty());
+        assert!(
+            b.admit(&key("shop", "b"), export(400))
+                .metadata_dropped
+                .is_none()
+        );
         let c = b.admit(&key("shop", "c"), export(400));
-        let why = c.refused.as_ref().unwrap();
+        let why = c.metadata_dropped.as_ref().unwrap();
         assert_eq!(why.reason, OVER_BUDGET);
         assert!(why.message.contains("namespace shop's"), "{}", why.message);
         assert!(c.annotations.is_empty());
+        assert!(c.refused.is_none(), "imported, without its metadata");
         assert_eq!(c.generation, Some(1), "the rest is kept");
         // Another namespace has its own budget, within the member's.
-        assert!(b.admit(&key("blog", "x"), export(400)).refused.is_none());
+        assert!(
+            b.admit(&key("blog", "x"), export(400))
+                .metadata_dropped
+                .is_none()
+        );
         let y = b.admit(&key("blog", "y"), export(400));
         assert!(
-            y.refused.as_ref().unwrap().message.contains("per-member"),
+            y.metadata_dropped
+                .as_ref()
+                .unwrap()
+                .message
+                .contains("per-member"),
             "{:?}",
-            y.refused
+            y.metadata_dropped
         );
         assert_eq!(b.over_count(), 2);
         assert!(b.readmit().is_empty());
         // An export without metadata costs nothing.
         assert!(
             b.admit(&key("shop", "d"), Arc::new(LeanExport::default()))
-                .refused
+                .metadata_dropped
                 .is_none()
         );
-        // `a` goes (800 of the member's 1500 spent): each of `c` and `y` alone would fit,
-        // both are read again; `c` comes first and `y` no longer fits.
+        // `a` goes (800 of the member's 1500 spent): `c` and `y` would each fit alone, but
+        // only one of them fits the room, so only one is read again (the first by key).
         b.release(&key("shop", "a"));
-        assert_eq!(
-            b.readmit(),
-            BTreeSet::from([key("blog", "y"), key("shop", "c")])
-        );
-        assert!(b.admit(&key("shop", "c"), export(400)).refused.is_none());
-        assert!(b.admit(&key("blog", "y"), export(400)).refused.is_some());
-        assert!(b.readmit().is_empty());
-        // `b` shrinks to nothing: room for `y` in the member.
-        b.admit(&key("shop", "b"), Arc::new(LeanExport::default()));
         assert_eq!(b.readmit(), BTreeSet::from([key("blog", "y")]));
-        assert!(b.admit(&key("blog", "y"), export(400)).refused.is_none());
+        assert!(
+            b.admit(&key("blog", "y"), export(400))
+                .metadata_dropped
+                .is_none()
+        );
+        assert!(b.readmit().is_empty());
+        // `b` shrinks to nothing: room for `c`.
+        b.admit(&key("shop", "b"), Arc::new(LeanExport::default()));
+        assert_eq!(b.readmit(), BTreeSet::from([key("shop", "c")]));
+        assert!(
+            b.admit(&key("shop", "c"), export(400))
+                .metadata_dropped
+                .is_none()
+        );
         assert_eq!(b.over_count(), 0);
         b.reset();
-        assert!(b.admit(&key("shop", "e"), export(900)).refused.is_none());
+        assert!(
+            b.admit(&key("shop", "e"), export(900))
+                .metadata_dropped
+                .is_none()
+        );
+    }
+
+    /// Issue 52: one freed byte used to queue a read of every refused export that would fit
+    /// alone (~3,000 GETs for one admitted); now only what fits the room together.
+    #[test]
+    fn freed_room_queues_only_the_reads_it_can_admit() {
+        let b = MetaBudget::new(MetaLimits {
+            per_namespace: 10_000,
+            per_member: 10_000,
+        });
+        for i in 0..25 {
+            b.admit(&key("hog", &format!("h{i:02}")), export(400));
+        }
+        for i in 0..3000 {
+            let e = b.admit(&key("ns", &format!("e{i:04}")), export(400));
+            assert!(e.metadata_dropped.is_some());
+        }
+        b.release(&key("hog", "h00"));
+        let first = b.readmit();
+        assert_eq!(first, BTreeSet::from([key("ns", "e0000")]));
+        // Read again and admitted, as the member's re-admit task does.
+        assert!(
+            b.admit(&key("ns", "e0000"), export(400))
+                .metadata_dropped
+                .is_none()
+        );
+        // Room freed while a read is queued counts the queued one first.
+        b.release(&key("hog", "h01"));
+        b.release(&key("hog", "h02"));
+        b.requeue(b.readmit());
+        b.release(&key("hog", "h03"));
+        assert_eq!(b.readmit().len(), 3);
     }
 }

@@ -519,6 +519,7 @@ impl Reconciler {
                     refused: refusal(&k.0, &k.1, &s.policy.refused_namespaces)
                         .or(limit)
                         .or_else(|| se.refused.clone()),
+                    metadata_dropped: se.metadata_dropped.clone(),
                 },
             );
         }

@@ -219,7 +219,7 @@ impl Metrics {
         );
         r.register(
             "exports_over_budget",
-            "ServiceExports of the member kept without their exported labels and annotations, refused (ExportedMetadataOverBudget): past --exported-metadata-bytes-per-namespace or -per-member",
+            "ServiceExports of the member kept and imported without their exported labels and annotations (ExportedMetadataOverBudget): past --exported-metadata-bytes-per-namespace or -per-member",
             m.exports_over_budget.clone(),
         );
         r.register("leader", "1 while this replica leads", m.leader.clone());

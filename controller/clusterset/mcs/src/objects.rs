@@ -72,8 +72,12 @@ pub struct LeanExport {
     pub labels: BTreeMap<String, String>,
     /// `spec.exportedAnnotations` (empty when refused).
     pub annotations: BTreeMap<String, String>,
-    /// Why its labels or annotations cannot be carried, if they cannot.
+    /// Why its labels or annotations cannot be carried, if they cannot (the export is
+    /// invalid).
     pub refused: Option<Refusal>,
+    /// Why its labels and annotations were not kept (its member's budget for them is spent):
+    /// the export is imported without them.
+    pub metadata_dropped: Option<Refusal>,
 }
 
 impl LeanExport {
@@ -103,6 +107,7 @@ impl LeanExport {
             labels,
             annotations,
             refused,
+            metadata_dropped: None,
         }
     }
 }

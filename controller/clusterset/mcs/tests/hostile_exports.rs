@@ -434,11 +434,12 @@ fn exports_past_the_per_namespace_and_per_member_limits_are_refused() {
 }
 
 /// One namespace's exported labels and annotations are kept up to
-/// `--exported-metadata-bytes-per-namespace`: an export past it is refused
-/// (`ExportedMetadataOverBudget`) while the others are imported with theirs, and it is read
-/// again and imported once another export of its namespace goes.
+/// `--exported-metadata-bytes-per-namespace`: an export past it is still imported, without
+/// them, and says so (`Valid=True`, reason `ExportedMetadataOverBudget`), while the others are
+/// imported with theirs; it is read again and imported with its annotations once another
+/// export of its namespace goes.
 #[test]
-fn exported_metadata_past_the_namespace_budget_is_refused_until_room_frees() {
+fn exported_metadata_past_the_namespace_budget_is_dropped_until_room_frees() {
     if !mcs_test_support::require(apiserver::prerequisites()) {
         return;
     }
@@ -458,8 +459,15 @@ fn exported_metadata_past_the_namespace_budget_is_refused_until_room_frees() {
         until("a imported", || async { get_import(k1, ns, "a").await }).await;
         create(k1, ns, big("b")).await;
         let (valid, _, _) = conditions_of(k1, ns, "b").await;
-        assert_eq!(valid, ("False".into(), "ExportedMetadataOverBudget".into()));
-        assert!(get_import(k1, ns, "b").await.is_none());
+        assert_eq!(valid, ("True".into(), "ExportedMetadataOverBudget".into()));
+        let b = until("b imported", || async { get_import(k1, ns, "b").await }).await;
+        assert!(
+            !b.metadata
+                .annotations
+                .unwrap_or_default()
+                .contains_key("note"),
+            "imported without its annotations"
+        );
         let a = get_import(k1, ns, "a").await.unwrap();
         assert_eq!(
             a.metadata.annotations.unwrap_or_default()["note"].len(),
@@ -470,12 +478,22 @@ fn exported_metadata_past_the_namespace_budget_is_refused_until_room_frees() {
         // a goes: b fits now, is read again and imported with its annotations.
         let exports: Api<ServiceExport> = Api::namespaced(k1.clone(), ns);
         exports.delete("a", &Default::default()).await.unwrap();
-        let b = until("b imported", || async { get_import(k1, ns, "b").await }).await;
-        assert_eq!(
-            b.metadata.annotations.unwrap_or_default()["note"].len(),
-            200_000
-        );
-        until_true(&exports, "b", "Valid").await;
+        until("b imported with its annotations", || async {
+            let b = get_import(k1, ns, "b").await?;
+            (b.metadata
+                .annotations
+                .unwrap_or_default()
+                .get("note")?
+                .len()
+                == 200_000)
+                .then_some(())
+        })
+        .await;
+        until("b's Valid reason back to Valid", || async {
+            let se = exports.get("b").await.ok()?;
+            (condition(&se, "Valid")? == ("True".into(), "Valid".into())).then_some(())
+        })
+        .await;
     });
 }
 

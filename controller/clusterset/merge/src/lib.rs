@@ -9,7 +9,9 @@
 //!   exported labels and annotations can be put on a ServiceImport ([`meta`]) and its Service
 //!   exists and is not `ExternalName` (`Valid=False`, reasons the caller's,
 //!   `InvalidExportedLabels`, `InvalidExportedAnnotations`, `NoService`,
-//!   `InvalidServiceType`); invalid exports take no part.
+//!   `InvalidServiceType`); invalid exports take no part. An export the caller kept without
+//!   its labels and annotations ([`Export::metadata_dropped`]) is valid, says so in its
+//!   `Valid` condition's reason and message, and its metadata is no conflict.
 //! - Among valid exports, **precedence** is the ServiceExport's creationTimestamp (oldest
 //!   first), ties broken by cluster id. The first is the *winner*: its type (headless or not),
 //!   session affinity (and config), internal traffic policy, traffic distribution, IP families
@@ -112,8 +114,13 @@ pub struct Export {
     /// `spec.exportedAnnotations`.
     pub annotations: BTreeMap<String, String>,
     /// Set when the caller refuses the export (a namespace or service that may not be
-    /// exported, metadata too large to keep): it is invalid with this reason.
+    /// exported, metadata it cannot carry): it is invalid with this reason.
     pub refused: Option<meta::Refusal>,
+    /// Set when the caller kept the export without its exported labels and annotations (its
+    /// member's budget for them is spent): the export is valid and imported, its `Valid`
+    /// condition says why its metadata is not carried, and its (unknown) metadata is no
+    /// conflict.
+    pub metadata_dropped: Option<meta::Refusal>,
 }
 
 /// The most ports an import carries: the agents refuse an import with more
@@ -322,8 +329,13 @@ pub fn merge(key: &ServiceKey, exports: &BTreeMap<ClusterId, Export>) -> Merged 
             !s.headless && !w.headless && s.ip_families != w.ip_families,
             reason::IP_FAMILY,
         );
-        differs(e.labels != winner.labels, reason::LABELS);
-        differs(e.annotations != winner.annotations, reason::ANNOTATIONS);
+        // Metadata not kept (over a budget) is unknown, not different.
+        let known = e.metadata_dropped.is_none() && winner.metadata_dropped.is_none();
+        differs(known && e.labels != winner.labels, reason::LABELS);
+        differs(
+            known && e.annotations != winner.annotations,
+            reason::ANNOTATIONS,
+        );
     }
     ports.sort();
 
@@ -346,11 +358,22 @@ pub fn merge(key: &ServiceKey, exports: &BTreeMap<ClusterId, Export>) -> Merged 
         }
         Condition::new(true, r.join(","), message)
     };
-    for &(cluster, _, _) in &valid {
+    for &(cluster, e, _) in &valid {
+        let valid = match &e.metadata_dropped {
+            None => Condition::new(true, reason::VALID, "the service is exported"),
+            Some(r) => Condition::new(
+                true,
+                &r.reason,
+                format!(
+                    "the service is exported without its exported labels and annotations: {}",
+                    r.message
+                ),
+            ),
+        };
         conditions.insert(
             cluster.clone(),
             ExportConditions {
-                valid: Condition::new(true, reason::VALID, "the service is exported"),
+                valid,
                 conflict: Some(conflict.clone()),
                 ready: Condition::new(true, reason::EXPORTED, "the service is exported"),
             },
