@@ -5,7 +5,8 @@
 //! (`deploy/kustomize/with-controller/admission-policy.yaml`) refuses every ServiceImport and
 //! MCS EndpointSlice write but the MCS controller's, with a reason, even for an editor who
 //! may write EndpointSlices and for cluster admins, while plain EndpointSlices and the
-//! namespace controller's clean-up pass.
+//! namespace controller's clean-up pass; and the MCS controller writes no EndpointSlice but
+//! its own; and in the chart's namespace the pod proxy reaches only the metrics ports.
 
 use std::{
     path::Path,
@@ -209,6 +210,33 @@ fn roles_let_editors_export_and_viewers_read_and_only_the_controller_writes_impo
         .expect("the controller writes MCS slices");
     k.create_as(CONTROLLER, &import("controllers"))
         .expect("the controller writes ServiceImports");
+    // And only those: its token cannot write, take over or delete a Service's own slices
+    // (issue 52: a stolen token could have repointed kube-dns, exported ClusterSet-wide).
+    let own = "the MCS controller writes only its own EndpointSlices";
+    let err = k
+        .create_as(CONTROLLER, &slice("controllers-plain", false))
+        .unwrap_err();
+    assert!(err.contains(own), "{err}");
+    let foreign = slice("controllers-foreign", true).replace(
+        "managed-by: mcs-controller.mcs-dataplane",
+        "managed-by: someone-else",
+    );
+    let err = k.create_as(CONTROLLER, &foreign).unwrap_err();
+    assert!(err.contains(own), "{err}");
+    let out = k.run(
+        &[
+            "delete",
+            "endpointslice",
+            "bobs-plain",
+            "-n",
+            NS,
+            "--as",
+            CONTROLLER,
+        ],
+        None,
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains(own));
     // Bob cannot delete the controller's slice; the namespace controller (namespace
     // clean-up) can.
     let out = k.run(
@@ -237,4 +265,33 @@ fn roles_let_editors_export_and_viewers_read_and_only_the_controller_writes_impo
         ],
         None,
     );
+
+    // The pod proxy in the chart's namespace reaches only the metrics ports (the agents are
+    // on the host network: a proxy to any port of theirs is one to any port of the node).
+    // Admission comes before the pod is looked up, so no pod is needed: a refused port is
+    // refused by the policy, an allowed one gets as far as "not found".
+    k.apply_file(&mcs_deploy::dir().join("kustomize/base/proxy-policy.yaml"));
+    let proxy = |port: u16| {
+        let path = format!("/api/v1/namespaces/mcs-system/pods/mcs-agent-x:{port}/proxy/status");
+        let out = k.run(&["get", "--raw", &path, "--as", User::Admin.name()], None);
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let refused = "the pod proxy reaches only the metrics ports";
+    until("the proxy policy to refuse port 22", || {
+        proxy(22).contains(refused)
+    });
+    for port in [22, 10250, 2379, 6443] {
+        let err = proxy(port);
+        assert!(
+            err.contains(refused) && err.contains(&format!("mcs-agent-x:{port}")),
+            "{err}"
+        );
+    }
+    for port in [9464, 9465] {
+        let err = proxy(port);
+        assert!(
+            !err.contains(refused) && err.contains("not found"),
+            "{port}: {err}"
+        );
+    }
 }

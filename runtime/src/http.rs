@@ -53,7 +53,7 @@ pub type StatusFn = Arc<
 /// What one listener may take. Anyone who reaches the port (on the host network: every pod of
 /// the node) may connect, so each bound holds against them all: connections in all and per
 /// source address, a deadline for the request head and one for the whole exchange, and a few
-/// large answers (`/status`, `/metrics`) at a time. With every place taken, a new connection
+/// large answers (`/status`, `/metrics`) at a time, one per source. With every place taken, a new connection
 /// takes the place of the oldest one still waiting for its request head (idle ones go
 /// first: a real client sends its request at once); with none waiting, or past its source's
 /// share, it is answered `503` at once and closed. `/healthz` and `/readyz` need no answer
@@ -66,6 +66,8 @@ pub struct Limits {
     pub per_source: usize,
     /// `/status` and `/metrics` answers being built or written at once.
     pub large_answers: usize,
+    /// Of those, from one source address.
+    pub large_answers_per_source: usize,
     /// How long the request head may take to arrive.
     pub head_deadline: Duration,
     /// How long a whole exchange may take (a reader too slow for its answer is cut).
@@ -80,6 +82,7 @@ impl Default for Limits {
             connections: 1024,
             per_source: 16,
             large_answers: 4,
+            large_answers_per_source: 1,
             head_deadline: Duration::from_secs(5),
             deadline: Duration::from_secs(10),
         }
@@ -148,6 +151,8 @@ impl Refusals {
 struct Book {
     open: usize,
     per_source: HashMap<IpAddr, usize>,
+    /// Large answers in progress per source.
+    large: HashMap<IpAddr, usize>,
     /// By connection number (oldest first): the sender that closes it.
     waiting: BTreeMap<u64, oneshot::Sender<()>>,
     next: u64,
@@ -206,9 +211,23 @@ struct Slot {
     id: u64,
     source: IpAddr,
     book: Arc<Mutex<Book>>,
+    /// It holds one of its source's large-answer places.
+    large: AtomicBool,
 }
 
 impl Slot {
+    /// Takes one of its source's large-answer places: false when the source holds `most`.
+    fn begin_large(&self, most: usize) -> bool {
+        let mut book = lock(&self.book);
+        let n = book.large.entry(self.source).or_insert(0);
+        if *n >= most {
+            return false;
+        }
+        *n += 1;
+        self.large.store(true, Ordering::Relaxed);
+        true
+    }
+
     /// Its request head arrived: no longer one a new connection may push out.
     fn head_read(&self) {
         lock(&self.book).waiting.remove(&self.id);
@@ -217,7 +236,16 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        lock(&self.book).release(self.id, self.source);
+        let mut book = lock(&self.book);
+        if self.large.load(Ordering::Relaxed)
+            && let Some(n) = book.large.get_mut(&self.source)
+        {
+            *n -= 1;
+            if *n == 0 {
+                book.large.remove(&self.source);
+            }
+        }
+        book.release(self.id, self.source);
     }
 }
 
@@ -271,6 +299,7 @@ pub async fn serve_within(
                     id,
                     source,
                     book: book.clone(),
+                    large: AtomicBool::new(false),
                 };
                 let (registry, health, status, large) = (
                     registry.clone(),
@@ -440,8 +469,10 @@ async fn handle(
             if r == 0 {
                 break;
             }
+            // Only the new bytes (and the 3 before them) can complete the blank line.
+            let from = n.saturating_sub(3);
             n += r;
-            if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+            if buf[from..n].windows(4).any(|w| w == b"\r\n\r\n") {
                 break;
             }
         }
@@ -471,7 +502,16 @@ async fn handle(
         (method, path, status_fn.is_some()),
         ("GET", "/metrics", _) | ("GET", "/status", true)
     );
-    // A large answer waits for nobody: with every slot taken, 503 at once.
+    // A large answer waits for nobody: with every place taken (or its source's), 503 at once.
+    if is_large && !slot.begin_large(limits.large_answers_per_source) {
+        return write_answer(
+            &mut stream,
+            "503 Service Unavailable",
+            "text/plain",
+            "busy: your address has a /status or /metrics answer in progress; try again\n",
+        )
+        .await;
+    }
     let _permit = match is_large.then(|| large.try_acquire()) {
         Some(Err(_)) => {
             return write_answer(

@@ -2,17 +2,23 @@
 //! `watcher` stream (or any stream of the same events) and waits out failures with
 //! [`WatchRetry`], so that an API server failing lists is asked at most once per backoff step.
 //!
-//! What resets the backoff is what proves the API server answers: a **completed list**
-//! (`InitDone`) or a **watch event** (`Apply`, `Delete`). Not `Init`: kube-runtime's watcher
+//! What resets the backoff is what proves the watch works: a **watch event** (`Apply`,
+//! `Delete`), or a failure long after the last one (more than [`ListWatch::QUIET`] or three
+//! times the cap: a new streak, retried at once again). Not `Init`: kube-runtime's watcher
 //! yields `Ok(Init)` before every list attempt, so a loop that resets on any `Ok` retries a
-//! failing list every 100 ms for ever. Not `InitApply` either: a list that fails on its second
-//! page has not completed.
+//! failing list every 100 ms for ever. Not `InitApply`: a list that fails on its second page
+//! has not completed. Not even `InitDone`: a list that completes and a watch that fails at
+//! once (an API server that answers lists but expires or refuses every watch) would be listed
+//! again every 100 ms, each list a full copy. A completed list does prove that the API server
+//! answers ([`Next::Event::proof`], for a member's health).
 //!
 //! `410 Gone` (the resource version expired: an API server restarted, history compacted)
 //! re-lists at once the first time; a second `410` with no watch event in between counts as a
-//! failure, so a server that expires every watch at once is not re-listed in a tight loop.
+//! failure.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use futures::{Stream, StreamExt as _, stream::BoxStream};
 use kube::runtime::{utils::Backoff as _, watcher};
@@ -54,7 +60,7 @@ impl Failure {
 #[derive(Debug)]
 pub enum Next<K> {
     /// An event of the stream. `proof`: it shows the API server answers (a completed list
-    /// or a watch event), and reset the backoff.
+    /// or a watch event; only a watch event resets the backoff).
     Event {
         /// The event.
         event: watcher::Event<K>,
@@ -69,8 +75,9 @@ pub enum Next<K> {
 pub struct ListWatch<K> {
     stream: BoxStream<'static, watcher::Result<watcher::Event<K>>>,
     retry: WatchRetry,
-    /// Failures since the last success, and when the first of them happened.
-    streak: Option<(u32, Instant)>,
+    /// Failures since the last watch event, when the first of them happened, and when the
+    /// last one did.
+    streak: Option<(u32, Instant, Instant)>,
     /// Waited at the start of the next call (after a failure).
     wait: Option<Duration>,
     /// A `410 Gone` was re-listed at once since the last watch event.
@@ -87,6 +94,10 @@ impl<K> std::fmt::Debug for ListWatch<K> {
 }
 
 impl<K: Send + 'static> ListWatch<K> {
+    /// A failure this long after the previous one (or three times the cap, if longer) starts
+    /// a new streak: the watch worked in between.
+    pub const QUIET: Duration = Duration::from_secs(60);
+
     /// Drives `stream`, waiting at most `retry_max` between two failed attempts.
     pub fn new(
         stream: impl Stream<Item = watcher::Result<watcher::Event<K>>> + Send + 'static,
@@ -103,7 +114,7 @@ impl<K: Send + 'static> ListWatch<K> {
 
     /// Failures in a row now (0: the last attempt succeeded or none failed yet).
     pub fn streak(&self) -> u32 {
-        self.streak.map_or(0, |(n, _)| n)
+        self.streak.map_or(0, |(n, _, _)| n)
     }
 
     /// The next event or failure; `None` when the stream ends. Cancel-safe between events:
@@ -117,19 +128,14 @@ impl<K: Send + 'static> ListWatch<K> {
             let item = self.stream.next().await?;
             return Some(match item {
                 Ok(event) => {
-                    let proof = matches!(
-                        event,
-                        watcher::Event::InitDone
-                            | watcher::Event::Apply(_)
-                            | watcher::Event::Delete(_)
-                    );
-                    if proof {
+                    let watched =
+                        matches!(event, watcher::Event::Apply(_) | watcher::Event::Delete(_));
+                    if watched {
                         self.retry.reset();
                         self.streak = None;
-                    }
-                    if matches!(event, watcher::Event::Apply(_) | watcher::Event::Delete(_)) {
                         self.expired_once = false;
                     }
+                    let proof = watched || matches!(event, watcher::Event::InitDone);
                     Next::Event { event, proof }
                 }
                 Err(watcher::Error::WatchError(s)) if s.code == 410 && !self.expired_once => {
@@ -138,10 +144,19 @@ impl<K: Send + 'static> ListWatch<K> {
                     continue;
                 }
                 Err(error) => {
+                    let now = Instant::now();
+                    let quiet = Self::QUIET.max(self.retry.cap() * 3);
+                    if self
+                        .streak
+                        .is_some_and(|(_, _, last)| now.duration_since(last) > quiet)
+                    {
+                        self.retry.reset();
+                        self.streak = None;
+                    }
                     let delay = self.retry.next().unwrap_or(self.retry.cap());
-                    let (n, since) = self.streak.unwrap_or((0, Instant::now()));
+                    let (n, since, _) = self.streak.unwrap_or((0, now, now));
                     let streak = n.saturating_add(1);
-                    self.streak = Some((streak, since));
+                    self.streak = Some((streak, since, now));
                     self.wait = Some(delay);
                     Next::Failed(Failure {
                         error,
@@ -221,8 +236,55 @@ mod tests {
         assert!(n <= 15, "{n} list attempts in 60 s");
     }
 
+    /// A server that answers lists but expires every watch at once (410): one list per
+    /// backoff step, not one every 100 ms (a completed list does not reset the backoff).
     #[tokio::test(start_paused = true)]
-    async fn a_completed_list_or_a_watch_event_resets_the_backoff_and_the_streak() {
+    async fn a_server_expiring_every_watch_is_listed_once_per_backoff_step() {
+        let lists = Arc::new(AtomicU32::new(0));
+        let counted = lists.clone();
+        let stream = futures::stream::iter(0..).flat_map(move |_| {
+            counted.fetch_add(1, Ordering::Relaxed);
+            futures::stream::iter([
+                Ok(watcher::Event::Init),
+                Ok(watcher::Event::InitDone),
+                Err(gone()),
+            ])
+        });
+        let mut lw = ListWatch::<u32>::new(stream, Duration::from_secs(20));
+        let t0 = tokio::time::Instant::now();
+        while t0.elapsed() < Duration::from_secs(60) {
+            if let Next::Event { event, proof } = lw.next().await.unwrap() {
+                assert_eq!(proof, matches!(event, watcher::Event::InitDone));
+            }
+        }
+        let n = lists.load(Ordering::Relaxed);
+        assert!(n <= 16, "{n} lists in 60 s");
+    }
+
+    /// A failure long after the last one starts a new streak, retried at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_after_a_quiet_minute_starts_a_new_streak() {
+        let (tx, rx) = futures::channel::mpsc::unbounded::<watcher::Result<watcher::Event<u32>>>();
+        let mut lw = ListWatch::new(rx, Duration::from_secs(20));
+        for _ in 0..8 {
+            tx.unbounded_send(Err(list_failed(500))).unwrap();
+            let Some(Next::Failed(_)) = lw.next().await else {
+                panic!()
+            };
+        }
+        assert_eq!(lw.streak(), 8);
+        // The watch then works, quietly, for two minutes.
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        tx.unbounded_send(Err(list_failed(500))).unwrap();
+        let Some(Next::Failed(f)) = lw.next().await else {
+            panic!()
+        };
+        assert_eq!(f.streak, 1);
+        assert!(f.delay <= WatchRetry::MIN, "{:?}", f.delay);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_event_resets_the_backoff_and_the_streak_a_list_proves_only_an_answer() {
         let events: Vec<watcher::Result<watcher::Event<u32>>> = vec![
             Ok(watcher::Event::Init),
             Err(list_failed(401)),
@@ -273,8 +335,10 @@ mod tests {
                 "fail2:500",
                 "Init",
                 "InitApply",
+                // A completed list proves an answer, but the backoff goes on until a watch
+                // event.
                 "InitDone!",
-                "fail1:500",
+                "fail3:500",
                 "Apply!",
                 // The first 410 re-lists at once; the second one, with no watch event
                 // since, is a failure.

@@ -68,6 +68,9 @@ struct Spent {
     over: BTreeMap<ObjKey, usize>,
     /// Of those, the ones that would fit now: to be read again.
     readmit: BTreeSet<ObjKey>,
+    /// Of those, the ones the re-admit task took and is reading (their room stays counted
+    /// until they are admitted, gone, or queued again).
+    reading: BTreeSet<ObjKey>,
 }
 
 /// The bytes `e`'s labels and annotations cost.
@@ -93,14 +96,21 @@ impl MetaBudget {
         self.spent.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes the keys of refused exports that would fit now.
+    /// Takes the keys of refused exports that would fit now (they count as being read until
+    /// admitted, gone or [`MetaBudget::requeue`]d).
     pub fn readmit(&self) -> BTreeSet<ObjKey> {
-        std::mem::take(&mut self.lock().readmit)
+        let mut s = self.lock();
+        let keys = std::mem::take(&mut s.readmit);
+        s.reading.extend(keys.iter().cloned());
+        keys
     }
 
     /// Queues `keys` to be read again (a read failed), those still refused.
     pub fn requeue(&self, keys: BTreeSet<ObjKey>) {
         let mut s = self.lock();
+        for k in &keys {
+            s.reading.remove(k);
+        }
         let still: Vec<ObjKey> = keys
             .into_iter()
             .filter(|k| s.over.contains_key(k))
@@ -116,9 +126,11 @@ impl MetaBudget {
         self.lock().over.len()
     }
 
-    fn give_back(&self, s: &mut Spent, key: &ObjKey) {
+    /// What `key` held, given back (and forgotten as refused or queued).
+    fn give_back(s: &mut Spent, key: &ObjKey) {
         s.over.remove(key);
         s.readmit.remove(key);
+        s.reading.remove(key);
         let Some(n) = s.charged.remove(key) else {
             return;
         };
@@ -129,11 +141,19 @@ impl MetaBudget {
                 s.by_namespace.remove(&key.0);
             }
         }
-        // Refused exports that fit the room there is now, together (as many as could be
-        // admitted, not every one that would fit alone), minus those already queued.
+    }
+
+    /// Queues the refused exports that fit the room there is now, together (as many as could
+    /// be admitted, not every one that would fit alone), the room of those already queued or
+    /// being read counted as taken. Called after a change is charged, so an update that
+    /// takes back what it gave queues nothing.
+    fn queue_fitting(&self, s: &mut Spent) {
         let mut room_total = self.limits.per_member.saturating_sub(s.total);
+        if room_total == 0 || s.over.is_empty() {
+            return;
+        }
         let mut room_ns: HashMap<&str, usize> = HashMap::new();
-        for k in &s.readmit {
+        for k in s.readmit.iter().chain(&s.reading) {
             if let Some(need) = s.over.get(k) {
                 room_total = room_total.saturating_sub(*need);
                 let in_ns = s.by_namespace.get(&k.0).copied().unwrap_or(0);
@@ -148,7 +168,7 @@ impl MetaBudget {
             if room_total == 0 {
                 break;
             }
-            if s.readmit.contains(k) || *need > room_total {
+            if *need > room_total || s.readmit.contains(k) || s.reading.contains(k) {
                 continue;
             }
             let in_ns = s.by_namespace.get(&k.0).copied().unwrap_or(0);
@@ -173,7 +193,37 @@ impl Admission<LeanExport> for MetaBudget {
     /// when its metadata fits, else `e` without it and refused.
     fn admit(&self, key: &ObjKey, e: Arc<LeanExport>) -> Arc<LeanExport> {
         let mut s = self.lock();
-        self.give_back(&mut s, key);
+        let before = s.total;
+        Self::give_back(&mut s, key);
+        let kept = self.charge(&mut s, key, e);
+        // Room freed for others only when this one holds less than it did.
+        if s.total < before {
+            self.queue_fitting(&mut s);
+        }
+        kept
+    }
+
+    /// `key` is gone: what it held is given back.
+    fn release(&self, key: &ObjKey) {
+        let mut s = self.lock();
+        Self::give_back(&mut s, key);
+        self.queue_fitting(&mut s);
+    }
+
+    /// Forgets everything (a complete list is admitted again).
+    fn reset(&self) {
+        *self.lock() = Spent::default();
+    }
+
+    fn rank(&self, e: &LeanExport) -> i64 {
+        e.created
+    }
+}
+
+impl MetaBudget {
+    /// What is kept of `e` under `key`, which holds nothing now: `e` itself when its
+    /// metadata fits (charged), else `e` without it, remembered as refused.
+    fn charge(&self, s: &mut Spent, key: &ObjKey, e: Arc<LeanExport>) -> Arc<LeanExport> {
         let need = meta_bytes(&e);
         if need == 0 {
             return e;
@@ -204,21 +254,6 @@ impl Admission<LeanExport> for MetaBudget {
         s.total += need;
         s.charged.insert(key.clone(), need);
         e
-    }
-
-    /// `key` is gone: what it held is given back.
-    fn release(&self, key: &ObjKey) {
-        let mut s = self.lock();
-        self.give_back(&mut s, key);
-    }
-
-    /// Forgets everything (a complete list is admitted again).
-    fn reset(&self) {
-        *self.lock() = Spent::default();
-    }
-
-    fn rank(&self, e: &LeanExport) -> i64 {
-        e.created
     }
 }
 
@@ -340,5 +375,33 @@ mod tests {
         b.requeue(b.readmit());
         b.release(&key("hog", "h03"));
         assert_eq!(b.readmit().len(), 3);
+        // Keys being read keep their room: more freed room queues others, not them again.
+        b.release(&key("hog", "h04"));
+        assert_eq!(b.readmit(), BTreeSet::from([key("ns", "e0004")]));
+    }
+
+    /// An update of an export that fits gives back and takes the same bytes: nothing to
+    /// read again (each of its events once queued a read of every refused export).
+    #[test]
+    fn an_update_that_takes_back_what_it_gave_queues_no_reads() {
+        let b = MetaBudget::new(MetaLimits {
+            per_namespace: 1_000,
+            per_member: 1_000,
+        });
+        b.admit(&key("ns", "big"), export(900));
+        for i in 0..100 {
+            assert!(
+                b.admit(&key("ns", &format!("small{i:03}")), export(150))
+                    .metadata_dropped
+                    .is_some()
+            );
+        }
+        for _ in 0..10 {
+            b.admit(&key("ns", "big"), export(900));
+        }
+        assert!(b.readmit().is_empty());
+        // It shrinks: room for one small one.
+        b.admit(&key("ns", "big"), export(800));
+        assert_eq!(b.readmit().len(), 1);
     }
 }

@@ -643,6 +643,10 @@ pub fn lean_member_slice(es: EndpointSlice) -> EndpointSlice {
     }
 }
 
+/// How long a watcher stays quiet after its retry before it is asked whether the member
+/// answers it again.
+const QUIET_PROBE: Duration = Duration::from_secs(5);
+
 /// Keeps `store` equal to the cluster's objects of kind `K`, each kept as `lean` makes it;
 /// `watcher_name` keys its failures in the member's health.
 async fn watch<K, V>(
@@ -658,14 +662,36 @@ async fn watch<K, V>(
     V: Send + Sync + 'static,
 {
     let kind = K::kind(&K::DynamicType::default()).to_string();
+    // After a failure kube's watcher opens the watch again, which yields nothing until the
+    // next change: a watcher that stays quiet that long after its retry is asked once, with
+    // a one-object read, whether the member answers it again.
+    let mut probe = kube::api::ListParams::default().limit(1);
+    if let Some(l) = &config.label_selector {
+        probe = probe.labels(l);
+    }
+    let probe_api = api.clone();
+    let mut probe_at: Option<tokio::time::Instant> = None;
     let mut stream = ListWatch::new(watcher(api, config), ctx.retry_max);
     let mut pending: Option<HashMap<ObjKey, Arc<V>>> = None;
-    while let Some(next) = stream.next().await {
+    loop {
+        let next = tokio::select! {
+            next = stream.next() => next,
+            () = tokio::time::sleep_until(probe_at.unwrap_or_else(tokio::time::Instant::now)), if probe_at.is_some() => {
+                probe_at = None;
+                if probe_api.list_metadata(&probe).await.is_ok() {
+                    ctx.member.ok(watcher_name);
+                    ctx.wake.notify_one();
+                }
+                continue;
+            }
+        };
+        let Some(next) = next else { break };
         let ev = match next {
             Next::Event { event, proof } => {
                 // Only a completed list or a watch event says the member answers: kube's
                 // watcher yields `Init` before every list attempt, failing or not.
                 if proof {
+                    probe_at = None;
                     ctx.member.ok(watcher_name);
                 }
                 event
@@ -674,6 +700,7 @@ async fn watch<K, V>(
                 let msg = format!("{kind}: {}", f.error);
                 ctx.member
                     .failed(watcher_name, &msg, f.refused(), f.streak, f.delay);
+                probe_at = Some(tokio::time::Instant::now() + f.delay + f.delay.max(QUIET_PROBE));
                 // The reconciler keeps time while a member fails (its timeout may pass
                 // without any event).
                 ctx.wake.notify_one();

@@ -357,14 +357,15 @@ impl Index {
                     Rejection {
                         object: format!("ServiceImport {svc}"),
                         reason: Reason::OverCapacity,
+                        // No figure that moves with others' imports: the message changes only
+                        // when this import or the caps do (a changed rejection is logged,
+                        // counted and sent as an Event again).
                         message: format!(
-                            "its {} frontends / {} backends do not fit: the table holds at most {} frontends and {} backends; past them namespaces share it fairly (namespace {ns} holds {} frontends / {} backends of it) and within a namespace older imports come first",
+                            "its {} frontends / {} backends do not fit: the table holds at most {} frontends and {} backends; past them namespaces share it fairly (the one holding the least of it admits its next-oldest import, in turns) and within a namespace older imports come first",
                             d.frontends.len(),
                             d.backends,
                             limits.frontends,
                             limits.backends,
-                            mine.0,
-                            mine.1,
                         ),
                     },
                 );
