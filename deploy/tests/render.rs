@@ -115,7 +115,10 @@ fn kustomize_base_and_helm_chart_render_the_same_objects() {
             "RoleBinding",
             "Service",
             "Service",
-            "ServiceAccount"
+            "ServiceAccount",
+            // The pod proxy kept to the metrics ports (the agents are on the host network).
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding"
         ]
     );
     for (x, y) in a.iter().zip(&b) {
