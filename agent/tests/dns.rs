@@ -1453,6 +1453,11 @@ ports:
             .unwrap()
     };
     let peak = rss_kib("VmHWM:");
+    eprintln!(
+        "under the flood: peak RSS {} MiB, {} descriptors open",
+        peak / 1024,
+        agent.open_fds()
+    );
     assert!(
         peak < 128 * 1024,
         "the agent's peak RSS is {} MiB",
