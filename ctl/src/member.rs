@@ -166,14 +166,33 @@ pub async fn pod_get(
     let req = http::Request::get(&url)
         .body(Vec::new())
         .map_err(|e| e.to_string())?;
-    client.request_text(req).await.map_err(|e| match e {
+    let body = client.request_stream(req).await.map_err(|e| match e {
         kube::Error::Api(s) if s.code == 403 => format!(
             "forbidden: reading an agent's /status needs `get` on pods/proxy in {ns} ({})",
             s.message
         ),
         e => e.to_string(),
-    })
+    })?;
+    // An agent's answer is bounded (at most 1,000 backends); whatever answers at that port
+    // is read no further than this.
+    use futures::AsyncReadExt as _;
+    let mut bytes = Vec::new();
+    body.take(ANSWER_MAX as u64 + 1)
+        .read_to_end(&mut bytes)
+        .await
+        .map_err(|e| e.to_string())?;
+    if bytes.len() > ANSWER_MAX {
+        return Err(format!(
+            "the answer of {}:{port}{path_and_query} is over {} MiB: not read further",
+            pod.name,
+            ANSWER_MAX >> 20
+        ));
+    }
+    String::from_utf8(bytes).map_err(|e| format!("not text: {e}"))
 }
+
+/// The most of one pod's answer `kubectl mcs` reads.
+const ANSWER_MAX: usize = 8 << 20;
 
 /// Every agent's `/status` (with `query`), parsed; at most [`AGENTS_AT_ONCE`] asked at once.
 pub async fn agent_statuses(

@@ -238,6 +238,27 @@ fn the_apiserver_accepts_crds_base_and_chart() {
             "{dp}"
         );
     }
+    // The userspace agent gets no eBPF capabilities (it only unlinks pins a previous eBPF
+    // agent left); the others get BPF and PERFMON.
+    let added = |yaml: &str| {
+        let ds = objects(yaml)
+            .into_iter()
+            .find(|o| o["kind"] == "DaemonSet")
+            .unwrap();
+        ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"]
+            .clone()
+    };
+    assert_eq!(
+        added(&helm_template(&["--set", "dataplane=userspace"])),
+        serde_json::json!(["NET_ADMIN", "NET_BIND_SERVICE"])
+    );
+    for dp in ["ebpf", "auto"] {
+        assert_eq!(
+            added(&helm_template(&["--set", &format!("dataplane={dp}")])),
+            serde_json::json!(["NET_ADMIN", "NET_BIND_SERVICE", "BPF", "PERFMON"]),
+            "{dp}"
+        );
+    }
     assert!(
         custom.contains("path: /sys/fs/cgroup/unified")
             && custom.contains("mountPath: /run/mcs/cgroup")
