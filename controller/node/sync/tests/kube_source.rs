@@ -367,6 +367,19 @@ async fn allowed(
     resource: &str,
     verb: &str,
 ) -> bool {
+    allowed_named(client, ns, group, resource, verb, None).await
+}
+
+/// [`allowed`], of the object `name` (for list and watch: with the field selector
+/// `metadata.name`, as the API server authorizes them).
+async fn allowed_named(
+    client: &Client,
+    ns: Option<&str>,
+    group: &str,
+    resource: &str,
+    verb: &str,
+    name: Option<&str>,
+) -> bool {
     let review = SelfSubjectAccessReview {
         spec: SelfSubjectAccessReviewSpec {
             resource_attributes: Some(ResourceAttributes {
@@ -374,6 +387,7 @@ async fn allowed(
                 resource: Some(resource.into()),
                 verb: Some(verb.into()),
                 namespace: ns.map(Into::into),
+                name: name.map(Into::into),
                 ..Default::default()
             }),
             ..Default::default()
@@ -418,13 +432,28 @@ async fn agent_works_under_exactly_the_deployed_cluster_role() {
     }
     assert!(allowed(&agent, Some(&ns), "events.k8s.io", "events", "create").await);
     assert!(allowed(&agent, Some(&ns), "events.k8s.io", "events", "patch").await);
-    // Its own namespace's DaemonSets, read only (uninstall or restart: mcs_sync::owner).
+    // Its own DaemonSet, read only (uninstall or restart: mcs_sync::owner), no other.
     for verb in ["get", "list", "watch"] {
-        assert!(allowed(&agent, Some("mcs-system"), "apps", "daemonsets", verb).await);
+        let own = Some("mcs-agent");
+        assert!(allowed_named(&agent, Some("mcs-system"), "apps", "daemonsets", verb, own).await);
         assert!(
-            !allowed(&agent, Some(&ns), "apps", "daemonsets", verb).await,
+            !allowed_named(&agent, Some(&ns), "apps", "daemonsets", verb, own).await,
             "{verb} daemonsets elsewhere must be denied"
         );
+        for other in [None, Some("someone-else")] {
+            assert!(
+                !allowed_named(
+                    &agent,
+                    Some("mcs-system"),
+                    "apps",
+                    "daemonsets",
+                    verb,
+                    other
+                )
+                .await,
+                "{verb} daemonsets {other:?} must be denied"
+            );
+        }
     }
     for verb in ["create", "update", "patch", "delete"] {
         assert!(
@@ -894,7 +923,8 @@ async fn the_agent_tells_its_daemonset_deleted_from_present() {
     let agent = api.client_as(User::Agent).await;
     apply_rbac(admin.clone()).await;
     let ds = Api::<k8s_openapi::api::apps::v1::DaemonSet>::namespaced(admin.clone(), "mcs-system");
-    let name = "mcs-agent-owner-test";
+    // The one name the deployed role lets the agent read.
+    let name = "mcs-agent";
     let _ = ds.delete(name, &DeleteParams::default()).await;
     ds.create(&PostParams::default(), &daemonset(name))
         .await
