@@ -10,8 +10,10 @@
 //! (in key order, not each alone: one freed byte must not queue thousands of reads) are
 //! queued ([`MetaBudget::readmit`]) and the member's re-admit task reads them again from the
 //! API server. Exports come in as their events do (a complete list: oldest first), so at the
-//! edge of the budget the ones that came first are kept; the per-member budget is first come
-//! across namespaces, but a namespace past it loses only its exports' metadata.
+//! edge of the budget the ones that came first are kept. The per-member budget is first come
+//! across namespaces, but past it a namespace still keeps its fair share (the budget over the
+//! namespaces holding metadata), up to twice the budget in all; and a namespace past its
+//! bound loses only its exports' metadata, never the exports.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
@@ -45,7 +47,9 @@ impl Default for MetaLimits {
     fn default() -> Self {
         Self {
             per_namespace: 2 << 20,
-            per_member: 16 << 20,
+            // Past it fair shares may take up to twice it: 16 MiB per member at most, as
+            // before there were shares.
+            per_member: 8 << 20,
         }
     }
 }
@@ -230,7 +234,14 @@ impl MetaBudget {
         }
         let in_ns = s.by_namespace.get(&key.0).copied().unwrap_or(0);
         let over_ns = in_ns + need > self.limits.per_namespace;
-        if over_ns || s.total + need > self.limits.per_member {
+        // Past the member's budget a namespace may still fill its fair share of it (the
+        // budget over the namespaces holding metadata, this one counted), up to twice the
+        // budget in all: what other namespaces took first does not leave it nothing.
+        let holders = s.by_namespace.len() + usize::from(in_ns == 0);
+        let share = self.limits.per_member / holders.max(1);
+        let within_share =
+            in_ns + need <= share && s.total + need <= self.limits.per_member.saturating_mul(2);
+        if over_ns || (s.total + need > self.limits.per_member && !within_share) {
             s.over.insert(key.clone(), need);
             let message = if over_ns {
                 format!(
@@ -239,7 +250,7 @@ impl MetaBudget {
                 )
             } else {
                 format!(
-                    "the exported labels and annotations of this cluster's exports are kept up to {} bytes (mcs-controller --exported-metadata-bytes-per-member) and this export's {need} do not fit; they are taken when others shrink or go",
+                    "the exported labels and annotations of this cluster's exports are kept up to {} bytes (mcs-controller --exported-metadata-bytes-per-member), past which each namespace keeps its fair share ({share} bytes now), and this export's {need} do not fit; they are taken when others shrink or go",
                     self.limits.per_member
                 )
             };
@@ -357,15 +368,15 @@ mod tests {
             b.admit(&key("hog", &format!("h{i:02}")), export(400));
         }
         for i in 0..3000 {
-            let e = b.admit(&key("ns", &format!("e{i:04}")), export(400));
+            let e = b.admit(&key("hog", &format!("e{i:04}")), export(400));
             assert!(e.metadata_dropped.is_some());
         }
         b.release(&key("hog", "h00"));
         let first = b.readmit();
-        assert_eq!(first, BTreeSet::from([key("ns", "e0000")]));
+        assert_eq!(first, BTreeSet::from([key("hog", "e0000")]));
         // Read again and admitted, as the member's re-admit task does.
         assert!(
-            b.admit(&key("ns", "e0000"), export(400))
+            b.admit(&key("hog", "e0000"), export(400))
                 .metadata_dropped
                 .is_none()
         );
@@ -377,7 +388,54 @@ mod tests {
         assert_eq!(b.readmit().len(), 3);
         // Keys being read keep their room: more freed room queues others, not them again.
         b.release(&key("hog", "h04"));
-        assert_eq!(b.readmit(), BTreeSet::from([key("ns", "e0004")]));
+        assert_eq!(b.readmit(), BTreeSet::from([key("hog", "e0004")]));
+    }
+
+    /// Issue 52: eight namespaces filling the member's budget left every other namespace's
+    /// export with one label without it; past the budget a namespace keeps its fair share.
+    #[test]
+    fn past_the_member_budget_a_namespace_keeps_its_fair_share() {
+        let b = MetaBudget::new(MetaLimits {
+            per_namespace: 4_000,
+            per_member: 16_000,
+        });
+        for ns in 0..8 {
+            for i in 0..5 {
+                b.admit(&key(&format!("hog{ns}"), &format!("e{i}")), export(400));
+            }
+        }
+        // 8 x 2,000: the member's whole budget.
+        assert!(
+            b.admit(&key("hog0", "more"), export(400))
+                .metadata_dropped
+                .is_some()
+        );
+        let one_label = b.admit(&key("shop", "web"), export(100));
+        assert!(
+            one_label.metadata_dropped.is_none(),
+            "{:?}",
+            one_label.metadata_dropped
+        );
+        // Its share is the budget over 9 namespaces (1,777 bytes): more than that is not kept.
+        for i in 0..4 {
+            assert!(
+                b.admit(&key("shop", &format!("w{i}")), export(400))
+                    .metadata_dropped
+                    .is_none()
+            );
+        }
+        let kept = b.admit(&key("shop", "w4"), export(400));
+        let why = kept.metadata_dropped.as_ref().unwrap();
+        assert!(
+            why.message.contains("fair share (1777 bytes now)"),
+            "{}",
+            why.message
+        );
+        // However many namespaces come, never more than twice the budget in all.
+        for ns in 0..200 {
+            b.admit(&key(&format!("n{ns:03}"), "e"), export(100));
+        }
+        assert!(b.lock().total <= 32_000, "{}", b.lock().total);
     }
 
     /// An update of an export that fits gives back and takes the same bytes: nothing to

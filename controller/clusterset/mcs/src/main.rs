@@ -124,9 +124,11 @@ struct RunArgs {
     /// the same value.
     #[arg(long, env = "MCS_EXPORTED_METADATA_BYTES_PER_NAMESPACE", default_value_t = 2 << 20)]
     exported_metadata_bytes_per_namespace: usize,
-    /// The same, over all of one member's namespaces: what one member's exports may make
-    /// this controller hold (with N members, up to N times this).
-    #[arg(long, env = "MCS_EXPORTED_METADATA_BYTES_PER_MEMBER", default_value_t = 16 << 20)]
+    /// The same, over all of one member's namespaces, first come; past it a namespace still
+    /// keeps its fair share (this over the namespaces holding metadata), up to twice this in
+    /// all: what one member's exports may make this controller hold (with N members, up to
+    /// 2N times this).
+    #[arg(long, env = "MCS_EXPORTED_METADATA_BYTES_PER_MEMBER", default_value_t = 8 << 20)]
     exported_metadata_bytes_per_member: usize,
 }
 
