@@ -1,6 +1,9 @@
 //! The node's guard, built once from the flags and what the node is: the ClusterSetIP ranges,
-//! the addresses never to program (the node's interface addresses, the API server's, and
-//! `--protect-address`), the trusted slice managers and the caps. `table` and `run` build it
+//! the addresses never to program (the node's interface addresses, the API server's, the
+//! DNS servers of `/etc/resolv.conf` — with the DaemonSet's `ClusterFirstWithHostNet`, the
+//! cluster DNS Service's ClusterIP, which a ClusterSetIP range overlapping the Service range
+//! would otherwise let an import take — and `--protect-address`), the trusted slice managers
+//! and the caps. `table` and `run` build it
 //! the same way, so `table` shows what `run` would program.
 
 use std::{collections::BTreeSet, net::IpAddr};
@@ -25,6 +28,9 @@ pub fn build(args: &GuardArgs, apiserver: &[IpAddr]) -> anyhow::Result<Guard> {
     }
     let mut protected: BTreeSet<IpAddr> = node_addresses();
     protected.extend(apiserver.iter().copied());
+    protected.extend(resolvers(
+        &std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default(),
+    ));
     protected.extend(args.protect_addresses.iter().copied());
     tracing::info!(
         ranges = ?cidrs.iter().map(ToString::to_string).collect::<Vec<_>>(),
@@ -67,6 +73,24 @@ fn node_addresses() -> BTreeSet<IpAddr> {
     }
     out.retain(|ip| mcs_model::validate::hostile(*ip).is_none());
     out
+}
+
+/// The `nameserver` addresses of a resolv.conf (loopback and link-local ones are refused
+/// anyway).
+fn resolvers(resolv_conf: &str) -> Vec<IpAddr> {
+    resolv_conf
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|rest| {
+            rest.split_whitespace()
+                .next()?
+                .split('%')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .filter(|ip| mcs_model::validate::hostile(*ip).is_none())
+        .collect()
 }
 
 /// The addresses of the API server `url` names (an IP, or a name resolved now).
@@ -121,6 +145,17 @@ mod tests {
             named.iter().all(IpAddr::is_loopback) && !named.is_empty(),
             "{named:?}"
         );
+    }
+
+    #[test]
+    fn the_dns_servers_of_resolv_conf_are_protected() {
+        let conf = "# kubelet\nsearch mcs-system.svc.cluster.local svc.cluster.local\nnameserver 198.18.96.10\nnameserver\t2001:2::96:a\nnameserver fe80::1%eth0\nnameserver 127.0.0.53\noptions ndots:5\n";
+        let want: Vec<IpAddr> = vec![
+            "198.18.96.10".parse().unwrap(),
+            "2001:2::96:a".parse().unwrap(),
+        ];
+        assert_eq!(resolvers(conf), want);
+        assert!(resolvers("").is_empty());
     }
 
     #[test]
