@@ -592,3 +592,57 @@ fn one_cluster(flags: &[&str]) -> (ClusterSet, Controller) {
     );
     (set, ctl)
 }
+
+/// Issue 52: the controller's metrics port takes the same bounds as the agent's (it served
+/// the same code with no bound and never raised its open-files limit: 1,100 idle connections
+/// took its `/healthz` down). 1,100 idle connections from 100 addresses: `/healthz` and
+/// `/metrics` still answer, and the controller stays small.
+#[test]
+fn the_controllers_metrics_port_holds_against_idle_connections() {
+    if !mcs_test_support::require(apiserver::prerequisites()) {
+        return;
+    }
+    let port = free_port();
+    let (set, ctl) = one_cluster(&["--metrics-addr", &format!("127.0.0.1:{port}")]);
+    set.rt.block_on(async {
+        until("/metrics answers", || async { scrape(port) }).await;
+        // Raised at start, before the metrics port is served.
+        let (soft, hard) = ctl.limit("Max open files");
+        assert_eq!(
+            soft, hard,
+            "the open-files limit is raised to its hard limit"
+        );
+        let to: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let mut idle = Vec::new();
+        for i in 0..1100u32 {
+            let s = tokio::net::TcpSocket::new_v4().unwrap();
+            s.bind(format!("127.0.2.{}:0", 1 + i % 100).parse().unwrap())
+                .unwrap();
+            if let Ok(c) = s.connect(to).await {
+                idle.push(c);
+            }
+        }
+        let health = tokio::task::spawn_blocking(move || {
+            use std::io::{Read as _, Write as _};
+            let mut s = std::net::TcpStream::connect(to).ok()?;
+            s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                .ok()?;
+            s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").ok()?;
+            let mut out = String::new();
+            s.read_to_string(&mut out).ok()?;
+            Some(out)
+        })
+        .await
+        .unwrap();
+        assert!(
+            health
+                .as_deref()
+                .is_some_and(|h| h.starts_with("HTTP/1.1 200")),
+            "{health:?}"
+        );
+        assert!(scrape(port).is_some_and(|m| m.contains("mcs_controller_")));
+        let rss = ctl.rss();
+        assert!(rss < 128 << 20, "{} MiB", rss >> 20);
+        drop(idle);
+    });
+}

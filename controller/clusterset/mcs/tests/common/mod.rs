@@ -34,6 +34,14 @@ pub const NS: &str = "shop";
 pub struct Controller(Child);
 
 impl Controller {
+    /// A line of the process's `/proc/<pid>/limits` (e.g. `Max open files`): soft, hard.
+    pub fn limit(&self, name: &str) -> (String, String) {
+        let text = std::fs::read_to_string(format!("/proc/{}/limits", self.0.id())).unwrap();
+        let line = text.lines().find(|l| l.starts_with(name)).expect("a limit");
+        let mut f = line[name.len()..].split_whitespace();
+        (f.next().unwrap().into(), f.next().unwrap().into())
+    }
+
     /// The process's resident set size in bytes (`VmRSS` of `/proc/<pid>/status`).
     pub fn rss(&self) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.0.id())).unwrap();
