@@ -122,6 +122,8 @@ pub fn slices(
                 }
                 continue;
             };
+            let watched_at = tokio::time::Instant::now();
+            let mut got_data = false;
             let res = match send(&client, watch_request(&label_selector, &from), protobuf::WATCH_MEDIA_TYPE).await {
                 Ok(r) => r,
                 Err(e) => {
@@ -185,11 +187,21 @@ pub fn slices(
                 match tokio::time::timeout(idle, body.frame()).await {
                     Ok(Some(Ok(frame))) => {
                         if let Ok(data) = frame.into_data() {
+                            got_data |= !data.is_empty();
                             buf.extend_from_slice(&data);
                         }
                     }
-                    // The server ended the watch (its timeout): watch again.
-                    Ok(None) => break,
+                    // The server ended the watch (its timeout): watch again. One that ends
+                    // it at once with nothing sent is a failure, so the watch is asked
+                    // again after a backoff step, not in a tight loop.
+                    Ok(None) => {
+                        if !got_data && watched_at.elapsed() < ENDED_AT_ONCE {
+                            yield Err(Error::WatchFailed(kube::Error::Service(
+                                "the API server ended the EndpointSlice watch at once with nothing sent".into(),
+                            )));
+                        }
+                        break;
+                    }
                     Ok(Some(Err(e))) => {
                         yield Err(Error::WatchFailed(e));
                         break;
@@ -233,6 +245,9 @@ fn event(frame: &[u8]) -> Result<Watched, DecodeError> {
         _ => Err(DecodeError("unknown watch event type")),
     }
 }
+
+/// A watch the server ends sooner than this with nothing sent counts as a failure.
+const ENDED_AT_ONCE: Duration = Duration::from_secs(1);
 
 fn decode_error(e: DecodeError) -> kube::Error {
     kube::Error::Service(Box::new(e))
