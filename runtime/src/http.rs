@@ -53,7 +53,7 @@ pub type StatusFn = Arc<
 /// What one listener may take. Anyone who reaches the port (on the host network: every pod of
 /// the node) may connect, so each bound holds against them all: connections in all and per
 /// source address, a deadline for the request head and one for the whole exchange, and a few
-/// large answers (`/status`, `/metrics`) at a time, one per source. With every place taken, a new connection
+/// large answers (`/status`, `/metrics`) at a time, two per source. With every place taken, a new connection
 /// takes the place of the oldest one still waiting for its request head (idle ones go
 /// first: a real client sends its request at once); with none waiting, or past its source's
 /// share, it is answered `503` at once and closed. `/healthz` and `/readyz` need no answer
@@ -82,7 +82,7 @@ impl Default for Limits {
             connections: 1024,
             per_source: 16,
             large_answers: 4,
-            large_answers_per_source: 1,
+            large_answers_per_source: 2,
             head_deadline: Duration::from_secs(5),
             deadline: Duration::from_secs(10),
         }
@@ -228,6 +228,20 @@ impl Slot {
         true
     }
 
+    /// Gives its large-answer place back (if it holds one): before the connection is closed,
+    /// so a client that asks again once it has read the answer finds it free.
+    fn end_large(&self) {
+        if self.large.swap(false, Ordering::Relaxed) {
+            let mut book = lock(&self.book);
+            if let Some(n) = book.large.get_mut(&self.source) {
+                *n -= 1;
+                if *n == 0 {
+                    book.large.remove(&self.source);
+                }
+            }
+        }
+    }
+
     /// Its request head arrived: no longer one a new connection may push out.
     fn head_read(&self) {
         lock(&self.book).waiting.remove(&self.id);
@@ -236,16 +250,8 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let mut book = lock(&self.book);
-        if self.large.load(Ordering::Relaxed)
-            && let Some(n) = book.large.get_mut(&self.source)
-        {
-            *n -= 1;
-            if *n == 0 {
-                book.large.remove(&self.source);
-            }
-        }
-        book.release(self.id, self.source);
+        self.end_large();
+        lock(&self.book).release(self.id, self.source);
     }
 }
 
@@ -559,11 +565,26 @@ async fn handle(
         ),
         _ => ("405 Method Not Allowed", "text/plain", "GET only\n".into()),
     };
-    write_answer(&mut stream, status, ctype, &body).await
+    write_head_and_body(&mut stream, status, ctype, &body).await?;
+    // The places are given back before the close the client waits for.
+    drop(body);
+    drop(_permit);
+    slot.end_large();
+    stream.shutdown().await
 }
 
 /// Writes the head, then the body as it is (no copy of it), and closes.
 async fn write_answer(
+    stream: &mut TcpStream,
+    status: &str,
+    ctype: &str,
+    body: &str,
+) -> std::io::Result<()> {
+    write_head_and_body(stream, status, ctype, body).await?;
+    stream.shutdown().await
+}
+
+async fn write_head_and_body(
     stream: &mut TcpStream,
     status: &str,
     ctype: &str,
@@ -574,8 +595,7 @@ async fn write_answer(
         body.len()
     );
     stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await
+    stream.write_all(body.as_bytes()).await
 }
 
 #[cfg(test)]
