@@ -215,11 +215,7 @@ fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
 
 #[test]
 fn run_serves_readyz_and_metrics_and_stops_on_sigterm() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = mcs_test_support::ports::unused_port_or_panic();
     let mut child = agent()
         .args([
             "run",
@@ -413,11 +409,7 @@ fn hostile_objects_are_rejected_with_reasons_by_table() {
 
 #[test]
 fn a_live_agent_rejects_hostile_objects_and_serves_the_rest() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = mcs_test_support::ports::unused_port_or_panic();
     let mut child = Command::new(env!("CARGO_BIN_EXE_mcs-agent"))
         .current_dir(repo_root())
         .args(["run", "--dataplane", "log", "--metrics-addr"])

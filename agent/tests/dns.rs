@@ -22,13 +22,7 @@ use hickory_proto::{
 
 const WAIT: Duration = Duration::from_secs(20);
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use mcs_test_support::ports::unused_port_or_panic as free_port;
 
 /// The ClusterSet of the test: `web` (ClusterSetIP, dual-stack, a named and an unnamed
 /// port), `db` (headless; c1's db-0 ready, db-1 not; cluster `eu.c2` has one ready endpoint

@@ -81,11 +81,7 @@ fn setup() -> Option<Setup> {
     }
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("objects.yaml"), OBJECTS).unwrap();
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = mcs_test_support::ports::unused_port_or_panic();
     let pins = Path::new("/sys/fs/bpf").join(mcs_test_support::unique_name("agent"));
     Some(Setup {
         ns,

@@ -127,10 +127,7 @@ fn measure(
     if dataplane != "log" && !root {
         return Err("needs root".into());
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| e.to_string())?
-        .port();
+    let port = mcs_test_support::ports::unused_port().map_err(|e| e.to_string())?;
     let netns = (dataplane == "userspace")
         .then(|| Netns::new("agentmem"))
         .transpose()

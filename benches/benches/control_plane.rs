@@ -476,10 +476,7 @@ async fn agent_rss(kubeconfig: &std::path::Path) -> Result<AgentMemory, String> 
         .map(|d| d.join("mcs-agent"))
         .filter(|p| p.is_file())
         .ok_or("no mcs-agent binary next to the bench (cargo build --release -p mcs-agent)")?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| e.to_string())?
-        .port();
+    let port = mcs_test_support::ports::unused_port().map_err(|e| e.to_string())?;
     let mut child = tokio::process::Command::new(&agent)
         .args([
             "run",

@@ -112,9 +112,7 @@ pub struct Report {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(mcs_test_support::ports::unused_port()?)
 }
 
 /// The address of service `i`.

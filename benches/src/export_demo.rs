@@ -242,11 +242,7 @@ fn story(
     );
     let cg = TestCgroup::new("export")?;
     let pins = Path::new("/sys/fs/bpf").join(mcs_sandbox::unique_name("export"));
-    let free = || -> anyhow::Result<u16> {
-        Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port())
-    };
+    let free = || -> anyhow::Result<u16> { Ok(mcs_test_support::ports::unused_port()?) };
     let (metrics_port, dns_port) = (free()?, free()?);
     let dns = SocketAddr::from(([127, 0, 0, 1], dns_port));
     let mut cmd = Command::new(&agent);

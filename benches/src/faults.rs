@@ -16,7 +16,7 @@
 
 use std::{
     io::{Read as _, Write as _},
-    net::{SocketAddr, TcpListener, TcpStream},
+    net::{SocketAddr, TcpStream},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -332,7 +332,7 @@ impl Bed {
         write_objects(dir.path(), &|_| true)?;
         let cg = TestCgroup::new("faults")?;
         let pins = Path::new("/sys/fs/bpf").join(mcs_sandbox::unique_name("faults"));
-        let metrics_port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let metrics_port = mcs_test_support::ports::unused_port()?;
         let mut bed = Self {
             kube,
             topo,

@@ -15,7 +15,6 @@
 //! permission until a test binds one, and an unprivileged user.
 
 use std::{
-    net::TcpListener,
     path::{Path, PathBuf},
     sync::OnceLock,
     time::{Duration, Instant},
@@ -154,7 +153,26 @@ impl ApiServer {
 
     /// As [`ApiServer::start`], with the CRDs of another directory (every `*.yaml` but a
     /// kustomization): e.g. the upstream project's ([`upstream_mcs_crds`]).
+    ///
+    /// A start that fails because a port was taken between picking and binding it (another
+    /// process's server) is tried again on new ports, three times in all.
     pub fn start_with_crds(crds: &Path) -> anyhow::Result<Self> {
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(crds) {
+                Err(e) if attempt < 3 && format!("{e:#}").contains("address already in use") => {
+                    eprintln!(
+                        "mcs-test-support: a port was taken before kube-apiserver or etcd bound it \
+                         (attempt {attempt} of 3), starting again on new ports"
+                    );
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn start_once(crds: &Path) -> anyhow::Result<Self> {
         crate::sweep_stale();
         let started = Instant::now();
         let apiserver_bin = find_kube_binary("kube-apiserver").context("kube-apiserver binary")?;
@@ -202,9 +220,9 @@ impl ApiServer {
             "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n- level: Metadata\n  verbs: [list, watch]\n- level: None\n",
         )?;
 
-        let etcd_port = free_port()?;
-        let etcd_peer_port = free_port()?;
-        let port = free_port()?;
+        let etcd_port = crate::ports::unused_port()?;
+        let etcd_peer_port = crate::ports::unused_port()?;
+        let port = crate::ports::unused_port()?;
         let etcd_url = format!("http://127.0.0.1:{etcd_port}");
         let etcd_args = vec![
             "--name=mcs-test".into(),
@@ -467,7 +485,7 @@ impl ApiServer {
     /// Starts a second kube-apiserver on the same etcd (another instance of an HA control
     /// plane) on its own port and waits until it is ready. Stop it before this one is dropped.
     pub fn start_peer(&self) -> anyhow::Result<PeerApiServer> {
-        let port = free_port()?;
+        let port = crate::ports::unused_port()?;
         let args: Vec<String> = self
             .apiserver_args
             .iter()
@@ -740,10 +758,6 @@ pub fn find_kube_binary(name: &str) -> Option<PathBuf> {
         }
     }
     prereq::find_program(name)
-}
-
-fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 struct Pki {

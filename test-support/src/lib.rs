@@ -15,6 +15,8 @@
 //! - [`probe`]: a client that runs as a child process (inside a netns and a cgroup) and
 //!   reports what the kernel did with its connect().
 //! - [`socket_lb`]: the eBPF socket LB's fixture (pins, cgroup, namespace, echo backends).
+//! - [`ports`]: loopback ports for the servers a test starts, never in the kernel's ephemeral
+//!   range (where any outgoing connection could take them before the server binds).
 //! - [`kubectl`]: commands with standard input, and `kubectl` against a test API server.
 //!
 //! Every resource a helper creates carries the test process id in its name
@@ -24,6 +26,7 @@
 pub mod apiserver;
 pub mod kubectl;
 pub mod node;
+pub mod ports;
 pub mod prereq;
 pub mod probe;
 pub mod socket_lb;

@@ -703,9 +703,7 @@ pub fn have(program: &str) -> bool {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(mcs_test_support::ports::unused_port()?)
 }
 
 /// Unpins the maps of eBPF agents of earlier runs that were killed before cleaning up.

@@ -279,14 +279,9 @@ impl ClusterSet {
     }
 }
 
-/// A loopback TCP port free a moment ago (for a controller's `--metrics-addr`).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+/// A loopback TCP port for a controller's `--metrics-addr` (not every test binary uses it).
+#[allow(unused_imports)]
+pub use mcs_test_support::ports::unused_port_or_panic as free_port;
 
 /// The text of `GET /metrics` on loopback `port`, or `None` while nothing answers there.
 pub fn scrape(port: u16) -> Option<String> {
