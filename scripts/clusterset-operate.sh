@@ -9,7 +9,7 @@
 #   4. `explain` on a ServiceImport with a ClusterSetIP outside the agents' ranges (written as
 #      the controller's service account): exit 1, names each agent's rejection and the fix;
 #   5. c2's API server stopped: `status` exits 1 and names it; started again: exit 0.
-# Outputs are kept in target/operate/ (README's "Operating it" shows them).
+# Outputs are kept in target/operate/ (docs/operating.md's "Real output" shows them).
 # Usage: bash scripts/clusterset-operate.sh   (after scripts/clusterset.sh up)
 set -euo pipefail
 # shellcheck source=scripts/clusterset-lib.sh
