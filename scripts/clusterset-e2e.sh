@@ -2,6 +2,8 @@
 # End to end on real pods, on the ClusterSet of scripts/clusterset.sh (which must be up, with
 # mcs-dataplane installed):
 #
+#   0. Every import in both clusters says `status.endpointSliceObjects: Present` and has MCS
+#      EndpointSlices (what a Gateway API implementation reads to pick slices over IPs).
 #   1. eBPF: a Deployment exported by c2 is reached from a pod of c1 by its ClusterSetIP and by
 #      <svc>.<ns>.svc.clusterset.local (CoreDNS forwarding to the agents), served by both of
 #      c2's pods; a UDP echo exported by c2 answers c1's pod from its ClusterSetIP, and one
@@ -213,6 +215,30 @@ while [[ -z $vip ]] && ((SECONDS < deadline)); do
 done
 [[ -n $vip ]] || { fail "no ServiceImport web with a ClusterSetIP in c1"; exit 1; }
 say "ServiceImport web in c1: ClusterSetIP $vip"
+
+# --- 0. what a Gateway API implementation reads ------------------------------------------------
+# status.endpointSliceObjects tells it whether to read the MCS EndpointSlices of an import or
+# only its IPs: every import of ours must say Present, and have its slices.
+# Prints "<import> <endpointSliceObjects> <MCS slices>" per import in cluster $1 and fails
+# unless each is Present with at least one slice.
+imports_present_with_slices() {
+  local c=$1 rows bad=0 name objects slices
+  rows=$(kc "$c" -n "$NS" get serviceimport -o jsonpath='{range .items[*]}{.metadata.name} {.status.endpointSliceObjects}{"\n"}{end}')
+  [[ -n $rows ]] || return 1
+  while read -r name objects; do
+    slices=$(kc "$c" -n "$NS" get endpointslices -l "multicluster.kubernetes.io/service-name=$name" -o name | wc -l)
+    echo "$name ${objects:-unset} $slices"
+    [[ $objects == Present ]] && ((slices > 0)) || bad=1
+  done <<<"$rows"
+  return "$bad"
+}
+for c in c1 c2; do
+  if until_ok 30 "every import in $c Present with MCS slices" imports_present_with_slices "$c" >/dev/null; then
+    say "0. $c: every import says endpointSliceObjects Present and has MCS EndpointSlices: $(imports_present_with_slices "$c" | awk '{printf "%s(%s slices) ", $1, $3}')"
+  else
+    say "   $c's imports (name, endpointSliceObjects, MCS slices): $(imports_present_with_slices "$c" | tr '\n' ';')"
+  fi
+done
 
 # --- 1. eBPF, by IP and by name ---------------------------------------------------------------
 out=$(mktemp); trap 'rc=$?; rm -f "$out"; cleanup "$rc"' EXIT

@@ -25,7 +25,9 @@
 #      default Required; "all" for every test that ran), MCS_CLUSTERSET_DIR (as
 #      scripts/clusterset.sh),
 #      MCS_CONFORMANCE_SUITE (suite directory; default ../shared/conformance/mcs-api beside the
-#      checkout, else /work/shared/conformance/mcs-api).
+#      checkout, else /work/shared/conformance/mcs-api), MCS_CONFORMANCE_ORGANIZATION,
+#      _PROJECT, _VERSION, _URL (the report's implementation fields; defaults: mcs-dataplane,
+#      mcs-dataplane, the workspace version + the commit, the workspace's repository URL).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -133,10 +135,19 @@ done
 echo "conformance: mcs-controller ready in c1 and c2"
 fi
 
+# The implementation fields of the report (the conformance report program's report.yaml).
+workspace_version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -1)
+report_organization=${MCS_CONFORMANCE_ORGANIZATION:-mcs-dataplane}
+report_project=${MCS_CONFORMANCE_PROJECT:-mcs-dataplane}
+report_version=${MCS_CONFORMANCE_VERSION:-$workspace_version+g$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+report_url=${MCS_CONFORMANCE_URL:-$(sed -n 's/^repository = "\(.*\)"$/\1/p' Cargo.toml | head -1)}
+echo "conformance: report for $report_organization/$report_project $report_version ($report_url)"
 echo "conformance: running the suite (label filter: ${labels:-none, every test})"
 set +e
 (cd "$out" && ./conformance.test -test.v -test.timeout 60m \
     -kubeconfig "$kubeconfig" -contexts c1,c2 \
+    -organization "$report_organization" -project "$report_project" \
+    -version "$report_version" -url "$report_url" \
     ${labels:+-ginkgo.label-filter="$labels"} -ginkgo.junit-report="$out/junit.xml" \
     -ginkgo.no-color) >"$out/suite.log" 2>&1
 rc=$?

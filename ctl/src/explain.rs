@@ -529,6 +529,7 @@ fn backend(b: &Value) -> String {
 fn rejection_fix(reason: &str) -> String {
     match reason {
         "vip_not_allowed" | "hostile_vip" => "the import's ClusterSetIP is one this agent may not program: outside its --clusterset-ip-cidr (chart clustersetIPCIDRs), or an address of the node; the controller's and every agent's ranges must be the same".into(),
+        "endpoint_slices_absent" => "the import's writer says its endpoints are not EndpointSlices (status.endpointSliceObjects: Absent): another MCS implementation serves this ClusterSetIP; if this agent should, the controller that writes the import must publish MCS EndpointSlices".into(),
         "unprogrammable" => "the dataplane's maps are full or the frontend cannot be intercepted: see docs/install.md Sizing".into(),
         _ => "the message says what is refused; the object's writer must change it (the agent keeps serving everything else)".into(),
     }

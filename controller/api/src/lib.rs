@@ -37,6 +37,13 @@ pub const ABOUT_API_APPROVAL: &str = "https://github.com/kubernetes/enhancements
 
 /// Labels of the generated CRDs.
 const CRD_LABELS: [(&str, &str); 1] = [(labels::LABEL_PART_OF, "mcs-dataplane")];
+/// The upstream mcs-api release whose ServiceImport and ServiceExport schemas ours match
+/// field for field (stricter only where docs/safety.md says why), with its schema revision:
+/// the labels upstream puts on its CRDs so that installers never downgrade them.
+pub const UPSTREAM_CRD_LABELS: [(&str, &str); 2] = [
+    ("multicluster.x-k8s.io/release-version", "v0.5.2"),
+    ("multicluster.x-k8s.io/crd-schema-revision", "0"),
+];
 
 /// The most ports a ServiceImport holds (the agents' `ports_per_import`; the CRD's
 /// `maxItems`).
@@ -137,10 +144,25 @@ pub struct ClientIpConfig {
     pub timeout_seconds: Option<i32>,
 }
 
+/// Whether the implementation that wrote a ServiceImport publishes its endpoints as MCS
+/// EndpointSlice objects (`status.endpointSliceObjects`, KEP-1645; upstream mcs-api v0.5.2).
+/// Consumers such as Gateway API implementations read the slices when `Present` and only the
+/// import's IPs when `Absent`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum EndpointSliceObjects {
+    /// MCS EndpointSlices carry this import's endpoints (what mcs-controller always writes).
+    Present,
+    /// No EndpointSlice objects: only the import's IPs (another implementation's choice).
+    Absent,
+}
+
 /// Status of a ServiceImport.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ServiceImportStatus {
+    /// Whether imported EndpointSlice objects are present for this ServiceImport.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint_slice_objects: Option<EndpointSliceObjects>,
     /// Clusters that export the service.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub clusters: Vec<ClusterStatus>,
@@ -182,6 +204,7 @@ macro_rules! mcs_version {
                 kind = "ServiceImport",
                 namespaced,
                 status = "ServiceImportStatus",
+                category = "multicluster",
                 shortname = "svcim",
                 shortname = "svcimport",
                 printcolumn = r#"{"name":"Type","type":"string","jsonPath":".spec.type"}"#,
@@ -249,6 +272,7 @@ macro_rules! mcs_version {
                 kind = "ServiceExport",
                 namespaced,
                 status = "ServiceExportStatus",
+                category = "multicluster",
                 shortname = "svcex",
                 shortname = "svcexport",
                 printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
@@ -367,6 +391,11 @@ pub fn crds() -> Vec<(&'static str, CustomResourceDefinition)> {
         let labels = crd.metadata.labels.get_or_insert_with(Default::default);
         for (k, v) in CRD_LABELS {
             labels.insert(k.into(), v.into());
+        }
+        if crd.spec.group == "multicluster.x-k8s.io" {
+            for (k, v) in UPSTREAM_CRD_LABELS {
+                labels.insert(k.into(), v.into());
+            }
         }
     }
     out

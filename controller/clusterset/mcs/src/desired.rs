@@ -24,9 +24,10 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time},
 };
 use mcs_api::{
-    ClientIpConfig, ClusterStatus, DEFAULT_SLICE_CONTROLLER, LABEL_MANAGED_BY, LABEL_SERVICE_NAME,
-    LABEL_SOURCE_CLUSTER, LABEL_SOURCE_MANAGED_BY, ServiceImport, ServiceImportSpec,
-    ServiceImportStatus, ServiceImportType, ServicePort, SessionAffinityConfig,
+    ClientIpConfig, ClusterStatus, DEFAULT_SLICE_CONTROLLER, EndpointSliceObjects,
+    LABEL_MANAGED_BY, LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER, LABEL_SOURCE_MANAGED_BY,
+    ServiceImport, ServiceImportSpec, ServiceImportStatus, ServiceImportType, ServicePort,
+    SessionAffinityConfig,
 };
 use mcs_merge::{
     Export, ExportConditions, ImportShape, Merged, ServiceKey, ServiceShape, alloc::Allocator,
@@ -919,7 +920,10 @@ fn import(
     if !shape.annotations.is_empty() {
         si.metadata.annotations = Some(shape.annotations.clone());
     }
+    // Always Present: the endpoints of every import this controller writes are MCS
+    // EndpointSlices (none while no exporting cluster has a slice of the Service).
     si.status = Some(ServiceImportStatus {
+        endpoint_slice_objects: Some(EndpointSliceObjects::Present),
         clusters: shape
             .clusters
             .iter()

@@ -18,7 +18,7 @@ use std::{
     hash::{BuildHasher as _, DefaultHasher, Hasher as _, RandomState},
     sync::{
         LazyLock,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
 };
 
@@ -26,7 +26,7 @@ use k8s_openapi::{
     api::discovery::v1::EndpointSlice,
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
 };
-use mcs_api::ServiceImport;
+use mcs_api::{EndpointSliceObjects, ServiceImport};
 use serde::Serialize;
 
 use crate::{MANAGED_LABEL, MANAGER};
@@ -84,6 +84,32 @@ pub fn import_spec(si: &ServiceImport) -> Fingerprint {
 /// What the writer compares of an import's status clusters.
 pub fn import_clusters(si: &ServiceImport) -> Fingerprint {
     Fingerprint::of(&si.status.as_ref().map(|s| &s.clusters))
+}
+
+/// `status.endpointSliceObjects` of an import.
+fn endpoint_slice_objects(si: &ServiceImport) -> Option<EndpointSliceObjects> {
+    si.status.as_ref().and_then(|s| s.endpoint_slice_objects)
+}
+
+/// Set once a status write with `endpointSliceObjects` came back without it: this cluster's
+/// ServiceImport CRD is older than mcs-api v0.5.2 and prunes the field. From then on an
+/// import held without it counts as holding it, so nothing is written again and again; a
+/// restart (as the chart upgrade that brings newer CRDs does) tries again. One flag per
+/// process: a controller writes into one cluster.
+static ENDPOINT_SLICE_OBJECTS_PRUNED: AtomicBool = AtomicBool::new(false);
+
+/// Notes what a status write of `want` returned: if the API server dropped
+/// `endpointSliceObjects`, says so once and stops asking for it (see
+/// [`ENDPOINT_SLICE_OBJECTS_PRUNED`]).
+pub fn note_written_status(want: &ServiceImport, written: &ServiceImport) {
+    if endpoint_slice_objects(want).is_some()
+        && endpoint_slice_objects(written).is_none()
+        && !ENDPOINT_SLICE_OBJECTS_PRUNED.swap(true, Ordering::Relaxed)
+    {
+        tracing::warn!(
+            "this cluster's ServiceImport CRD drops status.endpointSliceObjects (it is older than mcs-api v0.5.2): imports are written without it, and Gateway API implementations cannot tell that their endpoints are in MCS EndpointSlices; install the CRDs of deploy/crds (or upstream v0.5.2) and restart the controller"
+        );
+    }
 }
 
 /// What the writer compares of a list of conditions: type, status, reason, message and
@@ -166,6 +192,8 @@ pub struct HeldImport {
     pub spec: Fingerprint,
     /// [`import_clusters`].
     pub clusters: Fingerprint,
+    /// `status.endpointSliceObjects`.
+    pub endpoint_slice_objects: Option<EndpointSliceObjects>,
     /// `status.conditions`.
     pub conditions: HeldConditions,
 }
@@ -188,6 +216,7 @@ impl HeldImport {
             labels,
             spec: import_spec(si),
             clusters: import_clusters(si),
+            endpoint_slice_objects: endpoint_slice_objects(si),
             conditions: HeldConditions::new(si.status.as_ref().map_or(&[][..], |s| &s.conditions)),
         }
     }
@@ -212,9 +241,14 @@ impl HeldImport {
                 .all(|(k, v)| self.label(k) == Some(v.as_str()))
     }
 
-    /// Whether it holds `want`'s status (clusters and conditions, times aside).
+    /// Whether it holds `want`'s status (clusters, `endpointSliceObjects` unless this
+    /// cluster's CRD drops it, and conditions, times aside).
     pub fn status_same(&self, want: &ServiceImport) -> bool {
+        let want_objects = endpoint_slice_objects(want);
         self.clusters == import_clusters(want)
+            && (self.endpoint_slice_objects == want_objects
+                || self.endpoint_slice_objects.is_none()
+                    && ENDPOINT_SLICE_OBJECTS_PRUNED.load(Ordering::Relaxed))
             && self
                 .conditions
                 .same(want.status.as_ref().map_or(&[][..], |s| &s.conditions))
@@ -330,6 +364,7 @@ mod tests {
         }
         si.metadata.labels = Some(labels);
         si.status = Some(ServiceImportStatus {
+            endpoint_slice_objects: Some(mcs_api::EndpointSliceObjects::Present),
             clusters: vec![ClusterStatus {
                 cluster: "c2".into(),
             }],
@@ -373,5 +408,23 @@ mod tests {
         theirs.metadata.labels = None;
         let theirs = HeldImport::new(&theirs);
         assert!(!theirs.ours && !theirs.spec_same(&want));
+    }
+
+    #[test]
+    fn an_import_without_endpoint_slice_objects_is_written_again_until_the_crd_drops_it() {
+        let want = import(&["198.19.56.1"], "Ready", false);
+        let mut old = want.clone();
+        old.status.as_mut().unwrap().endpoint_slice_objects = None;
+        let held = HeldImport::new(&old);
+        // Written before the field existed: written again, with it.
+        assert!(!held.status_same(&want));
+        // The write came back without it (a CRD older than v0.5.2 prunes it): from then on
+        // the import counts as written, so it is not written on every pass.
+        note_written_status(&want, &old);
+        assert!(held.status_same(&want));
+        // A value that differs still does.
+        let mut absent = want.clone();
+        absent.status.as_mut().unwrap().endpoint_slice_objects = Some(EndpointSliceObjects::Absent);
+        assert!(!HeldImport::new(&absent).status_same(&want));
     }
 }

@@ -300,7 +300,8 @@ pub async fn sync(
                 .patch_status(name, &apply(), &Patch::Apply(&status))
                 .await
             {
-                Ok(_) => {
+                Ok(written) => {
+                    crate::held::note_written_status(si, &written);
                     tracing::debug!(
                         import = %format!("{ns}/{name}"),
                         ips = ?si.spec.ips,

@@ -78,6 +78,11 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
             let ip: std::net::IpAddr = si.spec.ips[0].parse().unwrap();
             assert!(ip.to_string().starts_with("198.18.100."), "{ip}");
             let status = si.status.as_ref().unwrap();
+            // What Gateway API implementations read: the endpoints are MCS EndpointSlices.
+            assert_eq!(
+                status.endpoint_slice_objects,
+                Some(mcs_api::EndpointSliceObjects::Present)
+            );
             assert_eq!(
                 status
                     .clusters

@@ -63,6 +63,9 @@ pub struct ImportInput {
     pub traffic_distribution: Option<String>,
     /// `spec.internalTrafficPolicy` (`Cluster` or `Local`).
     pub internal_traffic_policy: Option<String>,
+    /// `status.endpointSliceObjects` is `Absent`: the import's writer publishes no
+    /// EndpointSlices for it (`Present` or unset: the agent reads the MCS slices).
+    pub endpoint_slices_absent: bool,
 }
 
 impl ImportInput {

@@ -562,3 +562,47 @@ fn slices_copied_from_selectorless_sources_are_refused_unless_allowed() {
     assert_eq!(selected(&t, &fe("198.18.0.10", 80)).len(), 4);
     assert!(rej.is_empty(), "{rej:?}");
 }
+
+#[test]
+fn an_import_whose_writer_publishes_no_endpoint_slices_is_left_to_it_with_a_reason() {
+    let n = guarded(&["198.18.0.0/24"], &[]);
+    let mut theirs = mk_import("theirs", &["198.18.0.20"], &[("http", "TCP", 80)]);
+    theirs.endpoint_slices_absent = true;
+    let ours = mk_import("ours", &["198.18.0.21"], &[("http", "TCP", 80)]);
+    // A slice that names the Absent import is not used either.
+    let slices = ["theirs", "ours"].map(|svc| {
+        mk_slice(
+            &format!("{svc}-c1"),
+            svc,
+            "c1",
+            &[("http", 8080)],
+            vec![ep("198.18.1.2", true)],
+        )
+    });
+    let mut index = Index::new(n);
+    index.upsert_import(theirs.clone());
+    index.upsert_import(ours);
+    for s in slices {
+        index.upsert_slice(s);
+    }
+    index.flush();
+    let t = index.table();
+    assert!(!t.frontends.contains_key(&fe("198.18.0.20", 80)));
+    assert_eq!(selected(t, &fe("198.18.0.21", 80)), ["198.18.1.2:8080@c1"]);
+    let rej = index.rejections();
+    let why = reasons_of(&rej, "ServiceImport ns/theirs");
+    assert_eq!(why.len(), 1, "{why:?}");
+    assert_eq!(why[0].0, Reason::EndpointSlicesAbsent);
+    assert!(
+        why[0].1.contains("endpointSliceObjects is Absent"),
+        "{}",
+        why[0].1
+    );
+    // Its name is not answered either: the implementation that wrote it serves it.
+    assert!(index.dns_records(&theirs.service_ref()).is_none());
+    assert!(
+        index
+            .dns_records(&crate::input::ServiceRef::new("ns", "ours"))
+            .is_some()
+    );
+}

@@ -120,6 +120,10 @@ pub enum Reason {
     TooLarge,
     /// The dataplane could not program a frontend (a full map, say); the rest is programmed.
     Unprogrammable,
+    /// An import whose writer says its endpoints are not EndpointSlice objects
+    /// (`status.endpointSliceObjects: Absent`): the agent has no backends to program and
+    /// leaves its ClusterSetIP (and name) to the implementation that serves it.
+    EndpointSlicesAbsent,
 }
 
 impl Reason {
@@ -161,6 +165,7 @@ impl Reason {
             Reason::InvalidPolicy => "invalid_policy",
             Reason::TooLarge => "too_large",
             Reason::Unprogrammable => "unprogrammable",
+            Reason::EndpointSlicesAbsent => "endpoint_slices_absent",
         }
     }
 }
@@ -400,6 +405,14 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
             object,
             Reason::MissingName,
             "metadata.name is empty",
+        ));
+        return None;
+    }
+    if input.endpoint_slices_absent {
+        out.push(Rejection::new(
+            object,
+            Reason::EndpointSlicesAbsent,
+            "status.endpointSliceObjects is Absent: its writer publishes no EndpointSlices for it, so this agent has no backends to program and leaves its ClusterSetIP and DNS name to the implementation that wrote it",
         ));
         return None;
     }

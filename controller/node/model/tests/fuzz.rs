@@ -88,6 +88,7 @@ fn import() -> impl Strategy<Value = ImportInput> {
             proptest::option::of(text()),
             proptest::option::of(text()),
             proptest::option::of(text()),
+            proptest::bool::weighted(0.1),
         ),
     )
         .prop_map(
@@ -96,7 +97,7 @@ fn import() -> impl Strategy<Value = ImportInput> {
                 ips,
                 ip_families,
                 ports,
-                (aff, timeout, td, uid, itp),
+                (aff, timeout, td, uid, itp, absent),
             )| {
                 ImportInput {
                     namespace,
@@ -118,6 +119,7 @@ fn import() -> impl Strategy<Value = ImportInput> {
                     session_affinity: aff,
                     affinity_timeout_seconds: timeout,
                     traffic_distribution: td,
+                    endpoint_slices_absent: absent,
                 }
             },
         )

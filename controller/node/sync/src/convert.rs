@@ -45,7 +45,7 @@ fn lean_meta<'de, D: Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
 }
 
 /// A `multicluster.x-k8s.io/v1beta1` ServiceImport as the agent reads it: metadata trimmed,
-/// the spec whole, no status.
+/// the spec whole, of the status only `endpointSliceObjects`.
 #[derive(Clone, Debug, Deserialize)]
 pub struct LeanImport {
     /// Name, namespace, uid, resourceVersion, creationTimestamp, labels.
@@ -53,6 +53,19 @@ pub struct LeanImport {
     pub metadata: ObjectMeta,
     /// The spec.
     pub spec: ServiceImportSpec,
+    /// `status.endpointSliceObjects`.
+    #[serde(default)]
+    pub status: Option<LeanImportStatus>,
+}
+
+/// What the agent reads of a ServiceImport's status.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LeanImportStatus {
+    /// `Present`, `Absent` or unset. Read as text: an unknown value (a newer writer's) is
+    /// not an unparsable import; only `Absent` changes what the agent does.
+    #[serde(default)]
+    pub endpoint_slice_objects: Option<String>,
 }
 
 /// A `discovery.k8s.io/v1` EndpointSlice as the agent reads it.
@@ -137,15 +150,25 @@ pub fn namespace(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMe
 
 /// A ServiceImport as index input.
 pub fn import(si: &ServiceImport) -> ImportInput {
-    import_parts(&si.metadata, &si.spec)
+    let absent = si
+        .status
+        .as_ref()
+        .and_then(|s| s.endpoint_slice_objects)
+        .is_some_and(|o| o == mcs_api::EndpointSliceObjects::Absent);
+    import_parts(&si.metadata, &si.spec, absent)
 }
 
 /// A [`LeanImport`] as index input.
 pub fn lean_import(si: &LeanImport) -> ImportInput {
-    import_parts(&si.metadata, &si.spec)
+    let absent = si
+        .status
+        .as_ref()
+        .and_then(|s| s.endpoint_slice_objects.as_deref())
+        == Some("Absent");
+    import_parts(&si.metadata, &si.spec, absent)
 }
 
-fn import_parts(meta: &ObjectMeta, spec: &ServiceImportSpec) -> ImportInput {
+fn import_parts(meta: &ObjectMeta, spec: &ServiceImportSpec, absent: bool) -> ImportInput {
     ImportInput {
         namespace: namespace(meta),
         name: meta.name.clone().unwrap_or_default(),
@@ -175,6 +198,7 @@ fn import_parts(meta: &ObjectMeta, spec: &ServiceImportSpec) -> ImportInput {
             .map(i64::from),
         traffic_distribution: spec.traffic_distribution.clone(),
         internal_traffic_policy: spec.internal_traffic_policy.clone(),
+        endpoint_slices_absent: absent,
     }
 }
 
@@ -303,5 +327,41 @@ mod tests {
         assert_eq!(input.type_, "ClusterSetIP");
         assert_eq!(input.ips, vec!["198.18.0.10".to_string()]);
         assert_eq!(input.ports.len(), 1);
+        assert!(
+            !input.endpoint_slices_absent,
+            "no endpointSliceObjects: slices are read"
+        );
+    }
+
+    #[test]
+    fn endpoint_slice_objects_absent_is_read_and_any_other_value_is_not_absent() {
+        let with = |status: serde_json::Value| -> ImportInput {
+            let import: LeanImport = serde_json::from_value(serde_json::json!({
+                "metadata": { "name": "web", "namespace": "ns" },
+                "spec": { "type": "ClusterSetIP", "ips": ["198.18.0.10"],
+                          "ports": [{ "port": 80 }] },
+                "status": status
+            }))
+            .unwrap();
+            lean_import(&import)
+        };
+        use serde_json::json;
+        assert!(with(json!({ "endpointSliceObjects": "Absent" })).endpoint_slices_absent);
+        for status in [
+            json!({ "endpointSliceObjects": "Present" }),
+            json!({ "endpointSliceObjects": "SomethingNewer" }),
+            json!({}),
+            json!(null),
+        ] {
+            assert!(!with(status.clone()).endpoint_slices_absent, "{status}");
+        }
+        // The typed import (file source) reads it the same way.
+        let mut si = ServiceImport::new("web", ServiceImportSpec::default());
+        si.metadata.namespace = Some("ns".into());
+        si.status = Some(mcs_api::ServiceImportStatus {
+            endpoint_slice_objects: Some(mcs_api::EndpointSliceObjects::Absent),
+            ..Default::default()
+        });
+        assert!(import(&si).endpoint_slices_absent);
     }
 }
