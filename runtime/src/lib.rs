@@ -5,6 +5,7 @@
 //!
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`retry`]: the retry delays of a failed watch.
+//! - [`discovery`]: which version of an MCS kind a cluster serves and we read.
 //! - [`watch`]: the list+watch driver: backoff that only a completed list or a watch event resets.
 //! - [`open_files`]: the open-files limit, raised as far as it may go.
 //! - [`signals`]: a clean stop on SIGTERM or SIGINT.
@@ -13,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod cluster_id;
+pub mod discovery;
 pub mod http;
 pub mod logging;
 pub mod open_files;

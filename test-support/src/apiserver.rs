@@ -691,8 +691,9 @@ pub fn upstream_mcs_crds(version: &str) -> Result<PathBuf, String> {
     Ok(dir)
 }
 
-/// Applies every CRD in `dir` (server-side apply) and waits until established.
-async fn apply_crds(kubeconfig: PathBuf, dir: PathBuf) -> anyhow::Result<()> {
+/// Applies every CRD in `dir` (server-side apply, taking over every field: a CRD already
+/// there is replaced in place, its objects kept) and waits until established.
+pub async fn apply_crds(kubeconfig: PathBuf, dir: PathBuf) -> anyhow::Result<()> {
     let client = client_from(&kubeconfig).await?;
     let crds: Api<CustomResourceDefinition> = Api::all(client);
     let mut names = Vec::new();

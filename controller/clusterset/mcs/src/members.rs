@@ -33,7 +33,9 @@ use mcs_merge::ServiceShape;
 
 use crate::budget::{MetaBudget, MetaLimits};
 use crate::held::{HeldImport, HeldSlice};
-use crate::objects::{LABEL_K8S_SERVICE_NAME, LeanExport, ObjKey, WireExport, shape};
+use crate::objects::{
+    ExportVersion, LABEL_K8S_SERVICE_NAME, LeanExport, ObjKey, WireExport, shape,
+};
 use mcs_runtime::{
     retry::WatchRetry,
     watch::{ListWatch, Next},
@@ -315,6 +317,8 @@ pub struct Member {
     pub slices: Arc<Store<EndpointSlice>>,
     /// What its exports' labels and annotations may take.
     pub budget: Arc<MetaBudget>,
+    /// The ServiceExport version it is read in (asked of it; `v1beta1` until it answers).
+    export_version: Mutex<ExportVersion>,
     health: Mutex<Health>,
     started: Instant,
 }
@@ -367,6 +371,7 @@ impl Member {
             id,
             exports: Arc::new(Store::new(changes.clone(), None).with_admission(budget.clone())),
             budget,
+            export_version: Mutex::new(ExportVersion::default()),
             services: Arc::new(Store::new(changes.clone(), None)),
             slices: Arc::new(Store::new(changes.clone(), Some(member_slice_service))),
             health: Mutex::new(Health::default()),
@@ -419,6 +424,14 @@ impl Member {
             .failing
             .values()
             .any(|f| f.refused)
+    }
+
+    /// The ServiceExport version it is read in.
+    pub fn export_version(&self) -> ExportVersion {
+        *self
+            .export_version
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// Watcher `kind` completed a list or saw a watch event.
@@ -485,14 +498,7 @@ pub fn start(
         retry_max,
     };
     let all = watcher::Config::default;
-    tokio::spawn(watch(
-        "ServiceExport",
-        Api::<WireExport>::all(client.clone()),
-        all(),
-        ctx(),
-        m.exports.clone(),
-        LeanExport::new,
-    ));
+    tokio::spawn(watch_exports(client.clone(), ctx()));
     tokio::spawn(watch(
         "Service",
         Api::<Service>::all(client.clone()),
@@ -500,6 +506,7 @@ pub fn start(
         ctx(),
         m.services.clone(),
         |svc| shape(&svc),
+        false,
     ));
     tokio::spawn(watch(
         "EndpointSlice",
@@ -508,6 +515,7 @@ pub fn start(
         ctx(),
         m.slices.clone(),
         lean_member_slice,
+        false,
     ));
     if let Some(local) = local {
         tokio::spawn(watch(
@@ -524,6 +532,7 @@ pub fn start(
                 },
                 ..Default::default()
             },
+            false,
         ));
         tokio::spawn(watch(
             "ServiceImport",
@@ -532,6 +541,7 @@ pub fn start(
             ctx(),
             local.imports.clone(),
             |si| HeldImport::new(&si),
+            false,
         ));
         let ours = format!("{}={}", mcs_api::LABEL_MANAGED_BY, crate::MANAGER);
         tokio::spawn(watch(
@@ -541,6 +551,7 @@ pub fn start(
             ctx(),
             local.slices.clone(),
             |es| HeldSlice::new(&es),
+            false,
         ));
     }
     m
@@ -556,7 +567,8 @@ async fn readmit(client: Client, m: Arc<Member>, wake: Arc<Notify>, retry_max: D
         let keys = m.budget.readmit();
         let mut failed = BTreeSet::new();
         for key in keys {
-            let api = Api::<WireExport>::namespaced(client.clone(), &key.0);
+            let api =
+                Api::<WireExport>::namespaced_with(client.clone(), &key.0, &m.export_version());
             match api.get_opt(&key.1).await {
                 Ok(Some(se)) => {
                     let fresh = LeanExport::new(se);
@@ -647,8 +659,78 @@ pub fn lean_member_slice(es: EndpointSlice) -> EndpointSlice {
 /// answers it again.
 const QUIET_PROBE: Duration = Duration::from_secs(5);
 
+/// Keeps a member's ServiceExports in its store, read in the version the member serves:
+/// asked of it first, and again whenever that version is no longer served (`404`, as when
+/// its CRDs are replaced). Until it serves one, the watcher fails as any other does: the
+/// member is not up, and its last known exports stay until the member timeout. They are
+/// never taken for "no exports".
+async fn watch_exports(client: Client, ctx: Ctx) {
+    let mut retry = WatchRetry::new(ctx.retry_max);
+    let mut streak = 0;
+    loop {
+        let version = match mcs_runtime::discovery::mcs_version(&client, "ServiceExport").await {
+            Ok(v) => ExportVersion(v),
+            Err(e) => {
+                streak += 1;
+                let delay = retry.next().unwrap_or(ctx.retry_max);
+                ctx.member.failed("ServiceExport", &e, None, streak, delay);
+                ctx.wake.notify_one();
+                tokio::time::sleep(delay).await;
+                continue;
+            }
+        };
+        let before = std::mem::replace(
+            &mut *ctx
+                .member
+                .export_version
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+            version,
+        );
+        if before != version || streak > 0 || !ctx.member.exports.listed() {
+            tracing::info!(cluster = %ctx.member.id, version = version.0, "reading ServiceExports in {}/{}", mcs_runtime::discovery::MCS_GROUP, version.0);
+        }
+        let watched = Instant::now();
+        let ended = watch(
+            "ServiceExport",
+            Api::<WireExport>::all_with(client.clone(), &version),
+            watcher::Config::default(),
+            Ctx {
+                member: ctx.member.clone(),
+                wake: ctx.wake.clone(),
+                retry_max: ctx.retry_max,
+            },
+            ctx.member.exports.clone(),
+            LeanExport::new,
+            true,
+        )
+        .await;
+        if ended != Ended::NotServed {
+            return;
+        }
+        tracing::warn!(cluster = %ctx.member.id, version = version.0, "the member no longer serves ServiceExports in {}; asking which version it serves (its last known exports stay)", version.0);
+        // Discovery may still name the old version for a moment: ask again after a
+        // backoff step, which only a watch that lasted resets.
+        if watched.elapsed() > Duration::from_secs(60) {
+            retry.reset();
+        }
+        streak = 1;
+        tokio::time::sleep(retry.next().unwrap_or(ctx.retry_max)).await;
+    }
+}
+
+/// Why [`watch`] returned.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    /// The stream ended (the process stops).
+    Stream,
+    /// The version watched is not served (`404 Not Found`), with `until_not_served`.
+    NotServed,
+}
+
 /// Keeps `store` equal to the cluster's objects of kind `K`, each kept as `lean` makes it;
-/// `watcher_name` keys its failures in the member's health.
+/// `watcher_name` keys its failures in the member's health. With `until_not_served` it
+/// returns when the API server says the kind is not served in that version (`404`).
 async fn watch<K, V>(
     watcher_name: &'static str,
     api: Api<K>,
@@ -656,12 +738,19 @@ async fn watch<K, V>(
     ctx: Ctx,
     store: Arc<Store<V>>,
     lean: fn(K) -> V,
-) where
+    until_not_served: bool,
+) -> Ended
+where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default,
     V: Send + Sync + 'static,
 {
     let kind = K::kind(&K::DynamicType::default()).to_string();
+    let not_served = |f: &mcs_runtime::watch::Failure| {
+        until_not_served
+            && f.code() == Some(404)
+            && !matches!(f.error, watcher::Error::WatchError(_))
+    };
     // After a failure kube's watcher opens the watch again, which yields nothing until the
     // next change: a watcher that stays quiet that long after its retry is asked once, with
     // a one-object read, whether the member answers it again.
@@ -685,7 +774,9 @@ async fn watch<K, V>(
                 continue;
             }
         };
-        let Some(next) = next else { break };
+        let Some(next) = next else {
+            return Ended::Stream;
+        };
         let ev = match next {
             Next::Event { event, proof } => {
                 // Only a completed list or a watch event says the member answers: kube's
@@ -700,6 +791,10 @@ async fn watch<K, V>(
                 let msg = format!("{kind}: {}", f.error);
                 ctx.member
                     .failed(watcher_name, &msg, f.refused(), f.streak, f.delay);
+                if not_served(&f) {
+                    ctx.wake.notify_one();
+                    return Ended::NotServed;
+                }
                 probe_at = Some(tokio::time::Instant::now() + f.delay + f.delay.max(QUIET_PROBE));
                 // The reconciler keeps time while a member fails (its timeout may pass
                 // without any event).

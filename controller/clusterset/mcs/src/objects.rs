@@ -30,21 +30,33 @@ pub struct WireExport {
     pub status: Option<ServiceExportStatus>,
 }
 
-impl Resource for WireExport {
-    type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
+/// The ServiceExport version a member is read in: `v1beta1` unless it serves only
+/// `v1alpha1` (upstream CRDs before v0.5; the schemas are the same but for the exported
+/// labels and annotations, which v1alpha1 objects lack).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ExportVersion(pub &'static str);
 
-    fn kind(dt: &()) -> std::borrow::Cow<'_, str> {
-        ServiceExport::kind(dt)
+impl Default for ExportVersion {
+    fn default() -> Self {
+        Self("v1beta1")
     }
-    fn group(dt: &()) -> std::borrow::Cow<'_, str> {
-        ServiceExport::group(dt)
+}
+
+impl Resource for WireExport {
+    type DynamicType = ExportVersion;
+    type Scope = kube::core::DynamicResourceScope;
+
+    fn kind(_: &ExportVersion) -> std::borrow::Cow<'_, str> {
+        ServiceExport::kind(&())
     }
-    fn version(dt: &()) -> std::borrow::Cow<'_, str> {
-        ServiceExport::version(dt)
+    fn group(_: &ExportVersion) -> std::borrow::Cow<'_, str> {
+        ServiceExport::group(&())
     }
-    fn plural(dt: &()) -> std::borrow::Cow<'_, str> {
-        ServiceExport::plural(dt)
+    fn version(v: &ExportVersion) -> std::borrow::Cow<'_, str> {
+        v.0.into()
+    }
+    fn plural(_: &ExportVersion) -> std::borrow::Cow<'_, str> {
+        ServiceExport::plural(&())
     }
     fn meta(&self) -> &ObjectMeta {
         &self.metadata

@@ -226,9 +226,16 @@ impl ClusterSet {
     /// and a node stand-in (`<id>-node`), so Deployments get pods and Services get the
     /// EndpointSlice controller's slices.
     pub fn start(ids: &[&str], nodes: bool) -> Self {
+        let crds = vec![apiserver::project_crds(); ids.len()];
+        Self::start_with_crds(ids, nodes, &crds)
+    }
+
+    /// As [`ClusterSet::start`], cluster `ids[i]` with the CRDs of directory `crds[i]`.
+    pub fn start_with_crds(ids: &[&str], nodes: bool, crds: &[PathBuf]) -> Self {
         let mut servers = Vec::new();
-        for id in ids {
-            let mut s = ApiServer::start().unwrap_or_else(|e| panic!("cluster {id}: {e:#}"));
+        for (id, crds) in ids.iter().zip(crds) {
+            let mut s =
+                ApiServer::start_with_crds(crds).unwrap_or_else(|e| panic!("cluster {id}: {e:#}"));
             if nodes {
                 s.start_controller_manager()
                     .unwrap_or_else(|e| panic!("cluster {id}: {e:#}"));

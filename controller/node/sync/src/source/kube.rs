@@ -41,49 +41,12 @@ use tokio::sync::mpsc;
 use super::{SourceEvent, slice_watch};
 use crate::convert;
 
-/// The API group of ServiceImport.
-pub const MCS_GROUP: &str = "multicluster.x-k8s.io";
-/// ServiceImport versions the agent reads, in its order of preference.
-pub const IMPORT_VERSIONS: [&str; 2] = ["v1beta1", "v1alpha1"];
+pub use mcs_runtime::discovery::MCS_GROUP;
 
-/// The ServiceImport version to watch among those the cluster serves (`served`: versions that
-/// have the ServiceImport kind): the group's preferred version when it is one of them and the
-/// agent reads it, else the first of [`IMPORT_VERSIONS`] that is served.
-pub fn choose_import_version<'a>(
-    preferred: Option<&str>,
-    served: impl IntoIterator<Item = &'a str>,
-) -> Option<&'static str> {
-    let served: Vec<&str> = served.into_iter().collect();
-    if let Some(p) = preferred
-        && served.contains(&p)
-        && let Some(v) = IMPORT_VERSIONS.iter().find(|v| **v == p)
-    {
-        return Some(v);
-    }
-    IMPORT_VERSIONS.into_iter().find(|v| served.contains(v))
-}
-
-/// Asks the API server which ServiceImport version to watch.
+/// Asks the API server which ServiceImport version to watch
+/// ([`mcs_runtime::discovery::mcs_version`]).
 pub async fn discover_import_version(client: &Client) -> Result<&'static str, String> {
-    let group = kube::discovery::group(client, MCS_GROUP)
-        .await
-        .map_err(|e| {
-            format!("API group {MCS_GROUP} is not served ({e}); are the MCS CRDs installed?")
-        })?;
-    let served: Vec<&str> = group
-        .versions()
-        .filter(|v| {
-            group
-                .versioned_resources(v)
-                .iter()
-                .any(|(r, _)| r.kind == "ServiceImport")
-        })
-        .collect();
-    choose_import_version(group.preferred_version(), served.iter().copied()).ok_or_else(|| {
-        format!(
-            "{MCS_GROUP} serves ServiceImport in {served:?}, none of which the agent reads ({IMPORT_VERSIONS:?})"
-        )
-    })
+    mcs_runtime::discovery::mcs_version(client, "ServiceImport").await
 }
 
 /// How the kube source runs.
@@ -454,30 +417,6 @@ mod tests {
 
     fn k(name: &str) -> (String, String) {
         ("ns".into(), name.into())
-    }
-
-    #[test]
-    fn import_version_is_the_preferred_one_the_agent_reads() {
-        assert_eq!(
-            choose_import_version(Some("v1beta1"), ["v1alpha1", "v1beta1"]),
-            Some("v1beta1")
-        );
-        // Lighthouse / Cloud Map: v1alpha1 only.
-        assert_eq!(
-            choose_import_version(Some("v1alpha1"), ["v1alpha1"]),
-            Some("v1alpha1")
-        );
-        // A newer preferred version the agent does not know: the best one it reads.
-        assert_eq!(
-            choose_import_version(Some("v1"), ["v1", "v1alpha1", "v1beta1"]),
-            Some("v1beta1")
-        );
-        assert_eq!(choose_import_version(Some("v2"), ["v2"]), None);
-        // The group prefers v1beta1 for another kind (ServiceExport) that has it.
-        assert_eq!(
-            choose_import_version(Some("v1beta1"), ["v1alpha1"]),
-            Some("v1alpha1")
-        );
     }
 
     /// A re-list (after `410 Gone` or a restart) deletes exactly what vanished meanwhile and
