@@ -10,10 +10,7 @@
 mod common;
 
 use common::*;
-use k8s_openapi::{
-    api::discovery::v1::EndpointSlice,
-    apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
-};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::{
     Api, Client,
     api::{DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams},
@@ -30,32 +27,6 @@ fn exports(client: &Client, version: &str) -> Api<DynamicObject> {
     Api::namespaced_with(client.clone(), NS, &ApiResource::from_gvk(&gvk))
 }
 
-/// Service `name` in c2 with one ready endpoint, as the EndpointSlice controller writes it.
-async fn service_with_endpoint(k2: &Client, name: &str, addr: &str) {
-    create(
-        k2,
-        NS,
-        service(
-            name,
-            serde_json::json!([{ "name": "http", "port": 80, "targetPort": 8080 }]),
-        ),
-    )
-    .await;
-    create(
-        k2,
-        NS,
-        obj::<EndpointSlice>(serde_json::json!({
-            "metadata": { "name": format!("{name}-abcde"), "labels": {
-                "kubernetes.io/service-name": name,
-                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io" } },
-            "addressType": "IPv4",
-            "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
-            "endpoints": [{ "addresses": [addr], "conditions": { "ready": true } }]
-        })),
-    )
-    .await;
-}
-
 /// (uid, resourceVersion) of the import `name` in c1 and of its MCS slices, once it has
 /// c2's endpoint.
 async fn imported(k1: &Client, name: &str) -> (String, String, Vec<(String, String)>) {
@@ -64,7 +35,9 @@ async fn imported(k1: &Client, name: &str) -> (String, String, Vec<(String, Stri
         || async {
             let si = get_import(k1, NS, name).await?;
             let slices = mcs_slices(k1, NS, name).await;
-            let has_endpoint = slices.iter().any(|s| s.endpoints.as_ref().is_some_and(|e| !e.is_empty()));
+            let has_endpoint = slices
+                .iter()
+                .any(|s| s.endpoints.as_ref().is_some_and(|e| !e.is_empty()));
             has_endpoint.then(|| {
                 (
                     si.metadata.uid.clone().unwrap(),
@@ -105,7 +78,7 @@ fn a_member_on_v1alpha1_crds_is_read_and_its_crd_upgrade_never_deletes_or_rewrit
         let _ctl1 = start_controller("c1", kc);
 
         // c2 serves ServiceExport in v1alpha1 only: web is exported there and imported in c1.
-        service_with_endpoint(k2, "web", "198.18.2.2").await;
+        service_with_endpoint(k2, NS, "web", "198.18.2.2").await;
         let v1alpha1_export = obj(serde_json::json!({
             "apiVersion": "multicluster.x-k8s.io/v1alpha1", "kind": "ServiceExport",
             "metadata": { "name": "web" }
@@ -166,7 +139,7 @@ fn a_member_on_v1alpha1_crds_is_read_and_its_crd_upgrade_never_deletes_or_rewrit
 
         // An export made now, in v1beta1 only, is imported: the controller went through the
         // upgrade and reads the new version.
-        service_with_endpoint(k2, "cart", "198.18.2.3").await;
+        service_with_endpoint(k2, NS, "cart", "198.18.2.3").await;
         create(k2, NS, export("cart")).await;
         imported(k1, "cart").await;
         // And web's import and slices in c1 were neither deleted nor written meanwhile.

@@ -295,28 +295,7 @@ fn two_clusters_export_import_conflict_restart_and_unexport() {
 
 /// Writes c2's `web` (Service, one EndpointSlice, ServiceExport) in namespace `ns`.
 async fn export_web(k2: &Client, ns: &str, name: &str) {
-    create(
-        k2,
-        ns,
-        service(
-            name,
-            serde_json::json!([{ "name": "http", "port": 80, "targetPort": 8080 }]),
-        ),
-    )
-    .await;
-    create(
-        k2,
-        ns,
-        obj::<EndpointSlice>(serde_json::json!({
-            "metadata": { "name": format!("{name}-abcde"), "labels": {
-                "kubernetes.io/service-name": name,
-                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io" } },
-            "addressType": "IPv4",
-            "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
-            "endpoints": [{ "addresses": ["198.18.2.2"], "conditions": { "ready": true } }]
-        })),
-    )
-    .await;
+    service_with_endpoint(k2, ns, name, "198.18.2.2").await;
     create(k2, ns, export(name)).await;
 }
 

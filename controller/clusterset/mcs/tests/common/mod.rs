@@ -167,6 +167,34 @@ pub fn service(name: &str, ports: serde_json::Value) -> Service {
     }))
 }
 
+/// Service `name` in namespace `ns` (port 80 → 8080, named http) with one ready endpoint at
+/// `addr`, in an EndpointSlice as Kubernetes' EndpointSlice controller writes it (for
+/// clusters without kube-controller-manager).
+pub async fn service_with_endpoint(k: &Client, ns: &str, name: &str, addr: &str) {
+    create(
+        k,
+        ns,
+        service(
+            name,
+            serde_json::json!([{ "name": "http", "port": 80, "targetPort": 8080 }]),
+        ),
+    )
+    .await;
+    create(
+        k,
+        ns,
+        obj::<EndpointSlice>(serde_json::json!({
+            "metadata": { "name": format!("{name}-abcde"), "labels": {
+                "kubernetes.io/service-name": name,
+                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io" } },
+            "addressType": "IPv4",
+            "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
+            "endpoints": [{ "addresses": [addr], "conditions": { "ready": true } }]
+        })),
+    )
+    .await;
+}
+
 /// A ServiceExport of `name`.
 pub fn export(name: &str) -> ServiceExport {
     obj(serde_json::json!({
