@@ -3,7 +3,8 @@
 //!
 //! # Layout
 //!
-//! - `cli`: the flags; `commands`: which subcommand runs, and what they share.
+//! - `cli`: the flags; `commands`: which subcommand runs; `source`: the source and first
+//!   full sync they share; `output`: what they print.
 //! - One file per subcommand: `run` (the agent), `table`, `query` (`mcs-agent dns`),
 //!   `status` (and `uninstall`), `demo`.
 //! - `guard`: the guard from the flags and the node; `allocator`: the allocator's tuning.
@@ -17,8 +18,10 @@ mod commands;
 mod demo;
 mod guard;
 mod node_status;
+mod output;
 mod query;
 mod run;
+mod source;
 mod status;
 mod table;
 

@@ -4,10 +4,7 @@ use std::{process::ExitCode, sync::Arc};
 
 use anyhow::Context as _;
 
-use crate::{
-    cli::DnsQueryArgs,
-    commands::{first_sync, print_out},
-};
+use crate::{cli::DnsQueryArgs, output::print_out, source::first_sync};
 
 /// `mcs-agent dns`: the answer, printed as a DNS response (dig-like sections). Exit 0 for
 /// NOERROR (answers or NODATA), 1 otherwise.

@@ -25,7 +25,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::{
     cli::{DataplaneKind, ProxyArgs, RunArgs, TcpEngineArg},
-    commands::{SOURCE_CHANNEL, prepare, spawn_source},
+    source::{SOURCE_CHANNEL, prepare, spawn_source},
 };
 
 /// `mcs-agent run`: the agent.

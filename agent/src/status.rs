@@ -11,7 +11,7 @@ use mcs_proxy::{
 
 use crate::{
     cli::{Format, StatusArgs, UninstallArgs},
-    commands::print_out,
+    output::print_out,
 };
 
 pub(crate) fn status(args: &StatusArgs) -> anyhow::Result<ExitCode> {

@@ -7,7 +7,8 @@ use mcs_sync::source::{self, file::FileSource};
 
 use crate::{
     cli::{Format, TableArgs},
-    commands::{first_sync, print_out},
+    output::print_out,
+    source::first_sync,
 };
 
 pub(crate) async fn table(args: TableArgs) -> anyhow::Result<ExitCode> {

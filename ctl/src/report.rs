@@ -148,7 +148,7 @@ impl Report {
     /// holders, errors) has its control characters written as escapes, so none can erase or
     /// forge a line or drive the terminal.
     pub fn text(&self) -> String {
-        use mcs_model::render::escaped;
+        use mcs_model::input::escaped;
         let width = self
             .sections
             .iter()

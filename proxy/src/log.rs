@@ -1,7 +1,7 @@
 //! The `log` dataplane (`mcs-agent run --dataplane log`): programs nothing, logs what it would
 //! program and keeps the table.
 
-use mcs_model::{Dataplane, DataplaneError, TableDiff, render::escaped};
+use mcs_model::{Dataplane, DataplaneError, TableDiff, input::escaped};
 
 /// A dataplane that only logs what it would program and keeps the table.
 #[derive(Debug, Default)]

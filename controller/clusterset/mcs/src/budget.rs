@@ -17,14 +17,27 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
+    fmt::Debug,
     sync::{Arc, Mutex},
 };
 
 use mcs_merge::meta::Refusal;
 use tokio::sync::Notify;
 
-use crate::members::Admission;
 use crate::objects::{LeanExport, ObjKey};
+
+/// What a store may keep of each object it is given (a budget such as [`MetaBudget`]).
+pub trait Admission<K>: Debug + Send + Sync {
+    /// What is kept of `o` under `key` (`o`, or `o` trimmed); what `key` held before is
+    /// given back first. Called with the store write-locked.
+    fn admit(&self, key: &ObjKey, o: Arc<K>) -> Arc<K>;
+    /// `key` is gone.
+    fn release(&self, key: &ObjKey);
+    /// Everything is given back (a complete list is admitted again).
+    fn reset(&self);
+    /// The order a complete list is admitted in (lower first).
+    fn rank(&self, o: &K) -> i64;
+}
 
 /// `Valid=True` reason: the export is imported without its labels and annotations, which do
 /// not fit its namespace's (or member's) budget.

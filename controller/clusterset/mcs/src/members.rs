@@ -31,7 +31,7 @@ use kube::{
 };
 use mcs_merge::ServiceShape;
 
-use crate::budget::{MetaBudget, MetaLimits};
+use crate::budget::{Admission, MetaBudget, MetaLimits};
 use crate::held::{HeldImport, HeldSlice};
 use crate::objects::{
     ExportVersion, LABEL_K8S_SERVICE_NAME, LeanExport, ObjKey, WireExport, shape,
@@ -73,19 +73,6 @@ pub enum Touch {
     Service(ObjKey),
     /// Every service of a namespace (a Namespace object).
     Namespace(String),
-}
-
-/// What a store may keep of each object it is given (a budget, [`crate::budget`]).
-pub trait Admission<K>: Debug + Send + Sync {
-    /// What is kept of `o` under `key` (`o`, or `o` trimmed); what `key` held before is
-    /// given back first. Called with the store write-locked.
-    fn admit(&self, key: &ObjKey, o: Arc<K>) -> Arc<K>;
-    /// `key` is gone.
-    fn release(&self, key: &ObjKey);
-    /// Everything is given back (a complete list is admitted again).
-    fn reset(&self);
-    /// The order a complete list is admitted in (lower first).
-    fn rank(&self, o: &K) -> i64;
 }
 
 /// A watched copy of one kind.

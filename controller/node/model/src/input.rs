@@ -3,7 +3,7 @@
 //! into these (a field-by-field copy); keeping them free of kube types keeps this crate pure.
 //! Values are kept raw (strings, wide integers) so that validation happens here, in one place.
 
-use std::collections::BTreeMap;
+use std::{borrow::Cow, collections::BTreeMap};
 
 /// `namespace/name` of a ServiceImport (the service an EndpointSlice belongs to).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -27,12 +27,7 @@ impl ServiceRef {
 impl std::fmt::Display for ServiceRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Escaped: a name from a file source may hold a newline or an escape sequence.
-        write!(
-            f,
-            "{}/{}",
-            crate::render::escaped(&self.namespace),
-            crate::render::escaped(&self.name)
-        )
+        write!(f, "{}/{}", escaped(&self.namespace), escaped(&self.name))
     }
 }
 
@@ -131,4 +126,22 @@ pub struct EndpointInput {
     pub node_name: Option<String>,
     /// `hostname` (its name under a headless service's DNS name).
     pub hostname: Option<String>,
+}
+
+/// `s` with control characters (newlines, escape sequences) written as escapes (`\n`,
+/// `\u{1b}`): a name from an object can neither forge a line of a log or of `table`'s
+/// output nor send a terminal escape sequence. Borrowed when there is nothing to escape.
+pub fn escaped(s: &str) -> Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
 }

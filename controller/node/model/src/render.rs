@@ -1,10 +1,10 @@
 //! The `mcs-agent table` output: JSON (the shape of DESIGN §6, a stable interface) and text.
 
-use std::{borrow::Cow, fmt::Write as _};
+use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::{ForwardingTable, validate::Rejection};
+use crate::{ForwardingTable, input::escaped, validate::Rejection};
 
 #[derive(Serialize)]
 struct TableJson<'a> {
@@ -91,24 +91,6 @@ pub fn json(table: &ForwardingTable, rejected: &[Rejection]) -> String {
     serde_json::to_string_pretty(&doc).expect("table serializes")
 }
 
-/// `s` with control characters (newlines, escape sequences) written as escapes (`\n`,
-/// `\u{1b}`): a name from an object can neither forge a line of a log or of `table`'s
-/// output nor send a terminal escape sequence. Borrowed when there is nothing to escape.
-pub fn escaped(s: &str) -> Cow<'_, str> {
-    if !s.chars().any(char::is_control) {
-        return Cow::Borrowed(s);
-    }
-    let mut out = String::with_capacity(s.len() + 8);
-    for c in s.chars() {
-        if c.is_control() {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    Cow::Owned(out)
-}
-
 /// The table for a person (names from objects [`escaped`]).
 pub fn text(table: &ForwardingTable, rejected: &[Rejection]) -> String {
     let mut s = String::new();
@@ -168,7 +150,10 @@ mod tests {
 
     #[test]
     fn control_characters_are_escaped() {
-        assert!(matches!(escaped("shop/web"), Cow::Borrowed("shop/web")));
+        assert!(matches!(
+            escaped("shop/web"),
+            std::borrow::Cow::Borrowed("shop/web")
+        ));
         assert_eq!(escaped("a\nb\u{1b}[31mc\r"), "a\\nb\\u{1b}[31mc\\r");
         assert_eq!(escaped("ünï"), "ünï");
     }

@@ -219,8 +219,8 @@ impl fmt::Display for ObjectName<'_> {
             f,
             "{} {}/{}",
             self.0,
-            crate::render::escaped(self.1),
-            crate::render::escaped(self.2)
+            crate::input::escaped(self.1),
+            crate::input::escaped(self.2)
         )
     }
 }

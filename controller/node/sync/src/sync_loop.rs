@@ -14,7 +14,7 @@ use std::{
 };
 
 use mcs_model::{
-    Dataplane, DataplaneError, Index, NodeConfig, TableDiff, render::escaped, validate::Rejection,
+    Dataplane, DataplaneError, Index, NodeConfig, TableDiff, input::escaped, validate::Rejection,
 };
 use tokio::sync::{mpsc, watch};
 
