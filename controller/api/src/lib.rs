@@ -154,6 +154,11 @@ pub enum EndpointSliceObjects {
     Present,
     /// No EndpointSlice objects: only the import's IPs (another implementation's choice).
     Absent,
+    /// A value this version does not know (a newer writer's): read, never written, so one
+    /// such import cannot fail a whole list.
+    #[serde(other)]
+    #[schemars(skip)]
+    Unknown,
 }
 
 /// Status of a ServiceImport.

@@ -100,3 +100,31 @@ fn service_export_spec_is_optional_and_defaulted_and_bounds_are_in_the_schema() 
         mcs_model::guard::Limits::default().ports_per_import
     );
 }
+
+#[test]
+fn endpoint_slice_objects_reads_any_value_and_the_schema_allows_only_upstreams() {
+    let status = |v: &str| -> ServiceImportStatus {
+        serde_json::from_value(serde_json::json!({ "endpointSliceObjects": v })).unwrap()
+    };
+    assert_eq!(
+        status("Present").endpoint_slice_objects,
+        Some(EndpointSliceObjects::Present)
+    );
+    assert_eq!(
+        status("Absent").endpoint_slice_objects,
+        Some(EndpointSliceObjects::Absent)
+    );
+    assert_eq!(
+        status("SomethingNewer").endpoint_slice_objects,
+        Some(EndpointSliceObjects::Unknown)
+    );
+    let crds = crds();
+    let si = serde_json::to_value(&crds[0].1).unwrap();
+    for v in si["spec"]["versions"].as_array().unwrap() {
+        assert_eq!(
+            v["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["endpointSliceObjects"]
+                ["enum"],
+            serde_json::json!(["Present", "Absent"])
+        );
+    }
+}

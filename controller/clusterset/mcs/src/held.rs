@@ -93,9 +93,10 @@ fn endpoint_slice_objects(si: &ServiceImport) -> Option<EndpointSliceObjects> {
 
 /// Set once a status write with `endpointSliceObjects` came back without it: this cluster's
 /// ServiceImport CRD is older than mcs-api v0.5.2 and prunes the field. From then on an
-/// import held without it counts as holding it, so nothing is written again and again; a
-/// restart (as the chart upgrade that brings newer CRDs does) tries again. One flag per
-/// process: a controller writes into one cluster.
+/// import held without it counts as holding it, so nothing is written again and again;
+/// the controller's next start tries again (apply newer CRDs before upgrading the chart, or
+/// restart the controller after: docs/install.md). One flag per process: a controller
+/// writes into one cluster.
 static ENDPOINT_SLICE_OBJECTS_PRUNED: AtomicBool = AtomicBool::new(false);
 
 /// Notes what a status write of `want` returned: if the API server dropped
@@ -412,6 +413,14 @@ mod tests {
 
     #[test]
     fn an_import_without_endpoint_slice_objects_is_written_again_until_the_crd_drops_it() {
+        // The flag is the process's: this test alone sets it, and clears it when done.
+        struct Forget;
+        impl Drop for Forget {
+            fn drop(&mut self) {
+                ENDPOINT_SLICE_OBJECTS_PRUNED.store(false, Ordering::Relaxed);
+            }
+        }
+        let _forget = Forget;
         let want = import(&["198.19.56.1"], "Ready", false);
         let mut old = want.clone();
         old.status.as_mut().unwrap().endpoint_slice_objects = None;

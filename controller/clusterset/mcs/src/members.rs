@@ -647,25 +647,16 @@ pub fn lean_member_slice(es: EndpointSlice) -> EndpointSlice {
 const QUIET_PROBE: Duration = Duration::from_secs(5);
 
 /// Keeps a member's ServiceExports in its store, read in the version the member serves:
-/// asked of it first, and again whenever that version is no longer served (`404`, as when
-/// its CRDs are replaced). Until it serves one, the watcher fails as any other does: the
-/// member is not up, and its last known exports stay until the member timeout. They are
-/// never taken for "no exports".
+/// asked of it first (v1beta1 when discovery fails: the list then says what is wrong, with
+/// its status code), again whenever that version is no longer served (`404`, as when its
+/// CRDs are replaced), and every [`REDISCOVER`] while it is read in v1alpha1 (its CRDs may
+/// have been upgraded). Until it serves one, the watcher fails as any other does: the member
+/// is not up, and its last known exports stay until the member timeout; they are never
+/// taken for "no exports".
 async fn watch_exports(client: Client, ctx: Ctx) {
     let mut retry = WatchRetry::new(ctx.retry_max);
-    let mut streak = 0;
     loop {
-        let version = match mcs_runtime::discovery::mcs_version(&client, "ServiceExport").await {
-            Ok(v) => ExportVersion(v),
-            Err(e) => {
-                streak += 1;
-                let delay = retry.next().unwrap_or(ctx.retry_max);
-                ctx.member.failed("ServiceExport", &e, None, streak, delay);
-                ctx.wake.notify_one();
-                tokio::time::sleep(delay).await;
-                continue;
-            }
-        };
+        let version = export_version(&client, &ctx.member.id).await;
         let before = std::mem::replace(
             &mut *ctx
                 .member
@@ -674,11 +665,11 @@ async fn watch_exports(client: Client, ctx: Ctx) {
                 .unwrap_or_else(|p| p.into_inner()),
             version,
         );
-        if before != version || streak > 0 || !ctx.member.exports.listed() {
+        if before != version || !ctx.member.exports.listed() {
             tracing::info!(cluster = %ctx.member.id, version = version.0, "reading ServiceExports in {}/{}", mcs_runtime::discovery::MCS_GROUP, version.0);
         }
         let watched = Instant::now();
-        let ended = watch(
+        let watching = watch(
             "ServiceExport",
             Api::<WireExport>::all_with(client.clone(), &version),
             watcher::Config::default(),
@@ -690,10 +681,30 @@ async fn watch_exports(client: Client, ctx: Ctx) {
             ctx.member.exports.clone(),
             LeanExport::new,
             true,
-        )
-        .await;
-        if ended != Ended::NotServed {
-            return;
+        );
+        // Read in an older version than we prefer: asked again now and then, and read in
+        // the preferred one as soon as it is served (the store keeps what it holds until
+        // that version's first list is complete).
+        let upgraded = async {
+            loop {
+                tokio::time::sleep(REDISCOVER).await;
+                if export_version(&client, &ctx.member.id).await != version {
+                    return;
+                }
+            }
+        };
+        let ended = if version == ExportVersion::default() {
+            watching.await
+        } else {
+            tokio::select! {
+                ended = watching => ended,
+                () = upgraded => Ended::Upgraded,
+            }
+        };
+        match ended {
+            Ended::Stream => return,
+            Ended::Upgraded => continue,
+            Ended::NotServed => {}
         }
         tracing::warn!(cluster = %ctx.member.id, version = version.0, "the member no longer serves ServiceExports in {}; asking which version it serves (its last known exports stay)", version.0);
         // Discovery may still name the old version for a moment: ask again after a
@@ -701,8 +712,21 @@ async fn watch_exports(client: Client, ctx: Ctx) {
         if watched.elapsed() > Duration::from_secs(60) {
             retry.reset();
         }
-        streak = 1;
         tokio::time::sleep(retry.next().unwrap_or(ctx.retry_max)).await;
+    }
+}
+
+/// How often a member read in v1alpha1 is asked whether it serves v1beta1 now.
+const REDISCOVER: Duration = Duration::from_secs(300);
+
+/// The ServiceExport version member `id` serves, by discovery; v1beta1 when discovery fails.
+async fn export_version(client: &Client, id: &str) -> ExportVersion {
+    match mcs_runtime::discovery::mcs_version(client, "ServiceExport").await {
+        Ok(v) => ExportVersion(v),
+        Err(e) => {
+            tracing::debug!(cluster = %id, error = %e, "discovery of the ServiceExport version failed; reading v1beta1");
+            ExportVersion::default()
+        }
     }
 }
 
@@ -713,6 +737,8 @@ enum Ended {
     Stream,
     /// The version watched is not served (`404 Not Found`), with `until_not_served`.
     NotServed,
+    /// The member serves the version we prefer now (not [`watch`]'s own answer).
+    Upgraded,
 }
 
 /// Keeps `store` equal to the cluster's objects of kind `K`, each kept as `lean` makes it;
@@ -733,11 +759,6 @@ where
     V: Send + Sync + 'static,
 {
     let kind = K::kind(&K::DynamicType::default()).to_string();
-    let not_served = |f: &mcs_runtime::watch::Failure| {
-        until_not_served
-            && f.code() == Some(404)
-            && !matches!(f.error, watcher::Error::WatchError(_))
-    };
     // After a failure kube's watcher opens the watch again, which yields nothing until the
     // next change: a watcher that stays quiet that long after its retry is asked once, with
     // a one-object read, whether the member answers it again.
@@ -778,9 +799,23 @@ where
                 let msg = format!("{kind}: {}", f.error);
                 ctx.member
                     .failed(watcher_name, &msg, f.refused(), f.streak, f.delay);
-                if not_served(&f) {
-                    ctx.wake.notify_one();
-                    return Ended::NotServed;
+                // Not served in this version: a list says so; a watch that cannot start says
+                // so only if a one-object list agrees (a proxy may refuse watches alone).
+                if until_not_served && f.code() == Some(404) {
+                    let not_served = match &f.error {
+                        watcher::Error::InitialListFailed(_) => true,
+                        watcher::Error::WatchStartFailed(_) | watcher::Error::WatchFailed(_) => {
+                            matches!(
+                                probe_api.list_metadata(&probe).await,
+                                Err(kube::Error::Api(s)) if s.code == 404
+                            )
+                        }
+                        _ => false,
+                    };
+                    if not_served {
+                        ctx.wake.notify_one();
+                        return Ended::NotServed;
+                    }
                 }
                 probe_at = Some(tokio::time::Instant::now() + f.delay + f.delay.max(QUIET_PROBE));
                 // The reconciler keeps time while a member fails (its timeout may pass

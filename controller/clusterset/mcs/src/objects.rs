@@ -31,8 +31,7 @@ pub struct WireExport {
 }
 
 /// The ServiceExport version a member is read in: `v1beta1` unless it serves only
-/// `v1alpha1` (upstream CRDs before v0.5; the schemas are the same but for the exported
-/// labels and annotations, which v1alpha1 objects lack).
+/// `v1alpha1` (upstream CRDs before v0.5; the same schema).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ExportVersion(pub &'static str);
 

@@ -21,7 +21,7 @@ use kube::{
     Api, Client,
     api::{DeleteParams, Patch, PatchParams},
 };
-use mcs_api::{ServiceExport, ServiceImport};
+use mcs_api::ServiceImport;
 use serde_json::json;
 
 use crate::{
@@ -29,6 +29,7 @@ use crate::{
     held::{HeldSlice, slice_content},
     members::{Local, Member},
     objects::ObjKey,
+    objects::{ExportVersion, WireExport},
 };
 
 /// The field manager of every write.
@@ -439,8 +440,9 @@ pub async fn sync(
             tracing::warn!(export = %format!("{}/{}", key.0, key.1), condition = %c.type_, reason = %c.reason, "{}", c.message);
             event(client, key, se.uid.clone(), c);
         }
+        let version = me.export_version();
         writes.push(async move {
-            let outcome = match write_export_status(client, key, conds).await {
+            let outcome = match write_export_status(client, key, conds, version).await {
                 Ok(true) => Outcome::Export,
                 Ok(false) => Outcome::Nothing,
                 Err(()) => Outcome::Error,
@@ -452,15 +454,17 @@ pub async fn sync(
     pass.finish(looked_at)
 }
 
-/// Ok(true): written; Ok(false): the export is gone; Err: failed (logged).
+/// Ok(true): written; Ok(false): the export is gone; Err: failed (logged). Written in
+/// `version`, the one this cluster's exports are read in.
 async fn write_export_status(
     client: &Client,
     key: &ObjKey,
     conds: &[Condition],
+    version: ExportVersion,
 ) -> Result<bool, ()> {
-    let api: Api<ServiceExport> = Api::namespaced(client.clone(), &key.0);
+    let api: Api<WireExport> = Api::namespaced_with(client.clone(), &key.0, &version);
     let body = json!({
-        "apiVersion": "multicluster.x-k8s.io/v1beta1",
+        "apiVersion": format!("multicluster.x-k8s.io/{}", version.0),
         "kind": "ServiceExport",
         "status": { "conditions": conds },
     });
@@ -469,7 +473,8 @@ async fn write_export_status(
         .await
     {
         Ok(_) => Ok(true),
-        Err(kube::Error::Api(e)) if e.code == 404 => Ok(false),
+        // The export is gone (not a version that is not served: that says no reason).
+        Err(kube::Error::Api(e)) if e.code == 404 && e.reason == "NotFound" => Ok(false),
         Err(e) => {
             tracing::warn!(export = %format!("{}/{}", key.0, key.1), error = %e, "writing ServiceExport status");
             Err(())

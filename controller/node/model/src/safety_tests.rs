@@ -564,7 +564,7 @@ fn slices_copied_from_selectorless_sources_are_refused_unless_allowed() {
 }
 
 #[test]
-fn an_import_whose_writer_publishes_no_endpoint_slices_is_left_to_it_with_a_reason() {
+fn an_import_whose_writer_publishes_no_endpoint_slices_gets_no_frontend_but_its_name() {
     let n = guarded(&["198.18.0.0/24"], &[]);
     let mut theirs = mk_import("theirs", &["198.18.0.20"], &[("http", "TCP", 80)]);
     theirs.endpoint_slices_absent = true;
@@ -598,8 +598,12 @@ fn an_import_whose_writer_publishes_no_endpoint_slices_is_left_to_it_with_a_reas
         "{}",
         why[0].1
     );
-    // Its name is not answered either: the implementation that wrote it serves it.
-    assert!(index.dns_records(&theirs.service_ref()).is_none());
+    // Its name answers its ClusterSetIP, which the implementation that wrote it serves.
+    let records = index.dns_records(&theirs.service_ref()).expect("a name");
+    assert_eq!(
+        records.ips,
+        ["198.18.0.20".parse::<std::net::IpAddr>().unwrap()]
+    );
     assert!(
         index
             .dns_records(&crate::input::ServiceRef::new("ns", "ours"))

@@ -121,8 +121,9 @@ pub enum Reason {
     /// The dataplane could not program a frontend (a full map, say); the rest is programmed.
     Unprogrammable,
     /// An import whose writer says its endpoints are not EndpointSlice objects
-    /// (`status.endpointSliceObjects: Absent`): the agent has no backends to program and
-    /// leaves its ClusterSetIP (and name) to the implementation that serves it.
+    /// (`status.endpointSliceObjects: Absent`): the agent programs no frontend for it and
+    /// leaves its ClusterSetIP to the implementation that serves it; DNS answers the
+    /// ClusterSetIP. Not an alert: another implementation's import, not a broken one.
     EndpointSlicesAbsent,
 }
 
@@ -408,14 +409,6 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
         ));
         return None;
     }
-    if input.endpoint_slices_absent {
-        out.push(Rejection::new(
-            object,
-            Reason::EndpointSlicesAbsent,
-            "status.endpointSliceObjects is Absent: its writer publishes no EndpointSlices for it, so this agent has no backends to program and leaves its ClusterSetIP and DNS name to the implementation that wrote it",
-        ));
-        return None;
-    }
     let service = input.service_ref();
     // A missing timestamp (file source) sorts after every real one.
     let age_key = Arc::new((
@@ -538,9 +531,27 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
         .map(|(port, protocol, name)| (name.clone(), *protocol, *port))
         .collect();
     if headless {
+        if input.endpoint_slices_absent {
+            out.push(Rejection::new(
+                object,
+                Reason::EndpointSlicesAbsent,
+                "status.endpointSliceObjects is Absent: its writer publishes no EndpointSlices, so this headless import has no endpoints here (DNS has no records for it)",
+            ));
+        }
         return Some(valid);
     }
     valid.vips.clone_from(&vips);
+    if input.endpoint_slices_absent {
+        // Its ClusterSetIPs stay claimed (one owner per VIP) and named in DNS, as the
+        // import's IPs are what such an implementation serves; no frontend is programmed,
+        // so connections to them pass through to it untouched.
+        out.push(Rejection::new(
+            object,
+            Reason::EndpointSlicesAbsent,
+            "status.endpointSliceObjects is Absent: its writer publishes no EndpointSlices, so this agent programs no frontend for it and leaves its ClusterSetIP to the implementation that wrote it (DNS still answers the ClusterSetIP)",
+        ));
+        return Some(valid);
+    }
     valid.frontends.reserve_exact(vips.len() * ports.len());
     for vip in &vips {
         for (port, protocol, name) in &ports {
