@@ -66,11 +66,12 @@ fn routes(c: &mut Criterion) {
         .unwrap()
         .clone();
     assert!(aff.affinity.is_some());
+    let tried = mcs_proxy::userspace::routes::Tried::new();
     c.bench_function("backend_pick", |b| {
-        b.iter(|| plain.pick(black_box(client), 0, 3))
+        b.iter(|| plain.pick(black_box(client), 0, 3, &tried))
     });
     c.bench_function("backend_pick_client_ip_affinity", |b| {
-        b.iter(|| aff.pick(black_box(client), 0, 3))
+        b.iter(|| aff.pick(black_box(client), 0, 3, &tried))
     });
 }
 

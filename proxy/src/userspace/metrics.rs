@@ -41,9 +41,12 @@ use std::{
     net::{IpAddr, SocketAddr},
     sync::{
         Arc, OnceLock, RwLock,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU32, AtomicU64, Ordering},
     },
+    time::Instant,
 };
+
+use mcs_model::health::{Health, may_mark_first};
 
 use prometheus_client::{
     collector::Collector,
@@ -100,6 +103,35 @@ impl BackendCells {
     }
 }
 
+/// What this node has seen of one backend's connects ([`mcs_model::health::Health`] in
+/// atomics: two threads failing the same backend at once may count one failure, which only
+/// delays its mark by one connect).
+#[derive(Debug, Default)]
+pub struct HealthCell {
+    failures: AtomicU32,
+    until_ms: AtomicU64,
+}
+
+impl HealthCell {
+    fn get(&self) -> Health {
+        Health {
+            failures: self.failures.load(Ordering::Relaxed),
+            until_ms: self.until_ms.load(Ordering::Relaxed),
+        }
+    }
+
+    fn set(&self, h: Health) {
+        self.failures.store(h.failures, Ordering::Relaxed);
+        self.until_ms.store(h.until_ms, Ordering::Relaxed);
+    }
+}
+
+/// Milliseconds of this process's monotonic clock, from 1 (0 is "never" in [`Health`]).
+pub fn now_ms() -> u64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
+}
+
 /// A route's selected backends, in the route's order, and their counters.
 #[derive(Debug)]
 pub struct Slab {
@@ -107,6 +139,9 @@ pub struct Slab {
     addrs: Box<[(IpAddr, u16)]>,
     /// One per address, allocated at the first count.
     cells: OnceLock<Box<[BackendCells]>>,
+    /// Passive health, one per address, allocated at the first failed connect: a route
+    /// whose connects all succeed never pays for it.
+    health: OnceLock<Box<[HealthCell]>>,
 }
 
 impl Slab {
@@ -114,6 +149,68 @@ impl Slab {
         Self {
             addrs: addrs.iter().map(|a| (a.ip(), a.port())).collect(),
             cells: OnceLock::new(),
+            health: OnceLock::new(),
+        }
+    }
+
+    fn health_cells(&self) -> &[HealthCell] {
+        self.health.get_or_init(|| {
+            std::iter::repeat_with(HealthCell::default)
+                .take(self.addrs.len())
+                .collect()
+        })
+    }
+
+    /// A connect to backend `i` failed (refused, or no answer in time): this node skips it
+    /// for a while ([`mcs_model::health`]). Returns whether it is skipped now.
+    pub fn connect_failed(&self, i: usize) -> bool {
+        let now = now_ms();
+        let cells = self.health_cells();
+        let skipped = cells.iter().filter(|c| c.get().skipped(now)).count();
+        let mut h = cells[i].get();
+        let marked = h.failed(now, may_mark_first(cells.len(), skipped));
+        cells[i].set(h);
+        marked
+    }
+
+    /// A connect to backend `i` succeeded: it is healthy (one load when it was).
+    #[inline]
+    pub fn connected(&self, i: usize) {
+        if let Some(cells) = self.health.get()
+            && cells[i].failures.load(Ordering::Relaxed) != 0
+        {
+            cells[i].set(Health::default());
+        }
+    }
+
+    /// Whether new connections skip backend `i` at `now` (ms of [`now_ms`]).
+    #[inline]
+    pub fn skipped(&self, i: usize, now: u64) -> bool {
+        self.health
+            .get()
+            .is_some_and(|cells| cells[i].get().skipped(now))
+    }
+
+    /// Whether any backend ever failed a connect here (else none is skipped).
+    #[inline]
+    pub fn has_health(&self) -> bool {
+        self.health.get().is_some()
+    }
+
+    /// Takes over what `old` (the slab this one replaces) saw of the backends both have.
+    fn inherit_health(&self, old: &Slab) {
+        let Some(old_cells) = old.health.get() else {
+            return;
+        };
+        let at: HashMap<(IpAddr, u16), usize> =
+            old.addrs.iter().enumerate().map(|(i, a)| (*a, i)).collect();
+        for (i, a) in self.addrs.iter().enumerate() {
+            if let Some(&j) = at.get(a) {
+                let h = old_cells[j].get();
+                if h != Health::default() {
+                    self.health_cells()[i].set(h);
+                }
+            }
         }
     }
 
@@ -467,6 +564,7 @@ impl ProxyMetrics {
             let same = series.current.addrs().eq(backends.iter().copied());
             if !same {
                 let old = std::mem::replace(&mut series.current, fresh());
+                series.current.inherit_health(&old);
                 series.retired.push(old);
             }
             return (label, series.cells.clone(), series.current.clone());

@@ -15,6 +15,49 @@ use mcs_model::{Frontend, Protocol, Service, TableDiff};
 use super::metrics::{Backends, FrontendCounters, ProxyMetrics};
 use crate::maglev::{self, Maglev};
 
+/// The backends one connection tried, in order: at most [`Tried::MAX`] remembered, inline
+/// (no allocation per connection). Once a backend of the route failed a connect, the order
+/// of the rest changes under a connection's retries; this keeps them from trying one twice.
+#[derive(Clone, Copy, Debug)]
+pub struct Tried {
+    len: u8,
+    at: [u32; Tried::MAX],
+}
+
+impl Tried {
+    /// How many are remembered.
+    pub const MAX: usize = 16;
+
+    /// None yet.
+    pub const fn new() -> Self {
+        Self {
+            len: 0,
+            at: [0; Self::MAX],
+        }
+    }
+
+    /// Backend `i` was tried (forgotten past [`Self::MAX`]).
+    #[inline]
+    pub fn push(&mut self, i: usize) {
+        if usize::from(self.len) < Self::MAX {
+            self.at[usize::from(self.len)] = i as u32;
+            self.len += 1;
+        }
+    }
+
+    /// Whether backend `i` was tried.
+    #[inline]
+    pub fn contains(&self, i: usize) -> bool {
+        self.at[..usize::from(self.len)].contains(&(i as u32))
+    }
+}
+
+impl Default for Tried {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// Where a frontend's connections go.
 #[derive(Debug)]
 pub struct Route {
@@ -80,17 +123,24 @@ impl Route {
     /// The backend of attempt `attempt` (of [`Self::attempts`]`(tries)`) for a client:
     /// attempt 0 is the Maglev pick among the selected backends and the next ones walk them
     /// from there; past `tries` (or all of them) the fallback backends are walked from a
-    /// place set by the client's flow hash.
+    /// place set by the client's flow hash. Backends this node skips after failed connects
+    /// ([`mcs_model::health`]) come last: the selected ones that are not skipped, then the
+    /// fallback ones that are not, then the skipped ones in the same order; and none that
+    /// this connection `tried` already.
     #[inline]
     pub fn pick(
         &self,
         client: SocketAddr,
         attempt: usize,
         tries: usize,
+        tried: &Tried,
     ) -> Option<(usize, SocketAddr)> {
         let n = self.selected;
         let stage = tries.min(n);
         let hash = flow_hash(client, self.affinity.is_some());
+        if self.backends.has_health() && n > 0 {
+            return self.pick_around_failed(hash, attempt, tries, tried);
+        }
         let i = if attempt < stage {
             (self.maglev().pick(hash)? + attempt) % n
         } else {
@@ -100,6 +150,38 @@ impl Route {
             }
             n + (hash as usize).wrapping_add(attempt - stage) % spare
         };
+        Some((i, self.backends.addr(i)))
+    }
+
+    /// [`Self::pick`] once a backend of the route failed a connect: the first not `tried` of
+    /// the selected backends not skipped (walked from the Maglev pick), the fallback ones not
+    /// skipped (walked from the flow hash), then the skipped selected and fallback ones.
+    fn pick_around_failed(
+        &self,
+        hash: u64,
+        attempt: usize,
+        tries: usize,
+        tried: &Tried,
+    ) -> Option<(usize, SocketAddr)> {
+        if attempt >= self.attempts(tries) {
+            return None;
+        }
+        let n = self.selected;
+        let spare = self.backends.len() - n;
+        let first = self.maglev().pick(hash)?;
+        let spare_start = if spare == 0 { 0 } else { hash as usize % spare };
+        let now = super::metrics::now_ms();
+        let selected = (0..n).map(|k| (first + k) % n);
+        let fallback = (0..spare).map(|k| n + (spare_start + k) % spare);
+        let ok = |i: &usize| !self.backends.skipped(*i, now);
+        let bad = |i: &usize| self.backends.skipped(*i, now);
+        let i = selected
+            .clone()
+            .filter(ok)
+            .chain(fallback.clone().filter(ok))
+            .chain(selected.filter(bad))
+            .chain(fallback.filter(bad))
+            .find(|i| !tried.contains(*i))?;
         Some((i, self.backends.addr(i)))
     }
 
@@ -296,7 +378,7 @@ mod tests {
         for port in 1000..1100 {
             let client: SocketAddr = format!("198.18.9.9:{port}").parse().unwrap();
             let tried: Vec<(usize, SocketAddr)> = (0..route.attempts(3))
-                .map(|a| route.pick(client, a, 3).unwrap())
+                .map(|a| route.pick(client, a, 3, &Tried::new()).unwrap())
                 .collect();
             let mut seen: Vec<usize> = tried.iter().map(|t| t.0).collect();
             assert!(seen[..2].iter().all(|&i| i < 2 && !route.is_fallback(i)));
@@ -311,7 +393,7 @@ mod tests {
             assert_eq!(seen.len(), 5, "each backend once: {tried:?}");
             // One try a stage: the Maglev pick, then one fallback backend.
             let one: Vec<usize> = (0..route.attempts(1))
-                .map(|a| route.pick(client, a, 1).unwrap().0)
+                .map(|a| route.pick(client, a, 1, &Tried::new()).unwrap().0)
                 .collect();
             assert!(one[0] < 2 && one[1] >= 2, "{one:?}");
         }
@@ -321,6 +403,68 @@ mod tests {
         }
         let none = Route::new(&f, &svc, 1021, &metrics);
         assert_eq!(none.attempts(3), 0);
+    }
+
+    #[test]
+    fn backends_that_failed_a_connect_are_tried_last_until_one_succeeds() {
+        let (metrics, _registry, _routes, f) = bed();
+        let mut svc = service(&[
+            "198.18.1.2:80",
+            "198.18.1.3:80",
+            "198.18.1.4:80",
+            "198.18.2.2:80",
+            "198.18.2.3:80",
+        ]);
+        for b in &mut svc.backends[3..] {
+            (b.selected, b.fallback) = (false, true);
+        }
+        let route = Route::new(&f, &svc, 1021, &metrics);
+        let clients: Vec<SocketAddr> = (1000..1200)
+            .map(|p| format!("198.18.9.9:{p}").parse().unwrap())
+            .collect();
+        let firsts = |route: &Route| -> Vec<usize> {
+            clients
+                .iter()
+                .map(|&c| route.pick(c, 0, 3, &Tried::new()).unwrap().0)
+                .collect()
+        };
+        // Backend 0 dies: its first failure marks it (two of three selected stay).
+        assert!(route.backends.connect_failed(0));
+        let picks = firsts(&route);
+        assert!(picks.iter().all(|&i| i == 1 || i == 2), "{picks:?}");
+        // Every attempt still covers every backend, the skipped one last.
+        for &c in &clients[..20] {
+            let mut tried = Tried::new();
+            let order: Vec<usize> = (0..route.attempts(3))
+                .map(|a| {
+                    let i = route.pick(c, a, 3, &tried).unwrap().0;
+                    tried.push(i);
+                    i
+                })
+                .collect();
+            assert_eq!(order.len(), 5);
+            assert_eq!(*order.last().unwrap(), 0, "{order:?}");
+        }
+        // A second one dies: three of the five candidates stay, so its first failure marks
+        // it; the third selected backend takes every new connection.
+        assert!(route.backends.connect_failed(1));
+        assert!(firsts(&route).iter().all(|&i| i == 2));
+        // The last selected one fails once: that would leave two of five, so not yet; a
+        // second failure in a row marks it and the fallback backends take the connections.
+        assert!(!route.backends.connect_failed(2));
+        assert!(firsts(&route).iter().all(|&i| i == 2));
+        assert!(route.backends.connect_failed(2));
+        assert!(firsts(&route).iter().all(|&i| i >= 3));
+        // Backend 1 answers again (a connect succeeded): it is picked again.
+        route.backends.connected(1);
+        assert!(firsts(&route).iter().all(|&i| i == 1));
+        // What the node saw stays when the route's backends change.
+        let (_, _, next) = metrics.route(
+            &route.frontend,
+            &route.backends.addrs().take(4).collect::<Vec<_>>(),
+        );
+        assert!(next.skipped(0, super::super::metrics::now_ms()));
+        assert!(!next.skipped(1, super::super::metrics::now_ms()));
     }
 
     fn exposed(registry: &prometheus_client::registry::Registry) -> String {

@@ -230,15 +230,18 @@ async fn handle(
         return;
     }
     let mut upstream = None;
+    let mut tried = super::routes::Tried::new();
     for attempt in 0..attempts {
-        let Some((i, backend)) = route.pick(client, attempt, tries) else {
+        let Some((i, backend)) = route.pick(client, attempt, tries, &tried) else {
             break;
         };
+        tried.push(i);
         if attempt > 0 {
             route.frontend_counters.retries.inc();
         }
         match tokio::time::timeout(shared.config.connect_timeout, connect(backend)).await {
             Ok(Ok(s)) => {
+                route.backends.connected(i);
                 if route.is_fallback(i) {
                     route.frontend_counters.fallbacks.inc();
                     tracing::debug!(frontend = %route.frontend, %client, %backend, "every selected backend tried refused; a fallback backend took the connection");
@@ -248,11 +251,13 @@ async fn handle(
             }
             Ok(Err(e)) => {
                 route.backends.cells(i).connect_failures.inc();
-                tracing::debug!(%backend, error = %e, "connect failed");
+                let skipped = route.backends.connect_failed(i);
+                tracing::debug!(%backend, error = %e, skipped, "connect failed");
             }
             Err(_) => {
                 route.backends.cells(i).connect_failures.inc();
-                tracing::debug!(%backend, "connect timed out");
+                let skipped = route.backends.connect_failed(i);
+                tracing::debug!(%backend, skipped, "connect timed out");
             }
         }
     }

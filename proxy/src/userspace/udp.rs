@@ -166,7 +166,7 @@ async fn open_session(
             return;
         }
     }
-    let Some((i, backend)) = route.pick(client, 0, 1) else {
+    let Some((i, backend)) = route.pick(client, 0, 1, &super::routes::Tried::new()) else {
         route.frontend_counters.refused.inc();
         return;
     };

@@ -135,6 +135,8 @@ struct Conn<'s> {
     /// The backend's index in the route, and its address.
     backend: (usize, SocketAddr),
     attempt: usize,
+    /// The backends its attempts tried.
+    tried: super::routes::Tried,
     /// The backend address of the connect in flight.
     sockaddr: SockAddr,
     /// From the thread's pool (the epoll worker's), given back on drop.
@@ -586,6 +588,7 @@ impl<'s> Worker<'s> {
             route,
             backend: (0, dst),
             attempt: 0,
+            tried: super::routes::Tried::new(),
             sockaddr: SockAddr::from(dst),
             bufs,
             pending: [(0, 0); 2],
@@ -624,7 +627,7 @@ impl<'s> Worker<'s> {
             };
             let n = c.route.attempts(attempts);
             let picked = (c.attempt < n)
-                .then(|| c.route.pick(c.client_addr, c.attempt, attempts))
+                .then(|| c.route.pick(c.client_addr, c.attempt, attempts, &c.tried))
                 .flatten();
             let Some((bi, backend)) = picked else {
                 c.route.frontend_counters.refused.inc();
@@ -638,6 +641,7 @@ impl<'s> Worker<'s> {
                 c.route.frontend_counters.retries.inc();
             }
             c.attempt += 1;
+            c.tried.push(bi);
             let s = Socket::new(
                 Domain::for_address(backend),
                 Type::STREAM.nonblocking().cloexec(),
@@ -861,6 +865,7 @@ impl<'s> Worker<'s> {
         match kind {
             op::CONNECT if open => {
                 if res == 0 {
+                    c.route.backends.connected(c.backend.0);
                     c.route.backends.cells(c.backend.0).connections.inc();
                     if c.route.is_fallback(c.backend.0) {
                         c.route.frontend_counters.fallbacks.inc();
@@ -870,7 +875,8 @@ impl<'s> Worker<'s> {
                     self.recv(i, 1);
                 } else {
                     c.route.backends.cells(c.backend.0).connect_failures.inc();
-                    tracing::debug!(backend = %c.backend.1, error = %os_error(res), "connect failed");
+                    let skipped = c.route.backends.connect_failed(c.backend.0);
+                    tracing::debug!(backend = %c.backend.1, error = %os_error(res), skipped, "connect failed");
                     // Its timeout's completion may still come; the socket closes now.
                     c.up = None;
                     self.connect(i);

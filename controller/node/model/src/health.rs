@@ -126,7 +126,10 @@ mod tests {
     fn a_first_failure_marks_only_while_half_the_candidates_stay_and_a_second_marks_anyway() {
         assert!(may_mark_first(2, 0), "one of two may be skipped");
         assert!(!may_mark_first(2, 1), "not the last one");
-        assert!(!may_mark_first(1, 0), "a lone backend is never skipped on one failure");
+        assert!(
+            !may_mark_first(1, 0),
+            "a lone backend is never skipped on one failure"
+        );
         assert!(may_mark_first(4, 1));
         assert!(!may_mark_first(4, 2));
         assert!(!may_mark_first(3, 1));

@@ -22,6 +22,8 @@
 //! - [`node`]: what the index knows of its node ([`NodeConfig`]).
 //! - [`index`]: the incremental index (objects → table, minimal diffs); [`index::compute`].
 //! - [`select`]: which backends get new connections (readiness, locality, zone).
+//! - [`health`]: passive health: a backend whose connects fail is skipped on this node for a
+//!   while (backoff that only a success resets), and which candidate a connection tries.
 //! - [`render`]: `mcs-agent table` output (JSON and text).
 //! - [`dns`]: the records `clusterset.local` DNS answers from, and the zone that holds them.
 //! - [`Dataplane`]: what the control plane hands diffs to.
@@ -29,6 +31,7 @@
 
 pub mod dns;
 pub mod guard;
+pub mod health;
 pub mod index;
 pub mod input;
 pub mod intern;
