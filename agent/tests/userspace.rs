@@ -1373,3 +1373,52 @@ fn ask_once(mut s: &TcpStream, m: &str) -> std::io::Result<String> {
     let n = s.read(&mut buf)?;
     Ok(String::from_utf8_lossy(&buf[..n]).to_string())
 }
+
+/// A UDP flow whose backend refuses (ICMP port unreachable: its pod died while its slice
+/// still says ready) leaves it: the session ends and the backend is skipped on this node
+/// (passive health), so the flow's next datagram is answered by a backend that listens —
+/// here c2's, the fallback. Before, the session stayed on the dead backend until idle.
+#[test]
+fn a_udp_flow_leaves_a_backend_that_refuses() {
+    if !prerequisites() {
+        return;
+    }
+    // c1's 198.18.1.2 is up (it serves web on 8080) but nothing listens on its 5353 (ready
+    // in its slice); c2's 5353 answers.
+    let mut sb = Sandbox::new(&["198.18.1.2:8080", "198.18.2.2:5353"]);
+    sb.start_agent(&["--metrics-per-backend"]);
+    let sock = sb
+        .cli
+        .run(|| {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+            s.connect("198.18.100.12:53").unwrap();
+            s
+        })
+        .unwrap();
+    // Every datagram is sent and waited for at most 500 ms; at most 5 are tried.
+    let mut replies = Vec::new();
+    for i in 0..5 {
+        let m = format!("d{i}");
+        let _ = sock.send(m.as_bytes());
+        let mut buf = [0u8; 256];
+        match sock.recv(&mut buf) {
+            Ok(n) => {
+                replies.push(String::from_utf8_lossy(&buf[..n]).to_string());
+                break;
+            }
+            // The refused datagram's ICMP may reach the client's connected socket too.
+            Err(_) => continue,
+        }
+    }
+    let (_, metrics) = sb.http("/metrics").unwrap();
+    assert_eq!(replies.len(), 1, "no reply in 5 datagrams: {metrics}");
+    assert!(replies[0].starts_with("198.18.2.2:5353 d"), "{replies:?}");
+    assert!(
+        metrics.contains(
+            "mcs_proxy_connect_failures_total{frontend=\"198.18.100.12:53/UDP\",backend=\"198.18.1.2:5353\"} 1"
+        ),
+        "{metrics}"
+    );
+    sb.stop_agent();
+}

@@ -219,7 +219,7 @@ async fn open_session(
     shared.metrics.udp_sessions.inc();
     let (shared, sessions) = (shared.clone(), sessions.clone());
     tokio::spawn(async move {
-        relay(&up, &down, backends.cells(i), &shared, vip, backend).await;
+        relay(&up, &down, (&backends, i), &shared, vip, backend).await;
         {
             let mut t = sessions.map.lock().expect("sessions lock");
             if t.by_flow.remove(&(client, vip)).is_some()
@@ -237,7 +237,14 @@ async fn open_session(
 
 /// Moves every datagram waiting on `from` to `to` through this thread's buffer; `Err` when
 /// `from` failed (the session ends). A datagram `to` cannot take now is dropped, as UDP may.
-fn drain(from: &UdpSocket, to: &UdpSocket, bytes: &super::metrics::Count) -> io::Result<()> {
+/// An ICMP port unreachable on `from` (`ConnectionRefused`) is an error only with
+/// `refused_ends` (from the backend: nothing listens there any more).
+fn drain(
+    from: &UdpSocket,
+    to: &UdpSocket,
+    bytes: &super::metrics::Count,
+    refused_ends: bool,
+) -> io::Result<()> {
     RELAY_BUF.with(|buf| {
         let mut buf = buf.borrow_mut();
         loop {
@@ -247,32 +254,58 @@ fn drain(from: &UdpSocket, to: &UdpSocket, bytes: &super::metrics::Count) -> io:
                     bytes.inc_by(n as u64);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                // ICMP port unreachable from the backend shows up here; keep the session.
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
+                // ICMP port unreachable shows up here: from the client, keep the session.
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused && !refused_ends => {}
                 Err(e) => return Err(e),
             }
         }
     })
 }
 
+/// The error pending on `s` (`SO_ERROR`), as an `Err`; none: `Ok`, and the error readiness
+/// cleared (a spurious wake-up must not make the relay spin).
+fn pending_error(s: &UdpSocket) -> io::Result<()> {
+    let taken = s.try_io(tokio::io::Interest::ERROR, || match s.take_error() {
+        Ok(Some(e)) => Ok(Err(e)),
+        Ok(None) => Err(io::ErrorKind::WouldBlock.into()),
+        Err(e) => Ok(Err(e)),
+    });
+    match taken {
+        Ok(pending) => pending,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 /// Relays a session until it is idle, fails, the forwarder stops, or its backend is no longer
 /// selected for the VIP (then the session ends, and the client's next datagram opens a new
-/// one to a selected backend: a flow never stays pinned to a removed backend).
+/// one to a selected backend: a flow never stays pinned to a removed backend). A backend that
+/// answers with ICMP port unreachable (its pod died while its slice still says ready) ends
+/// the session too and is skipped on this node (passive health), so the next datagram goes
+/// to a backend that listens.
 async fn relay(
     up: &UdpSocket,
     down: &UdpSocket,
-    counters: &super::metrics::BackendCells,
+    (backends, i): (&super::metrics::Backends, usize),
     shared: &Shared,
     vip: SocketAddr,
     backend: SocketAddr,
 ) {
+    let counters = backends.cells(i);
     let idle: Duration = shared.config.udp_idle_timeout;
     let mut shutdown = shared.shutdown.clone();
     let mut generation = shared.routes.subscribe();
     loop {
         let moved = tokio::select! {
-            r = down.readable() => r.and_then(|()| drain(down, up, &counters.bytes_tx)),
-            r = up.readable() => r.and_then(|()| drain(up, down, &counters.bytes_rx)),
+            r = down.readable() => r.and_then(|()| drain(down, up, &counters.bytes_tx, false)),
+            r = up.readable() => r.and_then(|()| {
+                drain(up, down, &counters.bytes_rx, true)?;
+                // The backend answered: it is healthy (one load when it was).
+                backends.connected(i);
+                Ok(())
+            }),
+            // An ICMP error (port unreachable) wakes no reader: epoll says only EPOLLERR.
+            r = up.ready(tokio::io::Interest::ERROR) => r.and_then(|_| pending_error(up)),
             changed = generation.changed() => {
                 let still = changed.is_ok()
                     && shared
@@ -285,8 +318,15 @@ async fn relay(
             () = tokio::time::sleep(idle) => return,
             () = super::stopped(&mut shutdown) => return,
         };
-        if moved.is_err() {
-            return;
+        match moved {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                counters.connect_failures.inc();
+                let skipped = backends.connect_failed(i);
+                tracing::debug!(%vip, %backend, skipped, "udp: the backend refuses (ICMP port unreachable); session ended");
+                return;
+            }
+            Err(_) => return,
         }
     }
 }
