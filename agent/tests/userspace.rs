@@ -1391,7 +1391,8 @@ fn a_udp_flow_leaves_a_backend_that_refuses() {
         .cli
         .run(|| {
             let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
-            s.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(500)))
+                .unwrap();
             s.connect("198.18.100.12:53").unwrap();
             s
         })
