@@ -156,6 +156,9 @@ impl Route {
     /// [`Self::pick`] once a backend of the route failed a connect: the first not `tried` of
     /// the selected backends not skipped (walked from the Maglev pick), the fallback ones not
     /// skipped (walked from the flow hash), then the skipped selected and fallback ones.
+    /// Out of line: the common path (no backend ever failed) stays small.
+    #[cold]
+    #[inline(never)]
     fn pick_around_failed(
         &self,
         hash: u64,
