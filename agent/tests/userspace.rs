@@ -178,6 +178,34 @@ fn when_every_local_backend_refuses_the_next_clusters_backends_take_the_connecti
             "{b}: {failures} refused connects of 20"
         );
     }
+    // `/status` names them as skipped on this node (what `kubectl mcs explain` shows). One
+    // more connection first: a skip that ended meanwhile is renewed by its retry's refusal.
+    sb.tcp("198.18.100.10:80", "again").unwrap();
+    let (code, answer) = sb.http("/status?service=shop/web").unwrap();
+    assert_eq!(code, 200, "{answer}");
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    let status: serde_json::Value = serde_json::from_str(body).unwrap();
+    let frontend = status["service"]["frontends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["frontend"] == "198.18.100.10:80/TCP")
+        .expect("the web frontend")
+        .clone();
+    let mut skipped: Vec<String> = frontend["skipped"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|b| format!("{}:{}", b["address"].as_str().unwrap(), b["port"]))
+                .collect()
+        })
+        .unwrap_or_default();
+    skipped.sort();
+    assert_eq!(
+        skipped,
+        ["198.18.1.2:8080", "198.18.1.3:8080"],
+        "{frontend}"
+    );
     sb.stop_agent();
 }
 

@@ -511,8 +511,45 @@ fn node_checks(s: &mut Section, what: &str, st: &Value, import: Option<&ServiceI
             detail,
             fix,
         );
+        // Backends this node skips after failed connects (passive health): the others
+        // take their connections until they answer again.
+        let skipped = f["skipped"].as_array().cloned().unwrap_or_default();
+        if !skipped.is_empty() {
+            let listed: Vec<String> = skipped
+                .iter()
+                .map(|b| {
+                    format!(
+                        "{} ({} failed connects in a row, tried again in {:.1} s)",
+                        backend_address(b),
+                        b["failures"].as_u64().unwrap_or(0),
+                        b["for_ms"].as_u64().unwrap_or(0) as f64 / 1000.0
+                    )
+                })
+                .collect();
+            s.push_fix(
+                Level::Warn,
+                what,
+                format!(
+                    "{}: skipped on this node after failed connects: {}",
+                    f["frontend"].as_str().unwrap_or("?"),
+                    listed.join(", ")
+                ),
+                "those backends refuse or do not answer (a pod gone while its EndpointSlice still says ready, or its node or cluster unreachable); the others take the connections meanwhile",
+            );
+        }
     }
     dns_checks(s, what, st, import, headless);
+}
+
+/// `addr:port` of a backend in an agent's answer (`[addr]:port` for IPv6).
+fn backend_address(b: &Value) -> String {
+    let addr = b["address"].as_str().unwrap_or("?");
+    let port = b["port"].as_u64().unwrap_or(0);
+    if addr.contains(':') {
+        format!("[{addr}]:{port}")
+    } else {
+        format!("{addr}:{port}")
+    }
 }
 
 fn backend(b: &Value) -> String {
@@ -717,6 +754,24 @@ mod tests {
         assert_eq!(
             s.checks[0].detail,
             "198.18.56.4:80/TCP (ebpf): 1 selected [c1 198.19.33.5:8080], 1 fallback"
+        );
+    }
+
+    #[test]
+    fn backends_skipped_after_failed_connects_are_a_warning_naming_them() {
+        let st = json!({"dataplane": "userspace", "rejected": [],
+            "service": {"frontends": [{"frontend": "198.18.56.4:80/TCP", "programmed": true,
+                "backends": [{"address": "198.19.33.5", "port": 8080, "cluster": "c1", "selected": true, "fallback": false},
+                             {"address": "198.19.33.6", "port": 8080, "cluster": "c1", "selected": true, "fallback": false}],
+                "skipped": [{"address": "198.19.33.6", "port": 8080, "failures": 2, "for_ms": 1500}]}]},
+            "dns": {"checks": []}});
+        let mut s = Section::new("x");
+        node_checks(&mut s, "node n1", &st, None);
+        let warn: Vec<_> = s.checks.iter().filter(|c| c.level == Level::Warn).collect();
+        assert_eq!(warn.len(), 1, "{s:?}");
+        assert_eq!(
+            warn[0].detail,
+            "198.18.56.4:80/TCP: skipped on this node after failed connects: 198.19.33.6:8080 (2 failed connects in a row, tried again in 1.5 s)"
         );
     }
 }

@@ -50,6 +50,14 @@ impl Dataplane for AnyDataplane {
         }
     }
 
+    fn skipped(&self, frontend: &Frontend, limit: usize) -> Vec<mcs_model::health::SkippedBackend> {
+        match self {
+            Self::Log(d) => d.skipped(frontend, limit),
+            Self::Userspace(d) => d.skipped(frontend, limit),
+            Self::Ebpf(d) => d.skipped(frontend, limit),
+        }
+    }
+
     fn report(&self) -> Vec<(&'static str, String)> {
         match self {
             Self::Log(d) => d.report(),

@@ -191,6 +191,27 @@ impl Slab {
             .is_some_and(|cells| cells[i].get().skipped(now))
     }
 
+    /// The backends skipped now, at most `limit` (for `/status`).
+    pub fn skipped_now(&self, limit: usize) -> Vec<mcs_model::health::SkippedBackend> {
+        let Some(cells) = self.health.get() else {
+            return Vec::new();
+        };
+        let now = now_ms();
+        cells
+            .iter()
+            .zip(self.addrs.iter())
+            .map(|(c, a)| (c.get(), a))
+            .filter(|(h, _)| h.skipped(now))
+            .take(limit)
+            .map(|(h, &(address, port))| mcs_model::health::SkippedBackend {
+                address,
+                port,
+                failures: h.failures,
+                for_ms: h.until_ms - now,
+            })
+            .collect()
+    }
+
     /// Whether any backend ever failed a connect here (else none is skipped).
     #[inline]
     pub fn has_health(&self) -> bool {

@@ -26,9 +26,9 @@ pub mod tcp;
 pub mod udp;
 pub mod uring;
 
-use std::{collections::BTreeSet, sync::Arc, time::Duration};
+use std::{collections::BTreeSet, net::SocketAddr, sync::Arc, time::Duration};
 
-use mcs_model::{Dataplane, DataplaneError, Protocol, TableDiff};
+use mcs_model::{Dataplane, DataplaneError, Frontend, Protocol, TableDiff};
 use tokio::sync::{Semaphore, watch};
 
 use self::{
@@ -429,6 +429,14 @@ fn element(f: &mcs_model::Frontend) -> Option<SetElement> {
 impl Dataplane for Userspace {
     fn name(&self) -> &'static str {
         "userspace"
+    }
+
+    fn skipped(&self, f: &Frontend, limit: usize) -> Vec<mcs_model::health::SkippedBackend> {
+        let routes = self.shared.routes.load();
+        routes
+            .get(SocketAddr::new(f.vip, f.port), f.protocol)
+            .map(|r| r.backends.skipped_now(limit))
+            .unwrap_or_default()
     }
 
     fn report(&self) -> Vec<(&'static str, String)> {

@@ -15,6 +15,19 @@
 //! regardless. One flaky connect never sends all of a frontend's traffic to one backend of
 //! several; a dead backend costs each node at most two failed connects before it is skipped.
 
+/// A backend a dataplane skips now (the agent's `/status`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct SkippedBackend {
+    /// Its address.
+    pub address: std::net::IpAddr,
+    /// Its port.
+    pub port: u16,
+    /// Failed connects in a row.
+    pub failures: u32,
+    /// For how much longer it is skipped (ms); then it is tried again.
+    pub for_ms: u64,
+}
+
 /// First wait after a failure (milliseconds).
 pub const FIRST_WAIT_MS: u64 = 1_000;
 /// Longest wait (milliseconds).

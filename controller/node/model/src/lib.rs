@@ -231,6 +231,12 @@ pub trait Dataplane {
     fn report(&self) -> Vec<(&'static str, String)> {
         Vec::new()
     }
+    /// Backends of `frontend` this dataplane skips now after failed connects
+    /// ([`health`]), at most `limit` of them. None by default (a dataplane without passive
+    /// health).
+    fn skipped(&self, _frontend: &Frontend, _limit: usize) -> Vec<health::SkippedBackend> {
+        Vec::new()
+    }
 }
 
 /// A dataplane could not apply a diff.

@@ -108,6 +108,10 @@ pub struct FrontendStatus {
     pub selected: usize,
     /// Fallback backends in all.
     pub fallback: usize,
+    /// Backends this node's dataplane skips now after failed connects (passive health),
+    /// at most [`BACKENDS_LISTED`] per frontend.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<mcs_model::health::SkippedBackend>,
 }
 
 /// Builds the answer from the sync loop's state.
@@ -154,6 +158,7 @@ pub(crate) fn build<D: Dataplane>(
                     backends_total: s.backends.len(),
                     selected: s.backends.iter().filter(|b| b.selected).count(),
                     fallback: s.backends.iter().filter(|b| b.fallback).count(),
+                    skipped: dataplane.skipped(f, BACKENDS_LISTED),
                 }
             })
             .collect();
