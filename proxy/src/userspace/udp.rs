@@ -297,7 +297,10 @@ async fn relay(
     let mut generation = shared.routes.subscribe();
     loop {
         let moved = tokio::select! {
-            r = down.readable() => r.and_then(|()| drain(down, up, &counters.bytes_tx, false)),
+            // The client's side: its errors end the session but say nothing of the backend.
+            r = down.readable() => r
+                .and_then(|()| drain(down, up, &counters.bytes_tx, false))
+                .map_err(io::Error::other),
             r = up.readable() => r.and_then(|()| {
                 drain(up, down, &counters.bytes_rx, true)?;
                 // The backend answered: it is healthy (one load when it was).
@@ -320,10 +323,18 @@ async fn relay(
         };
         match moved {
             Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            // ICMP port, host or network unreachable: the backend is gone.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionRefused
+                        | io::ErrorKind::HostUnreachable
+                        | io::ErrorKind::NetworkUnreachable
+                ) =>
+            {
                 counters.connect_failures.inc();
                 let skipped = backends.connect_failed(i);
-                tracing::debug!(%vip, %backend, skipped, "udp: the backend refuses (ICMP port unreachable); session ended");
+                tracing::debug!(%vip, %backend, skipped, error = %e, "udp: the backend is unreachable (ICMP); session ended");
                 return;
             }
             Err(_) => return,
