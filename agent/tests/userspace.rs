@@ -1403,9 +1403,10 @@ fn ask_once(mut s: &TcpStream, m: &str) -> std::io::Result<String> {
 }
 
 /// A UDP flow whose backend refuses (ICMP port unreachable: its pod died while its slice
-/// still says ready) leaves it: the session ends and the backend is skipped on this node
-/// (passive health), so the flow's next datagram is answered by a backend that listens —
-/// here c2's, the fallback. Before, the session stayed on the dead backend until idle.
+/// still says ready) leaves it: the session ends at each refusal, and the backend is skipped
+/// on this node (passive health) after its second in a row, so the flow's next datagram is
+/// answered by a backend that listens — here c2's, the fallback. Before, the session stayed
+/// on the dead backend until idle.
 #[test]
 fn a_udp_flow_leaves_a_backend_that_refuses() {
     if !prerequisites() {
@@ -1443,9 +1444,11 @@ fn a_udp_flow_leaves_a_backend_that_refuses() {
     let (_, metrics) = sb.http("/metrics").unwrap();
     assert_eq!(replies.len(), 1, "no reply in 5 datagrams: {metrics}");
     assert!(replies[0].starts_with("198.18.2.2:5353 d"), "{replies:?}");
+    // c1's is the only selected backend: its first refusal ends the session but does not
+    // mark it (one flaky answer must not send every flow elsewhere), its second in a row does.
     assert!(
         metrics.contains(
-            "mcs_proxy_connect_failures_total{frontend=\"198.18.100.12:53/UDP\",backend=\"198.18.1.2:5353\"} 1"
+            "mcs_proxy_connect_failures_total{frontend=\"198.18.100.12:53/UDP\",backend=\"198.18.1.2:5353\"} 2"
         ),
         "{metrics}"
     );

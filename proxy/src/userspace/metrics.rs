@@ -162,13 +162,22 @@ impl Slab {
     }
 
     /// A connect to backend `i` failed (refused, or no answer in time): this node skips it
-    /// for a while ([`mcs_model::health`]). Returns whether it is skipped now.
-    pub fn connect_failed(&self, i: usize) -> bool {
+    /// for a while ([`mcs_model::health`]). The route's first `selected` backends are one
+    /// stage, the rest (fallback) another. Returns whether it is skipped now.
+    pub fn connect_failed(&self, i: usize, selected: usize) -> bool {
         let now = now_ms();
         let cells = self.health_cells();
-        let skipped = cells.iter().filter(|c| c.get().skipped(now)).count();
+        let stage = if i < selected {
+            &cells[..selected.min(cells.len())]
+        } else {
+            &cells[selected.min(cells.len())..]
+        };
         let mut h = cells[i].get();
-        let marked = h.failed(now, may_mark_first(cells.len(), skipped));
+        let may_mark = h.failures == 0 && {
+            let skipped = stage.iter().filter(|c| c.get().skipped(now)).count();
+            may_mark_first(stage.len(), skipped)
+        };
+        let marked = h.failed(now, may_mark);
         cells[i].set(h);
         marked
     }
@@ -177,7 +186,7 @@ impl Slab {
     #[inline]
     pub fn connected(&self, i: usize) {
         if let Some(cells) = self.health.get()
-            && cells[i].failures.load(Ordering::Relaxed) != 0
+            && cells[i].get() != Health::default()
         {
             cells[i].set(Health::default());
         }
@@ -296,7 +305,7 @@ pub struct FrontendCells {
     /// `refused`: no route, no backend, or over the connection cap.
     pub refused: Count,
     /// `fallback_connections`: connections a fallback backend (another cluster's or zone's)
-    /// took after every selected backend tried refused.
+    /// took because every selected backend refused or is skipped after failed connects.
     pub fallbacks: Count,
 }
 
@@ -448,7 +457,7 @@ const FRONTEND_FAMILIES: [FamilyOf<FrontendCells>; 3] = [
     ),
     (
         "fallback_connections",
-        "Connections taken by a fallback backend (another cluster's or zone's) after every selected backend tried refused",
+        "Connections taken by a fallback backend (another cluster's or zone's) because every selected backend refused or is skipped after failed connects",
         |c| &c.fallbacks,
     ),
 ];

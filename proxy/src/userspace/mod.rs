@@ -335,6 +335,24 @@ impl Userspace {
     }
 }
 
+/// Whether a failed connect (its errno) says the backend is not there: refused, no answer
+/// (timed out, or cancelled by the forwarder's own connect deadline), or unreachable. Not the
+/// node's own failures (no descriptor, no ephemeral port, no buffer), which must not make
+/// every backend look dead to it.
+pub(crate) fn backend_failed(errno: Option<i32>) -> bool {
+    matches!(
+        errno,
+        Some(
+            libc::ECONNREFUSED
+                | libc::ETIMEDOUT
+                | libc::ECANCELED
+                | libc::EHOSTUNREACH
+                | libc::ENETUNREACH
+                | libc::ECONNRESET
+        )
+    )
+}
+
 /// How [`Userspace::shutdown`] stops.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Stop {

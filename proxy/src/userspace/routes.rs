@@ -117,7 +117,14 @@ impl Route {
         if self.selected == 0 {
             return 0;
         }
-        tries.min(self.selected) + tries.min(self.backends.len() - self.selected)
+        // A connection remembers the backends it tried: at most `Tried::MAX` attempts.
+        (tries.min(self.selected) + tries.min(self.backends.len() - self.selected)).min(Tried::MAX)
+    }
+
+    /// How many of its backends are selected (the first ones; the rest are fallback).
+    #[inline]
+    pub fn selected(&self) -> usize {
+        self.selected
     }
 
     /// The backend of attempt `attempt` (of [`Self::attempts`]`(tries)`) for a client:
@@ -170,21 +177,20 @@ impl Route {
             return None;
         }
         let n = self.selected;
-        let spare = self.backends.len() - n;
+        let stages = mcs_model::health::Stages {
+            selected: n,
+            spare: self.backends.len() - n,
+            tries,
+        };
         let first = self.maglev().pick(hash)?;
-        let spare_start = if spare == 0 { 0 } else { hash as usize % spare };
         let now = super::metrics::now_ms();
-        let selected = (0..n).map(|k| (first + k) % n);
-        let fallback = (0..spare).map(|k| n + (spare_start + k) % spare);
-        let ok = |i: &usize| !self.backends.skipped(*i, now);
-        let bad = |i: &usize| self.backends.skipped(*i, now);
-        let i = selected
-            .clone()
-            .filter(ok)
-            .chain(fallback.clone().filter(ok))
-            .chain(selected.filter(bad))
-            .chain(fallback.filter(bad))
-            .find(|i| !tried.contains(*i))?;
+        let i = mcs_model::health::next_candidate(
+            stages,
+            first,
+            hash.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            |i| self.backends.skipped(i, now),
+            |i| tried.contains(i),
+        )?;
         Some((i, self.backends.addr(i)))
     }
 
@@ -432,7 +438,7 @@ mod tests {
                 .collect()
         };
         // Backend 0 dies: its first failure marks it (two of three selected stay).
-        assert!(route.backends.connect_failed(0));
+        assert!(route.backends.connect_failed(0, 3));
         let picks = firsts(&route);
         assert!(picks.iter().all(|&i| i == 1 || i == 2), "{picks:?}");
         // Every attempt still covers every backend, the skipped one last.
@@ -448,15 +454,24 @@ mod tests {
             assert_eq!(order.len(), 5);
             assert_eq!(*order.last().unwrap(), 0, "{order:?}");
         }
-        // A second one dies: three of the five candidates stay, so its first failure marks
-        // it; the third selected backend takes every new connection.
-        assert!(route.backends.connect_failed(1));
+        // Backend 0's flows are spread over the others, not all given to its neighbour.
+        let moved: Vec<usize> = clients
+            .iter()
+            .filter(|&&c| route.maglev().pick(flow_hash(c, false)) == Some(0))
+            .map(|&c| route.pick(c, 0, 3, &Tried::new()).unwrap().0)
+            .collect();
+        assert!(moved.contains(&1) && moved.contains(&2), "{moved:?}");
+        // A second one fails once: marking it would leave one of the three selected, so
+        // not yet; a second failure in a row marks it, and the third takes the connections.
+        assert!(!route.backends.connect_failed(1, 3));
+        assert!(firsts(&route).iter().all(|&i| i == 1 || i == 2));
+        assert!(route.backends.connect_failed(1, 3));
         assert!(firsts(&route).iter().all(|&i| i == 2));
-        // The last selected one fails once: that would leave two of five, so not yet; a
-        // second failure in a row marks it and the fallback backends take the connections.
-        assert!(!route.backends.connect_failed(2));
-        assert!(firsts(&route).iter().all(|&i| i == 2));
-        assert!(route.backends.connect_failed(2));
+        // Failures while it is marked (connects in flight) change nothing.
+        assert!(route.backends.connect_failed(1, 3));
+        // The last selected one: twice too; then the fallback backends take the connections.
+        assert!(!route.backends.connect_failed(2, 3));
+        assert!(route.backends.connect_failed(2, 3));
         assert!(firsts(&route).iter().all(|&i| i >= 3));
         // Backend 1 answers again (a connect succeeded): it is picked again.
         route.backends.connected(1);

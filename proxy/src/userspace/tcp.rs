@@ -244,19 +244,22 @@ async fn handle(
                 route.backends.connected(i);
                 if route.is_fallback(i) {
                     route.frontend_counters.fallbacks.inc();
-                    tracing::debug!(frontend = %route.frontend, %client, %backend, "every selected backend tried refused; a fallback backend took the connection");
+                    tracing::debug!(frontend = %route.frontend, %client, %backend, "every selected backend refused or is skipped; a fallback backend took the connection");
                 }
                 upstream = Some((i, backend, s));
                 break;
             }
             Ok(Err(e)) => {
                 route.backends.cells(i).connect_failures.inc();
-                let skipped = route.backends.connect_failed(i);
+                // Only what the backend's side answered marks it; the node's own failures
+                // (no descriptor, no ephemeral port, no buffer) say nothing about it.
+                let skipped = super::backend_failed(e.raw_os_error())
+                    && route.backends.connect_failed(i, route.selected());
                 tracing::debug!(%backend, error = %e, skipped, "connect failed");
             }
             Err(_) => {
                 route.backends.cells(i).connect_failures.inc();
-                let skipped = route.backends.connect_failed(i);
+                let skipped = route.backends.connect_failed(i, route.selected());
                 tracing::debug!(%backend, skipped, "connect timed out");
             }
         }

@@ -207,6 +207,7 @@ async fn open_session(
     // The session holds its route's backends (one allocation shared with the route), not the
     // route with its Maglev table.
     let backends = route.backends.clone();
+    let selected = route.selected();
     drop(route);
     let counters = backends.cells(i);
     counters.connections.inc();
@@ -219,7 +220,7 @@ async fn open_session(
     shared.metrics.udp_sessions.inc();
     let (shared, sessions) = (shared.clone(), sessions.clone());
     tokio::spawn(async move {
-        relay(&up, &down, (&backends, i), &shared, vip, backend).await;
+        relay(&up, &down, (&backends, i, selected), &shared, vip, backend).await;
         {
             let mut t = sessions.map.lock().expect("sessions lock");
             if t.by_flow.remove(&(client, vip)).is_some()
@@ -235,8 +236,9 @@ async fn open_session(
     });
 }
 
-/// Moves every datagram waiting on `from` to `to` through this thread's buffer; `Err` when
-/// `from` failed (the session ends). A datagram `to` cannot take now is dropped, as UDP may.
+/// Moves every datagram waiting on `from` to `to` through this thread's buffer (`Ok(true)`
+/// when at least one moved); `Err` when `from` failed (the session ends). A datagram `to`
+/// cannot take now is dropped, as UDP may.
 /// An ICMP port unreachable on `from` (`ConnectionRefused`) is an error only with
 /// `refused_ends` (from the backend: nothing listens there any more).
 fn drain(
@@ -244,16 +246,18 @@ fn drain(
     to: &UdpSocket,
     bytes: &super::metrics::Count,
     refused_ends: bool,
-) -> io::Result<()> {
+) -> io::Result<bool> {
     RELAY_BUF.with(|buf| {
         let mut buf = buf.borrow_mut();
+        let mut moved = false;
         loop {
             match from.try_recv(&mut buf) {
                 Ok(n) => {
                     let _ = to.try_send(&buf[..n]);
                     bytes.inc_by(n as u64);
+                    moved = true;
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(moved),
                 // ICMP port unreachable shows up here: from the client, keep the session.
                 Err(e) if e.kind() == io::ErrorKind::ConnectionRefused && !refused_ends => {}
                 Err(e) => return Err(e),
@@ -286,12 +290,13 @@ fn pending_error(s: &UdpSocket) -> io::Result<()> {
 async fn relay(
     up: &UdpSocket,
     down: &UdpSocket,
-    (backends, i): (&super::metrics::Backends, usize),
+    (backends, i, selected): (&super::metrics::Backends, usize, usize),
     shared: &Shared,
     vip: SocketAddr,
     backend: SocketAddr,
 ) {
     let counters = backends.cells(i);
+    let mut answered = false;
     let idle: Duration = shared.config.udp_idle_timeout;
     let mut shutdown = shared.shutdown.clone();
     let mut generation = shared.routes.subscribe();
@@ -299,12 +304,14 @@ async fn relay(
         let moved = tokio::select! {
             // The client's side: its errors end the session but say nothing of the backend.
             r = down.readable() => r
-                .and_then(|()| drain(down, up, &counters.bytes_tx, false))
+                .and_then(|()| drain(down, up, &counters.bytes_tx, false).map(drop))
                 .map_err(io::Error::other),
             r = up.readable() => r.and_then(|()| {
-                drain(up, down, &counters.bytes_rx, true)?;
-                // The backend answered: it is healthy (one load when it was).
-                backends.connected(i);
+                if drain(up, down, &counters.bytes_rx, true)? {
+                    // The backend answered: it is healthy (one load when it was).
+                    answered = true;
+                    backends.connected(i);
+                }
                 Ok(())
             }),
             // An ICMP error (port unreachable) wakes no reader: epoll says only EPOLLERR.
@@ -332,8 +339,11 @@ async fn relay(
                         | io::ErrorKind::NetworkUnreachable
                 ) =>
             {
+                // Only a backend that never answered this session is blamed: an ICMP error
+                // after replies ends the session (its flow starts again) without marking,
+                // so a forged one cannot take a healthy backend out for everyone.
                 counters.connect_failures.inc();
-                let skipped = backends.connect_failed(i);
+                let skipped = !answered && backends.connect_failed(i, selected);
                 tracing::debug!(%vip, %backend, skipped, error = %e, "udp: the backend is unreachable (ICMP); session ended");
                 return;
             }

@@ -869,13 +869,18 @@ impl<'s> Worker<'s> {
                     c.route.backends.cells(c.backend.0).connections.inc();
                     if c.route.is_fallback(c.backend.0) {
                         c.route.frontend_counters.fallbacks.inc();
-                        tracing::debug!(frontend = %c.route.frontend, client = %c.client_addr, backend = %c.backend.1, "every selected backend tried refused; a fallback backend took the connection");
+                        tracing::debug!(frontend = %c.route.frontend, client = %c.client_addr, backend = %c.backend.1, "every selected backend refused or is skipped; a fallback backend took the connection");
                     }
                     self.recv(i, 0);
                     self.recv(i, 1);
                 } else {
                     c.route.backends.cells(c.backend.0).connect_failures.inc();
-                    let skipped = c.route.backends.connect_failed(c.backend.0);
+                    // Only what the backend's side answered (or its silence: the link
+                    // timeout cancels the connect) marks it.
+                    let skipped = super::backend_failed(Some(-res))
+                        && c.route
+                            .backends
+                            .connect_failed(c.backend.0, c.route.selected());
                     tracing::debug!(backend = %c.backend.1, error = %os_error(res), skipped, "connect failed");
                     // Its timeout's completion may still come; the socket closes now.
                     c.up = None;

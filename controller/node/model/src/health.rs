@@ -9,11 +9,12 @@
 //! monotonic clock): this module has no clock, no lock and no allocation, so a dataplane can
 //! keep one [`Health`] per backend in atomics and ask per connection.
 //!
-//! A single failure does not leave a frontend with fewer than half of its candidates: the
-//! first failure of a backend marks it only while at least half of the frontend's candidates
-//! (selected and fallback backends) would stay unmarked; a second failure in a row marks it
-//! regardless. One flaky connect never sends all of a frontend's traffic to one backend of
-//! several; a dead backend costs each node at most two failed connects before it is skipped.
+//! A single failure does not leave a stage (a route's selected backends, or its fallback
+//! ones) with fewer than half of its backends: the first failure of a backend marks it only
+//! while at least half of its stage would stay unmarked, and never in a stage of two or
+//! fewer; a second failure in a row marks it regardless. Failures while a backend is marked
+//! (connects that were in flight) change nothing. [`next_candidate`] orders a connection's
+//! attempts around skipped backends, spreading their flows over the others.
 
 /// A backend a dataplane skips now (the agent's `/status`).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -57,6 +58,11 @@ impl Health {
     /// leaves at least half of its frontend's candidates unmarked ([`may_mark_first`]); a
     /// second failure in a row marks it regardless. Returns whether it is now skipped.
     pub fn failed(&mut self, now_ms: u64, may_mark: bool) -> bool {
+        // Connects that were in flight when it was marked fail too: they say nothing new,
+        // and must not push its wait up (nor count as a second failure in a row).
+        if self.skipped(now_ms) {
+            return true;
+        }
         self.failures = self.failures.saturating_add(1);
         if self.failures == 1 && !may_mark {
             return false;
@@ -72,44 +78,81 @@ pub fn wait_ms(failures: u32) -> u64 {
     (FIRST_WAIT_MS << doublings).min(MAX_WAIT_MS)
 }
 
-/// Whether a first failure may mark a backend of a frontend with `candidates` backends
-/// (selected and fallback), `skipped` of them skipped now: at least half stay unmarked.
+/// Whether a first failure may mark a backend of a stage (a route's selected backends, or
+/// its fallback ones) of `candidates` backends, `skipped` of them skipped now: at least half
+/// stay unmarked, and never in a stage of two or fewer (there one flaky connect would send
+/// every connection to one backend; a second failure in a row marks it all the same).
 pub fn may_mark_first(candidates: usize, skipped: usize) -> bool {
     let left = candidates.saturating_sub(skipped + 1);
-    2 * left >= candidates && left > 0
+    candidates > 2 && 2 * left >= candidates
 }
 
-/// Which candidate a new connection tries: `first` (the policy's pick among the `selected`
-/// ones, an index below `selected`) unless skipped; else the next selected one, walking from
-/// `first`, that is not skipped; else the first fallback one (indices `selected..candidates`),
-/// walking from `spare_start`, that is not skipped; and when every one is skipped, `first`
-/// all the same (a connect that may succeed beats a refusal, and it tells whether the backend
-/// is back). `skipped(i)` says whether candidate `i` is skipped now. `None` without selected
-/// candidates.
-pub fn choose(
-    selected: usize,
-    candidates: usize,
+/// A route's candidates as [`next_candidate`] sees them: `selected` ones (indices
+/// `0..selected`) then `spare` fallback ones, at most `tries` tried per stage.
+#[derive(Clone, Copy, Debug)]
+pub struct Stages {
+    /// Selected backends.
+    pub selected: usize,
+    /// Fallback backends (after the selected ones).
+    pub spare: usize,
+    /// Attempts per stage (`--connect-attempts`).
+    pub tries: usize,
+}
+
+/// The backend a connection's next attempt tries, or `None` when its attempts are spent.
+///
+/// `first` is the policy's pick among the selected backends (Maglev); `spread` is a value
+/// of the flow's hash that spreads the flows of a skipped or failed backend over all the
+/// others (walking from the next index would pile them all onto one). In order: `first`,
+/// then the other selected backends from `spread`, then the fallback ones from `spread`;
+/// those not `skipped` before those that are, and never one the connection `tried`; at most
+/// `tries` of each stage in all (counting the ones tried).
+pub fn next_candidate(
+    stages: Stages,
     first: usize,
-    spare_start: usize,
+    spread: u64,
     skipped: impl Fn(usize) -> bool,
+    tried: impl Fn(usize) -> bool,
 ) -> Option<usize> {
-    if selected == 0 || first >= selected {
+    let Stages {
+        selected: n,
+        spare,
+        tries,
+    } = stages;
+    if n == 0 || first >= n {
         return None;
     }
-    if let Some(i) = (0..selected)
-        .map(|k| (first + k) % selected)
-        .find(|&i| !skipped(i))
-    {
-        return Some(i);
-    }
-    let spare = candidates.saturating_sub(selected);
-    if let Some(i) = (0..spare)
-        .map(|k| selected + (spare_start + k) % spare)
-        .find(|&i| !skipped(i))
-    {
-        return Some(i);
-    }
-    Some(first)
+    let tried_selected = (0..n).filter(|&i| tried(i)).count();
+    let tried_spare = (n..n + spare).filter(|&i| tried(i)).count();
+    let selected_left = tries.min(n) > tried_selected;
+    let spare_left = tries.min(spare) > tried_spare;
+    let start = (spread % n as u64) as usize;
+    let selected_order = std::iter::once(first)
+        .chain(
+            (0..n)
+                .map(move |k| (start + k) % n)
+                .filter(move |&i| i != first),
+        )
+        .filter(move |_| selected_left);
+    let spare_start = if spare == 0 {
+        0
+    } else {
+        ((spread >> 32) % spare as u64) as usize
+    };
+    let spare_order = (0..spare)
+        .map(move |k| n + (spare_start + k) % spare)
+        .filter(move |_| spare_left);
+    let fresh = |i: &usize| !tried(*i);
+    let ok = |i: &usize| !skipped(*i);
+    let bad = |i: &usize| skipped(*i);
+    selected_order
+        .clone()
+        .filter(fresh)
+        .filter(ok)
+        .chain(spare_order.clone().filter(fresh).filter(ok))
+        .chain(selected_order.filter(fresh).filter(bad))
+        .chain(spare_order.filter(fresh).filter(bad))
+        .next()
 }
 
 #[cfg(test)]
@@ -126,26 +169,32 @@ mod tests {
         // Half-open: tried again after the wait; it fails again, so twice as long.
         assert!(h.failed(11_000, true));
         assert_eq!(h.until_ms, 13_000);
+        // Failures while it is skipped (connects in flight when it was marked) change nothing.
+        assert!(h.failed(12_000, true));
+        assert_eq!((h.failures, h.until_ms), (2, 13_000));
+        // Each half-open try that fails doubles the wait, up to 30 s.
+        let mut t = 13_000;
         for _ in 0..20 {
-            h.failed(20_000, true);
+            t = t.max(h.until_ms);
+            h.failed(t, true);
         }
-        assert_eq!(h.until_ms, 20_000 + MAX_WAIT_MS);
+        assert_eq!(h.until_ms, t + MAX_WAIT_MS);
         h.succeeded();
         assert_eq!(h, Health::default());
-        assert!(!h.skipped(20_001));
+        assert!(!h.skipped(t + 1));
     }
 
     #[test]
     fn a_first_failure_marks_only_while_half_the_candidates_stay_and_a_second_marks_anyway() {
-        assert!(may_mark_first(2, 0), "one of two may be skipped");
-        assert!(!may_mark_first(2, 1), "not the last one");
         assert!(
-            !may_mark_first(1, 0),
-            "a lone backend is never skipped on one failure"
+            !may_mark_first(2, 0),
+            "one of two: one flaky connect would send everything to the other"
         );
+        assert!(!may_mark_first(1, 0), "a lone backend");
+        assert!(may_mark_first(3, 0));
+        assert!(!may_mark_first(3, 1));
         assert!(may_mark_first(4, 1));
         assert!(!may_mark_first(4, 2));
-        assert!(!may_mark_first(3, 1));
         let mut h = Health::default();
         assert!(!h.failed(0, false));
         assert!(!h.skipped(0));
@@ -154,49 +203,71 @@ mod tests {
     }
 
     #[test]
-    fn the_pick_stands_unless_skipped_then_selected_then_fallback_then_the_pick() {
+    fn the_pick_stands_unless_skipped_then_selected_then_fallback_then_skipped_ones() {
+        let st = Stages {
+            selected: 3,
+            spare: 2,
+            tries: 3,
+        };
         let none = |_: usize| false;
-        assert_eq!(choose(3, 5, 1, 0, none), Some(1));
-        assert_eq!(choose(3, 5, 1, 0, |i| i == 1), Some(2));
-        assert_eq!(choose(3, 5, 2, 0, |i| i == 2), Some(0));
-        assert_eq!(choose(3, 5, 1, 1, |i| i < 3), Some(4));
-        assert_eq!(choose(3, 5, 1, 1, |i| i < 3 || i == 4), Some(3));
-        assert_eq!(choose(3, 5, 1, 0, |_| true), Some(1));
-        assert_eq!(choose(0, 2, 0, 0, none), None);
+        assert_eq!(next_candidate(st, 1, 0, none, none), Some(1));
+        assert_eq!(next_candidate(st, 1, 0, |i| i == 1, none), Some(0));
+        assert_eq!(next_candidate(st, 1, 0, |i| i < 3, none), Some(3));
+        assert_eq!(next_candidate(st, 1, 0, |_| true, none), Some(1));
+        // Tried ones never again; then the skipped ones; then nothing.
+        assert_eq!(next_candidate(st, 1, 0, |i| i < 3, |i| i == 3), Some(4));
+        assert_eq!(next_candidate(st, 1, 0, |i| i < 3, |i| i >= 3), Some(1));
+        assert_eq!(next_candidate(st, 1, 0, none, |_| true), None);
+        // One try a stage: a selected one (the pick), then one fallback one.
+        let one = Stages { tries: 1, ..st };
+        assert_eq!(next_candidate(one, 1, 0, none, |i| i == 1), Some(3));
+        assert_eq!(next_candidate(one, 1, 0, none, |i| i == 1 || i == 3), None);
     }
 
     proptest! {
-        /// Never a skipped backend while one is not skipped; never a fallback one while a
-        /// selected one is not skipped; always a candidate.
+        /// A connection's attempts: never one tried twice, at most `tries` per stage; a
+        /// skipped backend only once no untried one is left that is not skipped within the
+        /// stages' budgets; a fallback one only once no untried selected one that is not
+        /// skipped is left within budget; the pick first when it is not skipped.
         #[test]
-        fn never_a_skipped_backend_while_another_is_usable(
+        fn attempts_follow_the_stages_and_go_around_skipped_backends(
             selected in 1usize..8,
             spare in 0usize..8,
+            tries in 1usize..5,
             first in 0usize..8,
-            spare_start in 0usize..8,
+            spread in any::<u64>(),
             mask in any::<u16>(),
         ) {
+            let st = Stages { selected, spare, tries };
             let first = first % selected;
-            let candidates = selected + spare;
             let skipped = |i: usize| mask & (1 << i) != 0;
-            let i = choose(selected, candidates, first, spare_start, skipped).unwrap();
-            prop_assert!(i < candidates);
-            let any_selected = (0..selected).any(|i| !skipped(i));
-            let any_usable = (0..candidates).any(|i| !skipped(i));
-            if any_usable {
-                prop_assert!(!skipped(i));
-            } else {
-                prop_assert_eq!(i, first);
+            let mut tried: Vec<usize> = Vec::new();
+            while let Some(i) = next_candidate(st, first, spread, skipped, |j| tried.contains(&j)) {
+                prop_assert!(i < selected + spare);
+                prop_assert!(!tried.contains(&i));
+                let sel_used = tried.iter().filter(|&&j| j < selected).count();
+                let spare_used = tried.len() - sel_used;
+                let budget = |j: usize| if j < selected { sel_used < tries.min(selected) } else { spare_used < tries.min(spare) };
+                prop_assert!(budget(i));
+                let usable = |j: usize| !tried.contains(&j) && budget(j) && !skipped(j);
+                if (0..selected + spare).any(usable) {
+                    prop_assert!(!skipped(i), "skipped {i} while one is usable");
+                }
+                if (0..selected).any(usable) {
+                    prop_assert!(i < selected, "fallback {i} while a selected one is usable");
+                }
+                if tried.is_empty() && !skipped(first) {
+                    prop_assert_eq!(i, first);
+                }
+                tried.push(i);
             }
-            if any_selected {
-                prop_assert!(i < selected);
-            }
+            prop_assert_eq!(tried.len(), tries.min(selected) + tries.min(spare));
         }
 
         /// Any sequence of single failures spread over a frontend's backends leaves at least
         /// half of them unskipped (only repeated failures of one backend mark past that).
         #[test]
-        fn single_failures_never_skip_more_than_half(
+        fn single_failures_never_skip_more_than_half_of_a_stage(
             candidates in 1usize..12,
             order in proptest::collection::vec(0usize..12, 0..24),
         ) {

@@ -16,6 +16,10 @@ pub const REJECTIONS_LISTED: usize = 100;
 /// counts are always whole): an answer stays under ~300 KB however large the service.
 pub const BACKENDS_LISTED: usize = 1_000;
 
+/// The most skipped backends `/status` lists per frontend (a service has at most 100 ports
+/// × 2 families × 2 protocols of frontends: the answer stays bounded).
+pub const SKIPPED_LISTED: usize = 16;
+
 /// A question to the sync loop.
 #[derive(Debug)]
 pub struct StatusRequest {
@@ -109,7 +113,8 @@ pub struct FrontendStatus {
     /// Fallback backends in all.
     pub fallback: usize,
     /// Backends this node's dataplane skips now after failed connects (passive health),
-    /// at most [`BACKENDS_LISTED`] per frontend.
+    /// at most [`SKIPPED_LISTED`] per frontend (none listed by a dataplane without passive
+    /// health: the eBPF socket LB).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub skipped: Vec<mcs_model::health::SkippedBackend>,
 }
@@ -158,7 +163,7 @@ pub(crate) fn build<D: Dataplane>(
                     backends_total: s.backends.len(),
                     selected: s.backends.iter().filter(|b| b.selected).count(),
                     fallback: s.backends.iter().filter(|b| b.fallback).count(),
-                    skipped: dataplane.skipped(f, BACKENDS_LISTED),
+                    skipped: dataplane.skipped(f, SKIPPED_LISTED),
                 }
             })
             .collect();
