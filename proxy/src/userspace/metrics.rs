@@ -232,14 +232,20 @@ impl Slab {
         let Some(old_cells) = old.health.get() else {
             return;
         };
-        let at: HashMap<(IpAddr, u16), usize> =
-            old.addrs.iter().enumerate().map(|(i, a)| (*a, i)).collect();
+        // Only what differs from healthy is carried: usually a few of many.
+        let seen: HashMap<(IpAddr, u16), Health> = old
+            .addrs
+            .iter()
+            .zip(old_cells.iter())
+            .map(|(a, c)| (*a, c.get()))
+            .filter(|(_, h)| *h != Health::default())
+            .collect();
+        if seen.is_empty() {
+            return;
+        }
         for (i, a) in self.addrs.iter().enumerate() {
-            if let Some(&j) = at.get(a) {
-                let h = old_cells[j].get();
-                if h != Health::default() {
-                    self.health_cells()[i].set(h);
-                }
+            if let Some(&h) = seen.get(a) {
+                self.health_cells()[i].set(h);
             }
         }
     }

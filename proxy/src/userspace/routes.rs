@@ -50,6 +50,15 @@ impl Tried {
     pub fn contains(&self, i: usize) -> bool {
         self.at[..usize::from(self.len)].contains(&(i as u32))
     }
+
+    /// How many of the tried ones are below `n` (a route's selected backends).
+    #[inline]
+    pub fn below(&self, n: usize) -> usize {
+        self.at[..usize::from(self.len)]
+            .iter()
+            .filter(|&&i| (i as usize) < n)
+            .count()
+    }
 }
 
 impl Default for Tried {
@@ -130,10 +139,9 @@ impl Route {
     /// The backend of attempt `attempt` (of [`Self::attempts`]`(tries)`) for a client:
     /// attempt 0 is the Maglev pick among the selected backends and the next ones walk them
     /// from there; past `tries` (or all of them) the fallback backends are walked from a
-    /// place set by the client's flow hash. Backends this node skips after failed connects
-    /// ([`mcs_model::health`]) come last: the selected ones that are not skipped, then the
-    /// fallback ones that are not, then the skipped ones in the same order; and none that
-    /// this connection `tried` already.
+    /// place set by the client's flow hash. Once a backend of the route failed a connect,
+    /// [`mcs_model::health::next_candidate`] orders the attempts instead: skipped backends
+    /// last, a dead backend's flows spread over the others, none this connection `tried`.
     #[inline]
     pub fn pick(
         &self,
@@ -189,7 +197,11 @@ impl Route {
             first,
             hash.wrapping_mul(0x9E37_79B9_7F4A_7C15),
             |i| self.backends.skipped(i, now),
-            |i| tried.contains(i),
+            mcs_model::health::TriedSoFar {
+                selected: tried.below(n),
+                spare: usize::from(tried.len) - tried.below(n),
+                contains: |i| tried.contains(i),
+            },
         )?;
         Some((i, self.backends.addr(i)))
     }

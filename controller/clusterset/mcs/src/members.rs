@@ -587,6 +587,7 @@ async fn readmit(client: Client, m: Arc<Member>, wake: Arc<Notify>, retry_max: D
     }
 }
 
+#[derive(Clone)]
 struct Ctx {
     member: Arc<Member>,
     wake: Arc<Notify>,
@@ -673,11 +674,7 @@ async fn watch_exports(client: Client, ctx: Ctx) {
             "ServiceExport",
             Api::<WireExport>::all_with(client.clone(), &version),
             watcher::Config::default(),
-            Ctx {
-                member: ctx.member.clone(),
-                wake: ctx.wake.clone(),
-                retry_max: ctx.retry_max,
-            },
+            ctx.clone(),
             ctx.member.exports.clone(),
             LeanExport::new,
             true,

@@ -99,6 +99,25 @@ pub struct Stages {
     pub tries: usize,
 }
 
+/// What a connection tried so far: how many of each stage, and which ones.
+pub struct TriedSoFar<F: Fn(usize) -> bool> {
+    /// Selected backends tried.
+    pub selected: usize,
+    /// Fallback backends tried.
+    pub spare: usize,
+    /// Whether backend `i` was tried.
+    pub contains: F,
+}
+
+impl<F: Fn(usize) -> bool> std::fmt::Debug for TriedSoFar<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TriedSoFar")
+            .field("selected", &self.selected)
+            .field("spare", &self.spare)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The backend a connection's next attempt tries, or `None` when its attempts are spent.
 ///
 /// `first` is the policy's pick among the selected backends (Maglev); `spread` is a value
@@ -112,7 +131,7 @@ pub fn next_candidate(
     first: usize,
     spread: u64,
     skipped: impl Fn(usize) -> bool,
-    tried: impl Fn(usize) -> bool,
+    tried: TriedSoFar<impl Fn(usize) -> bool>,
 ) -> Option<usize> {
     let Stages {
         selected: n,
@@ -122,10 +141,9 @@ pub fn next_candidate(
     if n == 0 || first >= n {
         return None;
     }
-    let tried_selected = (0..n).filter(|&i| tried(i)).count();
-    let tried_spare = (n..n + spare).filter(|&i| tried(i)).count();
-    let selected_left = tries.min(n) > tried_selected;
-    let spare_left = tries.min(spare) > tried_spare;
+    let selected_left = tries.min(n) > tried.selected;
+    let spare_left = tries.min(spare) > tried.spare;
+    let tried = tried.contains;
     let start = (spread % n as u64) as usize;
     let selected_order = std::iter::once(first)
         .chain(
@@ -202,6 +220,15 @@ mod tests {
         assert!(h.skipped(5));
     }
 
+    /// What a connection tried, from the backends it tried (the stages of `st`).
+    fn so_far(st: Stages, tried: &[usize]) -> TriedSoFar<impl Fn(usize) -> bool + '_> {
+        TriedSoFar {
+            selected: tried.iter().filter(|&&i| i < st.selected).count(),
+            spare: tried.iter().filter(|&&i| i >= st.selected).count(),
+            contains: move |i| tried.contains(&i),
+        }
+    }
+
     #[test]
     fn the_pick_stands_unless_skipped_then_selected_then_fallback_then_skipped_ones() {
         let st = Stages {
@@ -210,18 +237,33 @@ mod tests {
             tries: 3,
         };
         let none = |_: usize| false;
-        assert_eq!(next_candidate(st, 1, 0, none, none), Some(1));
-        assert_eq!(next_candidate(st, 1, 0, |i| i == 1, none), Some(0));
-        assert_eq!(next_candidate(st, 1, 0, |i| i < 3, none), Some(3));
-        assert_eq!(next_candidate(st, 1, 0, |_| true, none), Some(1));
+        assert_eq!(next_candidate(st, 1, 0, none, so_far(st, &[])), Some(1));
+        assert_eq!(
+            next_candidate(st, 1, 0, |i| i == 1, so_far(st, &[])),
+            Some(0)
+        );
+        assert_eq!(
+            next_candidate(st, 1, 0, |i| i < 3, so_far(st, &[])),
+            Some(3)
+        );
+        assert_eq!(next_candidate(st, 1, 0, |_| true, so_far(st, &[])), Some(1));
         // Tried ones never again; then the skipped ones; then nothing.
-        assert_eq!(next_candidate(st, 1, 0, |i| i < 3, |i| i == 3), Some(4));
-        assert_eq!(next_candidate(st, 1, 0, |i| i < 3, |i| i >= 3), Some(1));
-        assert_eq!(next_candidate(st, 1, 0, none, |_| true), None);
+        assert_eq!(
+            next_candidate(st, 1, 0, |i| i < 3, so_far(st, &[3])),
+            Some(4)
+        );
+        assert_eq!(
+            next_candidate(st, 1, 0, |i| i < 3, so_far(st, &[3, 4])),
+            Some(1)
+        );
+        assert_eq!(
+            next_candidate(st, 1, 0, none, so_far(st, &[0, 1, 2, 3, 4])),
+            None
+        );
         // One try a stage: a selected one (the pick), then one fallback one.
         let one = Stages { tries: 1, ..st };
-        assert_eq!(next_candidate(one, 1, 0, none, |i| i == 1), Some(3));
-        assert_eq!(next_candidate(one, 1, 0, none, |i| i == 1 || i == 3), None);
+        assert_eq!(next_candidate(one, 1, 0, none, so_far(one, &[1])), Some(3));
+        assert_eq!(next_candidate(one, 1, 0, none, so_far(one, &[1, 3])), None);
     }
 
     proptest! {
@@ -242,7 +284,7 @@ mod tests {
             let first = first % selected;
             let skipped = |i: usize| mask & (1 << i) != 0;
             let mut tried: Vec<usize> = Vec::new();
-            while let Some(i) = next_candidate(st, first, spread, skipped, |j| tried.contains(&j)) {
+            while let Some(i) = next_candidate(st, first, spread, skipped, so_far(st, &tried)) {
                 prop_assert!(i < selected + spare);
                 prop_assert!(!tried.contains(&i));
                 let sel_used = tried.iter().filter(|&&j| j < selected).count();

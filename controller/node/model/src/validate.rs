@@ -530,26 +530,25 @@ pub fn import(input: &ImportInput, guard: &Guard, out: &mut Vec<Rejection>) -> O
         .iter()
         .map(|(port, protocol, name)| (name.clone(), *protocol, *port))
         .collect();
+    if input.endpoint_slices_absent {
+        // A ClusterSetIP import keeps its VIPs claimed (one owner per VIP) and named in DNS,
+        // as the import's IPs are what such an implementation serves; no frontend is
+        // programmed, so connections to them pass through to it untouched.
+        out.push(Rejection::new(
+            object,
+            Reason::EndpointSlicesAbsent,
+            if headless {
+                "status.endpointSliceObjects is Absent: its writer publishes no EndpointSlices, so this headless import has no endpoints here (DNS has no records for it)"
+            } else {
+                "status.endpointSliceObjects is Absent: its writer publishes no EndpointSlices, so this agent programs no frontend for it and leaves its ClusterSetIP to the implementation that wrote it (DNS still answers the ClusterSetIP)"
+            },
+        ));
+    }
     if headless {
-        if input.endpoint_slices_absent {
-            out.push(Rejection::new(
-                object,
-                Reason::EndpointSlicesAbsent,
-                "status.endpointSliceObjects is Absent: its writer publishes no EndpointSlices, so this headless import has no endpoints here (DNS has no records for it)",
-            ));
-        }
         return Some(valid);
     }
     valid.vips.clone_from(&vips);
     if input.endpoint_slices_absent {
-        // Its ClusterSetIPs stay claimed (one owner per VIP) and named in DNS, as the
-        // import's IPs are what such an implementation serves; no frontend is programmed,
-        // so connections to them pass through to it untouched.
-        out.push(Rejection::new(
-            object,
-            Reason::EndpointSlicesAbsent,
-            "status.endpointSliceObjects is Absent: its writer publishes no EndpointSlices, so this agent programs no frontend for it and leaves its ClusterSetIP to the implementation that wrote it (DNS still answers the ClusterSetIP)",
-        ));
         return Some(valid);
     }
     valid.frontends.reserve_exact(vips.len() * ports.len());
