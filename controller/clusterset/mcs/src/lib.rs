@@ -24,6 +24,7 @@ pub mod held;
 pub mod lease;
 pub mod members;
 pub mod objects;
+pub mod selection;
 pub mod writer;
 
 use std::{
@@ -122,6 +123,12 @@ struct ClusterLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClusterKindLabel {
+    cluster: String,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabel {
     kind: &'static str,
 }
@@ -140,6 +147,9 @@ pub struct Metrics {
     member_up: Family<ClusterLabel, Gauge>,
     member_unauthorized: Family<ClusterLabel, Gauge>,
     exports_over_budget: Family<ClusterLabel, Gauge>,
+    member_events: Family<ClusterKindLabel, Counter>,
+    member_objects: Family<ClusterKindLabel, Gauge>,
+    member_exports_held_back: Family<ClusterLabel, Gauge>,
     leader: Gauge,
     last_pass: Gauge<i64, AtomicI64>,
     problems: Gauge<u64, AtomicU64>,
@@ -149,6 +159,23 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// The counters of member `id`'s watch objects.
+    fn watch_events(&self, id: &str) -> members::WatchEvents {
+        let c = |kind| {
+            self.member_events
+                .get_or_create(&ClusterKindLabel {
+                    cluster: id.to_string(),
+                    kind,
+                })
+                .clone()
+        };
+        members::WatchEvents {
+            exports: c("ServiceExport"),
+            services: c("Service"),
+            slices: c("EndpointSlice"),
+        }
+    }
+
     /// Registers under `mcs_controller_`.
     pub fn new(r: &mut Registry) -> Self {
         let m = Self {
@@ -161,6 +188,9 @@ impl Metrics {
             imports: Gauge::default(),
             slices: Gauge::default(),
             member_up: Family::default(),
+            member_events: Family::default(),
+            member_objects: Family::default(),
+            member_exports_held_back: Family::default(),
             member_unauthorized: Family::default(),
             exports_over_budget: Family::default(),
             leader: Gauge::default(),
@@ -222,6 +252,21 @@ impl Metrics {
             "ServiceExports of the member kept and imported without their exported labels and annotations (ExportedMetadataOverBudget): past --exported-metadata-bytes-per-namespace or -per-member",
             m.exports_over_budget.clone(),
         );
+        r.register(
+            "member_watch_objects",
+            "Objects received from the member's watches (each listed or changed object), by kind: a Service or EndpointSlice nobody exports is never sent",
+            m.member_events.clone(),
+        );
+        r.register(
+            "member_objects",
+            "Objects of the member held in memory, by kind (exported Services, the slices of exported names, exports read)",
+            m.member_objects.clone(),
+        );
+        r.register(
+            "member_exports_held_back",
+            "Exports of the member seen but not passed on yet: their Service or EndpointSlices not read yet",
+            m.member_exports_held_back.clone(),
+        );
         r.register("leader", "1 while this replica leads", m.leader.clone());
         r.register(
             "last_pass_timestamp_seconds",
@@ -273,8 +318,11 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
                 (*id == cfg.cluster_id).then(|| local.clone()),
                 &changes,
                 wake.clone(),
-                cfg.retry_max,
-                cfg.meta_limits,
+                members::Reading {
+                    retry_max: cfg.retry_max,
+                    limits: cfg.meta_limits,
+                    events: metrics.watch_events(id),
+                },
             )
         })
         .collect();
@@ -361,6 +409,25 @@ pub async fn run(cfg: Config, health: Health, metrics: Metrics) -> anyhow::Resul
                     cluster: m.id.clone(),
                 })
                 .set(i64::from(*s == MemberState::Up));
+            for (kind, n) in [
+                ("ServiceExport", m.exports.read().map.len()),
+                ("Service", m.services.read().map.len()),
+                ("EndpointSlice", m.slices.read().map.len()),
+            ] {
+                metrics
+                    .member_objects
+                    .get_or_create(&ClusterKindLabel {
+                        cluster: m.id.clone(),
+                        kind,
+                    })
+                    .set(n as i64);
+            }
+            metrics
+                .member_exports_held_back
+                .get_or_create(&ClusterLabel {
+                    cluster: m.id.clone(),
+                })
+                .set(m.selection.held_back() as i64);
             metrics
                 .member_unauthorized
                 .get_or_create(&ClusterLabel {

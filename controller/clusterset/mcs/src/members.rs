@@ -20,22 +20,19 @@ use std::{
     time::{Duration, Instant},
 };
 
-use k8s_openapi::api::{
-    core::v1::{Namespace, Service},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::{core::v1::Namespace, discovery::v1::EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{
     Api, Client, Resource, ResourceExt as _,
     runtime::{utils::Backoff as _, watcher},
 };
 use mcs_merge::ServiceShape;
+use prometheus_client::metrics::counter::Counter;
 
 use crate::budget::{Admission, MetaBudget, MetaLimits};
 use crate::held::{HeldImport, HeldSlice};
-use crate::objects::{
-    ExportVersion, LABEL_K8S_SERVICE_NAME, LeanExport, ObjKey, WireExport, shape,
-};
+use crate::objects::{ExportVersion, LABEL_K8S_SERVICE_NAME, LeanExport, ObjKey, WireExport};
+use crate::selection::Selection;
 use mcs_runtime::{
     retry::WatchRetry,
     watch::{ListWatch, Next},
@@ -180,6 +177,59 @@ impl<K> Store<K> {
         self.changes.mark(leaves);
     }
 
+    /// Replaces the objects for which `in_part` holds with `fresh` (a completed list of one
+    /// part of the kind: the slices of some services, the Services wanted); only the services
+    /// they leave and join are marked changed. Sets the store listed.
+    pub fn replace_part(
+        &self,
+        in_part: impl Fn(&ObjKey, &K) -> bool,
+        fresh: HashMap<ObjKey, Arc<K>>,
+    ) {
+        let mut w = self.write();
+        let gone: Vec<ObjKey> = w
+            .map
+            .iter()
+            .filter(|(k, o)| in_part(k, o) && !fresh.contains_key(*k))
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut touched = Vec::with_capacity(gone.len() + fresh.len());
+        for k in gone {
+            if let Some(old) = w.map.remove(&k) {
+                let leaves = self.touch(&k, &old);
+                if let Some(Touch::Service(svc)) = &leaves {
+                    unindex(&mut w.by_service, svc, &k);
+                }
+                touched.push(leaves);
+            }
+        }
+        for (k, o) in fresh {
+            let joins = self.touch(&k, &o);
+            let old = w.map.insert(k.clone(), o);
+            let leaves = old.as_ref().and_then(|old| self.touch(&k, old));
+            if leaves != joins {
+                if let Some(Touch::Service(svc)) = &leaves {
+                    unindex(&mut w.by_service, svc, &k);
+                }
+                if let (Some(Touch::Service(svc)), Some(_)) = (&joins, self.service_of) {
+                    w.by_service.entry(svc.clone()).or_default().insert(k);
+                }
+                touched.push(leaves);
+            }
+            touched.push(joins);
+        }
+        w.generation += 1;
+        drop(w);
+        for t in touched {
+            self.changes.mark(t);
+        }
+        self.listed.store(true, Ordering::Release);
+    }
+
+    /// Whether it holds `key`.
+    pub fn contains(&self, key: &ObjKey) -> bool {
+        self.read().map.contains_key(key)
+    }
+
     /// Replaces every object (a completed list); the next pass is a full one.
     pub fn replace(&self, mut fresh: HashMap<ObjKey, Arc<K>>) {
         let mut w = self.write();
@@ -210,6 +260,36 @@ impl<K> Store<K> {
         };
         drop(w);
         self.changes.all();
+        self.listed.store(true, Ordering::Release);
+    }
+}
+
+/// Where a watcher puts what it reads: a [`Store`], or what stands before one (the
+/// [`crate::selection`] that keeps only what is exported).
+pub trait Sink<V>: Send + Sync {
+    /// A list starts.
+    fn begin(&self) {}
+    /// Whether an object of the list is worth holding until the list completes.
+    fn keep(&self, _key: &ObjKey, _o: &V) -> bool {
+        true
+    }
+    /// An object was created or changed.
+    fn apply(&self, key: ObjKey, o: Arc<V>);
+    /// An object was deleted.
+    fn remove(&self, key: &ObjKey);
+    /// A list completed with these objects.
+    fn replace(&self, fresh: HashMap<ObjKey, Arc<V>>);
+}
+
+impl<V: Send + Sync> Sink<V> for Store<V> {
+    fn apply(&self, key: ObjKey, o: Arc<V>) {
+        Store::apply(self, key, o);
+    }
+    fn remove(&self, key: &ObjKey) {
+        Store::remove(self, key);
+    }
+    fn replace(&self, fresh: HashMap<ObjKey, Arc<V>>) {
+        Store::replace(self, fresh);
     }
 }
 
@@ -304,10 +384,38 @@ pub struct Member {
     pub slices: Arc<Store<EndpointSlice>>,
     /// What its exports' labels and annotations may take.
     pub budget: Arc<MetaBudget>,
+    /// Which of its Services and slices are read (those its exports name), and its exports
+    /// until they are.
+    pub selection: Arc<Selection>,
+    /// Objects its watchers received (listed or changed), by watcher: what reading it
+    /// costs, and that a Service nobody exports costs nothing.
+    pub events: WatchEvents,
     /// The ServiceExport version it is read in (asked of it; `v1beta1` until it answers).
     export_version: Mutex<ExportVersion>,
     health: Mutex<Health>,
     started: Instant,
+}
+
+/// Objects a member's watchers received, by watcher (shared with the metrics).
+#[derive(Debug, Default, Clone)]
+pub struct WatchEvents {
+    /// ServiceExports.
+    pub exports: Counter,
+    /// Services.
+    pub services: Counter,
+    /// EndpointSlices (every bucket).
+    pub slices: Counter,
+}
+
+impl WatchEvents {
+    fn of(&self, watcher_name: &str) -> Option<&Counter> {
+        match watcher_name {
+            "ServiceExport" => Some(&self.exports),
+            "Service" => Some(&self.services),
+            "EndpointSlice" => Some(&self.slices),
+            _ => None,
+        }
+    }
 }
 
 /// The local cluster's extra stores.
@@ -352,15 +460,31 @@ pub enum MemberState {
 
 impl Member {
     /// A member not listed yet whose stores record their changes in `changes`.
-    fn new(id: String, changes: &Arc<Changes>, limits: MetaLimits) -> Self {
+    fn new(
+        id: String,
+        changes: &Arc<Changes>,
+        limits: MetaLimits,
+        wake: Arc<Notify>,
+        events: WatchEvents,
+    ) -> Self {
         let budget = Arc::new(MetaBudget::new(limits));
+        let exports = Arc::new(Store::new(changes.clone(), None).with_admission(budget.clone()));
+        let services = Arc::new(Store::new(changes.clone(), None));
+        let slices = Arc::new(Store::new(changes.clone(), Some(member_slice_service)));
         Self {
             id,
-            exports: Arc::new(Store::new(changes.clone(), None).with_admission(budget.clone())),
+            selection: Arc::new(Selection::new(
+                exports.clone(),
+                services.clone(),
+                slices.clone(),
+                wake,
+            )),
+            exports,
             budget,
+            events,
             export_version: Mutex::new(ExportVersion::default()),
-            services: Arc::new(Store::new(changes.clone(), None)),
-            slices: Arc::new(Store::new(changes.clone(), Some(member_slice_service))),
+            services,
+            slices,
             health: Mutex::new(Health::default()),
             started: Instant::now(),
         }
@@ -387,9 +511,9 @@ impl Member {
         }
     }
 
-    /// Whether every watcher has listed once.
+    /// Whether its exports have listed once, each with its Service and slices read.
     pub fn listed(&self) -> bool {
-        self.exports.listed() && self.services.listed() && self.slices.listed()
+        self.selection.settled()
     }
 
     /// For how long it has failed without a success since (none: it answers): the oldest
@@ -422,16 +546,24 @@ impl Member {
     }
 
     /// Watcher `kind` completed a list or saw a watch event.
-    fn ok(&self, kind: &'static str) {
+    pub(crate) fn ok(&self, kind: &'static str) {
         let mut h = self.health.lock().unwrap_or_else(|p| p.into_inner());
         if h.failing.remove(kind).is_some() && h.failing.is_empty() {
             tracing::info!(cluster = %self.id, "member cluster answers again");
         }
     }
 
+    /// Watcher `kind` is stopped (nothing left for it to read): its failures no longer count.
+    pub(crate) fn forget(&self, kind: &'static str) {
+        let mut h = self.health.lock().unwrap_or_else(|p| p.into_inner());
+        if h.failing.remove(kind).is_some() && h.failing.is_empty() {
+            tracing::info!(cluster = %self.id, "member cluster answers again (its failing watcher was stopped)");
+        }
+    }
+
     /// Watcher `kind`'s list or watch failed (`streak`: failures in a row, `retry`: its wait
     /// before the next attempt); `refused`: the member answered 401 or 403.
-    fn failed(
+    pub(crate) fn failed(
         &self,
         kind: &'static str,
         e: &str,
@@ -465,6 +597,18 @@ impl Member {
     }
 }
 
+/// How a member is read: its watches' longest retry, its exports' metadata budget, and the
+/// counters of what its watches receive.
+#[derive(Debug, Clone)]
+pub struct Reading {
+    /// The longest wait between two attempts of a watch.
+    pub retry_max: Duration,
+    /// What its exports' labels and annotations may take.
+    pub limits: MetaLimits,
+    /// Objects its watches receive.
+    pub events: WatchEvents,
+}
+
 /// Starts the watchers of member `id` (and, with `local`, the local cluster's extra ones),
 /// and the task that reads again exports refused for want of budget when room frees; every
 /// change notifies `wake`.
@@ -474,10 +618,14 @@ pub fn start(
     local: Option<Arc<Local>>,
     changes: &Arc<Changes>,
     wake: Arc<Notify>,
-    retry_max: Duration,
-    limits: MetaLimits,
+    reading: Reading,
 ) -> Arc<Member> {
-    let m = Arc::new(Member::new(id, changes, limits));
+    let Reading {
+        retry_max,
+        limits,
+        events,
+    } = reading;
+    let m = Arc::new(Member::new(id, changes, limits, wake.clone(), events));
     tokio::spawn(readmit(client.clone(), m.clone(), wake.clone(), retry_max));
     let ctx = || Ctx {
         member: m.clone(),
@@ -486,24 +634,7 @@ pub fn start(
     };
     let all = watcher::Config::default;
     tokio::spawn(watch_exports(client.clone(), ctx()));
-    tokio::spawn(watch(
-        "Service",
-        Api::<Service>::all(client.clone()),
-        all(),
-        ctx(),
-        m.services.clone(),
-        |svc| shape(&svc),
-        false,
-    ));
-    tokio::spawn(watch(
-        "EndpointSlice",
-        Api::<EndpointSlice>::all(client.clone()),
-        all().labels(LABEL_K8S_SERVICE_NAME),
-        ctx(),
-        m.slices.clone(),
-        lean_member_slice,
-        false,
-    ));
+    tokio::spawn(crate::selection::keep_in_step(client.clone(), ctx()));
     if let Some(local) = local {
         tokio::spawn(watch(
             "Namespace",
@@ -588,10 +719,10 @@ async fn readmit(client: Client, m: Arc<Member>, wake: Arc<Notify>, retry_max: D
 }
 
 #[derive(Clone)]
-struct Ctx {
-    member: Arc<Member>,
-    wake: Arc<Notify>,
-    retry_max: Duration,
+pub(crate) struct Ctx {
+    pub(crate) member: Arc<Member>,
+    pub(crate) wake: Arc<Notify>,
+    pub(crate) retry_max: Duration,
 }
 
 /// The service a member's slice belongs to: its `kubernetes.io/service-name` (none for a
@@ -675,7 +806,7 @@ async fn watch_exports(client: Client, ctx: Ctx) {
             Api::<WireExport>::all_with(client.clone(), &version),
             watcher::Config::default(),
             ctx.clone(),
-            ctx.member.exports.clone(),
+            ctx.member.selection.clone(),
             LeanExport::new,
             true,
         );
@@ -729,7 +860,7 @@ async fn export_version(client: &Client, id: &str) -> ExportVersion {
 
 /// Why [`watch`] returned.
 #[derive(Debug, PartialEq, Eq)]
-enum Ended {
+pub(crate) enum Ended {
     /// The stream ended (the process stops).
     Stream,
     /// The version watched is not served (`404 Not Found`), with `until_not_served`.
@@ -741,12 +872,12 @@ enum Ended {
 /// Keeps `store` equal to the cluster's objects of kind `K`, each kept as `lean` makes it;
 /// `watcher_name` keys its failures in the member's health. With `until_not_served` it
 /// returns when the API server says the kind is not served in that version (`404`).
-async fn watch<K, V>(
+pub(crate) async fn watch<K, V>(
     watcher_name: &'static str,
     api: Api<K>,
     config: watcher::Config,
     ctx: Ctx,
-    store: Arc<Store<V>>,
+    store: Arc<dyn Sink<V>>,
     lean: fn(K) -> V,
     until_not_served: bool,
 ) -> Ended
@@ -767,6 +898,9 @@ where
     let mut probe_at: Option<tokio::time::Instant> = None;
     let mut stream = ListWatch::new(watcher(api, config), ctx.retry_max);
     let mut pending: Option<HashMap<ObjKey, Arc<V>>> = None;
+    let mut listed = false;
+    let counted = ctx.member.events.of(watcher_name).cloned();
+    let counted = counted.as_ref();
     loop {
         let next = tokio::select! {
             next = stream.next() => next,
@@ -822,19 +956,35 @@ where
             }
         };
         let key = |o: &K| (o.namespace().unwrap_or_default(), o.name_any());
+        if let Some(c) = counted
+            && matches!(
+                ev,
+                watcher::Event::InitApply(_) | watcher::Event::Apply(_) | watcher::Event::Delete(_)
+            )
+        {
+            c.inc();
+        }
         match ev {
-            watcher::Event::Init => pending = Some(HashMap::new()),
+            watcher::Event::Init => {
+                store.begin();
+                pending = Some(HashMap::new());
+            }
             watcher::Event::InitApply(o) => {
                 if let Some(p) = pending.as_mut() {
-                    p.insert(key(&o), Arc::new(lean(o)));
+                    let k = key(&o);
+                    let o = lean(o);
+                    if store.keep(&k, &o) {
+                        p.insert(k, Arc::new(o));
+                    }
                 }
             }
             watcher::Event::InitDone => {
                 let fresh = pending.take().unwrap_or_default();
                 let objects = fresh.len();
                 store.replace(fresh);
-                if !store.listed.swap(true, Ordering::AcqRel) {
-                    tracing::info!(cluster = %ctx.member.id, kind, objects, "listed");
+                if !listed {
+                    listed = true;
+                    tracing::info!(cluster = %ctx.member.id, kind, watcher = watcher_name, objects, "listed");
                 }
                 ctx.wake.notify_one();
             }
