@@ -74,6 +74,49 @@ pub struct Report {
     /// Requests the API servers served from the first write to convergence, all clusters:
     /// (verb, resource, count, seconds spent), most time first.
     pub requests: Vec<(String, String, f64, f64)>,
+    /// Services nobody exports in each cluster (each with one EndpointSlice of ten
+    /// endpoints), written before the controllers start.
+    pub unexported: usize,
+    /// Changes to those unexported slices, after the latencies were measured.
+    pub churn: Option<Churn>,
+}
+
+/// Changes to slices of Services nobody exports, and what they cost the controllers.
+#[derive(Debug, Serialize)]
+pub struct Churn {
+    /// Changes written (each a patch of one unexported slice, spread over the clusters).
+    pub changes: usize,
+    /// Seconds they took (the rate asked for, or the most the API servers took).
+    pub seconds: f64,
+    /// CPU seconds of all controllers over those seconds.
+    pub controller_cpu_s: f64,
+    /// EndpointSlices the controllers received from their members' watches meanwhile (sum
+    /// of `mcs_controller_member_watch_objects_total{kind="EndpointSlice"}` over every
+    /// controller and member).
+    pub slices_received: f64,
+}
+
+/// What one run does.
+#[derive(Debug, Clone)]
+pub struct Params {
+    /// Clusters (at least 2).
+    pub clusters: usize,
+    /// Exported services, spread over the clusters.
+    pub exports: usize,
+    /// One-at-a-time samples of each latency.
+    pub samples: usize,
+    /// The controller binary (default: next to this one).
+    pub controller: Option<PathBuf>,
+    /// Whether controllers run (false: the writes alone, the baseline).
+    pub with_controllers: bool,
+    /// The longest wait for convergence and for each sample.
+    pub wait: Duration,
+    /// Services nobody exports, per cluster.
+    pub unexported: usize,
+    /// Changes per second to unexported slices, for `churn_secs` (0: none).
+    pub churn_per_s: usize,
+    /// How long the churn lasts.
+    pub churn_secs: u64,
 }
 
 /// What the API servers' metrics say: requests (count, seconds) by (verb, resource), and CPU.
@@ -170,9 +213,8 @@ async fn export(k: &Client, name: &str, i: usize) -> anyhow::Result<()> {
     service_export(k, name).await
 }
 
-/// Writes service `name`'s Service and EndpointSlice (its `i`-th pair of addresses) into `k`.
-async fn service(k: &Client, name: &str, i: usize) -> anyhow::Result<()> {
-    let a = |n: usize| format!("198.19.{}.{}", (n / 250) % 250, n % 250 + 2);
+/// Writes Service `name` (port 80 → 8080, selecting `app: name`) into `k`.
+async fn create_service(k: &Client, name: &str) -> anyhow::Result<()> {
     let svc: Service = obj(serde_json::json!({
         "metadata": { "name": name },
         "spec": { "selector": { "app": name },
@@ -181,6 +223,13 @@ async fn service(k: &Client, name: &str, i: usize) -> anyhow::Result<()> {
     Api::<Service>::namespaced(k.clone(), NS)
         .create(&PostParams::default(), &svc)
         .await?;
+    Ok(())
+}
+
+/// Writes service `name`'s Service and EndpointSlice (its `i`-th pair of addresses) into `k`.
+async fn service(k: &Client, name: &str, i: usize) -> anyhow::Result<()> {
+    let a = |n: usize| format!("198.19.{}.{}", (n / 250) % 250, n % 250 + 2);
+    create_service(k, name).await?;
     let es: EndpointSlice = obj(serde_json::json!({
         // Written as Kubernetes' EndpointSlice controller would (no controller-manager here).
         "metadata": { "name": format!("{name}-a"), "labels": {
@@ -195,6 +244,59 @@ async fn service(k: &Client, name: &str, i: usize) -> anyhow::Result<()> {
         .create(&PostParams::default(), &es)
         .await?;
     Ok(())
+}
+
+/// Writes Service `name`, nobody exports it, with one EndpointSlice of ten endpoints.
+async fn unexported(k: &Client, name: &str, i: usize) -> anyhow::Result<()> {
+    create_service(k, name).await?;
+    Api::<EndpointSlice>::namespaced(k.clone(), NS)
+        .create(&PostParams::default(), &unexported_slice(name, i, 0))
+        .await?;
+    Ok(())
+}
+
+/// The EndpointSlice of unexported Service `name` (its `i`-th), version `v` of its
+/// addresses (in 198.18.128.0/17).
+fn unexported_slice(name: &str, i: usize, v: usize) -> EndpointSlice {
+    let eps: Vec<serde_json::Value> = (0..10)
+        .map(|e| {
+            let n = (i * 10 + e + v) % (128 * 256 - 2) + 1;
+            serde_json::json!({ "addresses": [format!("198.18.{}.{}", 128 + n / 256, n % 256)],
+                                "conditions": { "ready": true } })
+        })
+        .collect();
+    obj(serde_json::json!({
+        "metadata": { "name": format!("{name}-a"), "labels": {
+            "kubernetes.io/service-name": name,
+            "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io" } },
+        "addressType": "IPv4",
+        "ports": [{ "name": "http", "protocol": "TCP", "port": 8080 }],
+        "endpoints": eps
+    }))
+}
+
+/// The sum of `mcs_controller_member_watch_objects_total{…kind="EndpointSlice"}` on the
+/// controllers' metrics `ports`.
+fn slices_received(ports: &[u16]) -> f64 {
+    use std::io::{Read as _, Write as _};
+    let mut sum = 0.0;
+    for port in ports {
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", *port)) else {
+            continue;
+        };
+        let _ = s.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+        let mut text = String::new();
+        let _ = s.read_to_string(&mut text);
+        sum += text
+            .lines()
+            .filter(|l| {
+                l.starts_with("mcs_controller_member_watch_objects_total{")
+                    && l.contains("kind=\"EndpointSlice\"")
+            })
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    sum
 }
 
 /// Writes the ServiceExport of service `name` into `k`.
@@ -391,16 +493,19 @@ async fn until(
     }
 }
 
-/// Runs the bench with `clusters` clusters and `exports` services; `samples` one-at-a-time
-/// measurements of each latency.
-pub fn run(
-    clusters: usize,
-    exports: usize,
-    samples: usize,
-    controller: Option<PathBuf>,
-    with_controllers: bool,
-    wait: Duration,
-) -> anyhow::Result<Report> {
+/// Runs the bench as `p` says.
+pub fn run(p: Params) -> anyhow::Result<Report> {
+    let Params {
+        clusters,
+        exports,
+        samples,
+        controller,
+        with_controllers,
+        wait,
+        unexported: idle,
+        churn_per_s,
+        churn_secs,
+    } = p;
     apiserver::prerequisites().map_err(anyhow::Error::msg)?;
     anyhow::ensure!(clusters >= 2, "--clusters must be at least 2");
     // A stop signal ends the run through its clean-up (controllers, API servers).
@@ -413,7 +518,15 @@ pub fn run(
         servers.push(ApiServer::start().with_context(|| format!("starting {id}"))?);
     }
     let dir = tempfile::tempdir()?;
-    let kc = dir.path().join("clusterset.kubeconfig");
+    // MCS_BENCH_KEEP=1 keeps the controllers' logs (and kubeconfig) after the run.
+    let dir_path = if std::env::var_os("MCS_BENCH_KEEP").is_some() {
+        let kept = dir.keep();
+        eprintln!("controller-scale: logs kept in {}", kept.display());
+        kept
+    } else {
+        dir.path().to_path_buf()
+    };
+    let kc = dir_path.join("clusterset.kubeconfig");
     let members: Vec<(&str, &ApiServer)> =
         ids.iter().map(String::as_str).zip(servers.iter()).collect();
     std::fs::write(
@@ -439,16 +552,41 @@ pub fn run(
         }
         anyhow::Ok(())
     })?;
+    // Services nobody exports, before any controller starts (as in a cluster it is
+    // installed into).
+    if idle > 0 {
+        let t = Instant::now();
+        rt.block_on(async {
+            futures::stream::iter(0..idle * clients.len())
+                .map(|i| {
+                    let k = clients[i % clients.len()].clone();
+                    let name = format!("idle{}", i / clients.len());
+                    async move { unexported(&k, &name, i).await }
+                })
+                .buffer_unordered(32)
+                .map(|r| r.and_then(|()| interrupted()))
+                .try_collect::<Vec<()>>()
+                .await
+        })?;
+        eprintln!(
+            "controller-scale: {idle} unexported Services per cluster written in {:.1} s",
+            t.elapsed().as_secs_f64()
+        );
+    }
     let mut procs = Vec::new();
+    let mut metrics_ports = Vec::new();
     for id in ids.iter().filter(|_| with_controllers) {
+        let port = mcs_test_support::ports::unused_port()?;
+        metrics_ports.push(port);
         let mut cmd = Command::new(&controller);
         cmd.args(["run", "--cluster-id", id, "--clusterset-ip-cidr", RANGE])
-            .args(["--metrics-addr", "127.0.0.1:0", "--no-leader-election"])
+            .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
+            .arg("--no-leader-election")
             // Every export in one namespace: the bench measures scale, not the limits.
             .args(["--exports-per-namespace", "0", "--exports-per-member", "0"])
             .arg("--clusterset-kubeconfig")
             .arg(&kc);
-        let log = dir.path().join(format!("controller-{id}.log"));
+        let log = dir_path.join(format!("controller-{id}.log"));
         procs.push(Proc::spawn(&format!("mcs-controller {id}"), cmd, &log)?);
     }
 
@@ -491,6 +629,8 @@ pub fn run(
             controller_cpu_per_1000_changes_s: 0.0,
             apiserver_cpu_s,
             requests,
+            unexported: idle,
+            churn: None,
         });
     }
     // Converged: every cluster holds every import (address and status) and slice, and every
@@ -623,6 +763,85 @@ pub fn run(
         endpoint_ms.push(ms);
     }
     let changes_cpu = cpu(&procs) - cpu1;
+    // Changes to slices nobody exports, at the rate asked (bounded in count and time).
+    let churn = if churn_per_s > 0 && idle > 0 && churn_secs > 0 {
+        let total = churn_per_s * churn_secs as usize;
+        let received0 = slices_received(&metrics_ports);
+        let cpu2 = cpu(&procs);
+        let t = Instant::now();
+        rt.block_on(async {
+            futures::stream::iter(0..total)
+                .map(|c| {
+                    let k = clients[c % clients.len()].clone();
+                    let i = (c / clients.len()) % idle;
+                    let due = t + Duration::from_secs_f64(c as f64 / churn_per_s as f64);
+                    let name = format!("idle{i}");
+                    let es = unexported_slice(&name, i * clients.len(), c + 1);
+                    async move {
+                        tokio::time::sleep_until(due.into()).await;
+                        Api::<EndpointSlice>::namespaced(k, NS)
+                            .patch(
+                                &format!("{name}-a"),
+                                &PatchParams::default(),
+                                &Patch::Merge(serde_json::json!({ "endpoints": es.endpoints })),
+                            )
+                            .await?;
+                        interrupted()
+                    }
+                })
+                .buffer_unordered(64)
+                .try_collect::<Vec<()>>()
+                .await
+        })?;
+        let seconds = t.elapsed().as_secs_f64();
+        // One exported change after them: once it is imported, the controllers' watches
+        // delivered everything written before it.
+        let name = "s0";
+        rt.block_on(async {
+            let src: Api<EndpointSlice> = Api::namespaced(clients[0].clone(), NS);
+            let dst: Api<EndpointSlice> = Api::namespaced(clients[1].clone(), NS);
+            src.patch(
+                &format!("{name}-a"),
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "endpoints": [
+                    { "addresses": ["198.19.255.254"], "conditions": { "ready": true } }] })),
+            )
+            .await?;
+            let selector = format!("multicluster.kubernetes.io/service-name={name}");
+            let t = Instant::now();
+            loop {
+                let got = dst
+                    .list(&kube::api::ListParams::default().labels(&selector))
+                    .await?;
+                let seen = got.items.iter().any(|s| {
+                    s.endpoints
+                        .iter()
+                        .flatten()
+                        .any(|e| e.addresses.iter().any(|a| a == "198.19.255.254"))
+                });
+                if seen {
+                    return anyhow::Ok(());
+                }
+                if t.elapsed() > wait {
+                    bail!("the marker change of {name} was not imported within {wait:?}");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })?;
+        let controller_cpu_s = cpu(&procs) - cpu2;
+        let slices_received = slices_received(&metrics_ports) - received0;
+        eprintln!(
+            "controller-scale: {total} unexported slice changes in {seconds:.1} s: controllers used {controller_cpu_s:.2} CPU-s and received {slices_received} slices"
+        );
+        Some(Churn {
+            changes: total,
+            seconds,
+            controller_cpu_s,
+            slices_received,
+        })
+    } else {
+        None
+    };
     let rss: Vec<f64> = procs
         .iter()
         .map(|p| rss_mib(p.pid()).unwrap_or(0.0))
@@ -647,6 +866,8 @@ pub fn run(
         },
         apiserver_cpu_s,
         requests,
+        unexported: idle,
+        churn,
     })
 }
 
@@ -702,6 +923,23 @@ pub fn markdown(r: &Report, command: &str) -> String {
         },
         r.apiserver_cpu_s,
     ));
+    if r.unexported > 0 {
+        out.push_str(&format!(
+            "Services nobody exports: {} per cluster, each with one EndpointSlice of ten endpoints, written before the controllers started.\n\n",
+            r.unexported
+        ));
+    }
+    if let Some(c) = &r.churn {
+        out.push_str(&format!(
+            "Changes to their slices: {} in {:.1} s ({:.0}/s): the controllers used {:.2} CPU-s ({:.1} % of one core) and received {:.0} EndpointSlices from their members' watches (the exported marker change after them included).\n\n",
+            c.changes,
+            c.seconds,
+            c.changes as f64 / c.seconds.max(1e-9),
+            c.controller_cpu_s,
+            100.0 * c.controller_cpu_s / c.seconds.max(1e-9),
+            c.slices_received
+        ));
+    }
     out.push_str("API server requests from the first write to convergence (all clusters; time spent in them):\n\n| verb | resource | requests | seconds |\n|---|---|---|---|\n");
     for (verb, res, n, secs) in r.requests.iter().take(10) {
         out.push_str(&format!("| {verb} | {res} | {n:.0} | {secs:.1} |\n"));

@@ -153,6 +153,17 @@ enum Tool {
         /// the API servers' load).
         #[arg(long)]
         no_controller: bool,
+        /// Services nobody exports in each cluster (one EndpointSlice of ten endpoints
+        /// each), written before the controllers start.
+        #[arg(long, default_value_t = 0)]
+        unexported: usize,
+        /// Changes per second to those unexported slices, after the latencies (with
+        /// --churn-secs; the bench reports the rate the API servers took).
+        #[arg(long, default_value_t = 0)]
+        churn_per_s: usize,
+        /// How long the churn of unexported slices lasts.
+        #[arg(long, default_value_t = 10)]
+        churn_secs: u64,
         /// Output directory.
         #[arg(long, default_value = "target/mcs-bench")]
         out: PathBuf,
@@ -293,15 +304,21 @@ fn main() -> ExitCode {
             controller,
             no_controller,
             wait_secs,
+            unexported,
+            churn_per_s,
+            churn_secs,
             out,
-        }) => mcs_bench::controller_scale::run(
+        }) => mcs_bench::controller_scale::run(mcs_bench::controller_scale::Params {
             clusters,
             exports,
             samples,
             controller,
-            !no_controller,
-            std::time::Duration::from_secs(wait_secs),
-        )
+            with_controllers: !no_controller,
+            wait: std::time::Duration::from_secs(wait_secs),
+            unexported,
+            churn_per_s,
+            churn_secs,
+        })
         .and_then(|r| {
             let command = std::env::args().collect::<Vec<_>>().join(" ");
             let md = mcs_bench::controller_scale::markdown(&r, &command);

@@ -36,8 +36,8 @@ use mcs_merge::{
 use mcs_model::guard::IpCidr;
 
 use crate::held::HeldImport;
-use crate::members::{Dirty, Objects, Touch};
 use crate::objects::LeanExport;
+use crate::store::{Dirty, Objects, Touch};
 use crate::{MANAGED_LABEL, MANAGER, objects::ObjKey};
 
 /// One member's objects, as the reconciler sees them.
@@ -1127,7 +1127,8 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::members::{Changes, Store, member_slice_service};
+    use crate::selection::member_slice_service;
+    use crate::store::{Changes, Store};
 
     const MEMBERS: [&str; 3] = ["c1", "c2", "c3"];
     const NAMESPACES: [&str; 2] = ["a", "b"];

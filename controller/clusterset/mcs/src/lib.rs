@@ -1,6 +1,6 @@
 //! The MCS controller of mcs-dataplane (`mcs-controller`): every cluster of the ClusterSet
-//! runs one. It **reads** ServiceExports, Services and their EndpointSlices in every member
-//! cluster and **writes only into its own**: a ServiceImport per exported service whose
+//! runs one. It **reads** ServiceExports, and the exported Services and their EndpointSlices,
+//! in every member cluster and **writes only into its own**: a ServiceImport per exported service whose
 //! namespace exists there (ClusterSetIPs allocated from `--clusterset-ip-cidr`), one MCS
 //! EndpointSlice per source slice of every exporting cluster, and the conditions of its own
 //! cluster's ServiceExports. Pull, not push: no cluster holds credentials to write into
@@ -9,7 +9,9 @@
 //! # Layout
 //!
 //! - [`objects`]: what is kept of each watched object, and the keys.
-//! - [`members`]: watched copies of each member's objects, and whether it answers.
+//! - [`store`]: a watched copy of one kind, indexed by service, and what changed.
+//! - [`selection`]: which of a member's Services and slices are read (only the exported).
+//! - [`members`]: each member's watchers and stores, and whether it answers.
 //! - [`held`]: what is kept of the objects it wrote (fingerprints of what the writer
 //!   compares).
 //! - [`desired`]: snapshot → the local cluster's desired imports, slices, conditions.
@@ -25,6 +27,7 @@ pub mod lease;
 pub mod members;
 pub mod objects;
 pub mod selection;
+pub mod store;
 pub mod writer;
 
 use std::{
@@ -48,7 +51,8 @@ use tokio::sync::{Notify, watch};
 
 use crate::{
     desired::{Computed, MemberView, Policy, Reach, Reconciler, Snapshot},
-    members::{Changes, Dirty, Local, Member, MemberState, Touch},
+    members::{Local, Member, MemberState},
+    store::{Changes, Dirty, Touch},
 };
 
 /// `endpointslice.kubernetes.io/managed-by` of our slices, and the value of

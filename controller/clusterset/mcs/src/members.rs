@@ -3,7 +3,8 @@
 //! and the MCS EndpointSlices it wrote), kept by watchers, and whether the cluster answers.
 //!
 //! Each watcher re-lists into a fresh map and swaps it in when the list is complete, so a
-//! re-list never shows a half-filled store; every change wakes the reconciler.
+//! re-list never shows a half-filled store; every change wakes the reconciler. Which
+//! Services and slices are read at all is the [`crate::selection`]'s: only the exported.
 //!
 //! Only what the controller reads is kept (a tenant decides how large its objects are): of a
 //! ServiceExport its [`LeanExport`] (labels and annotations only when they can be carried,
@@ -13,14 +14,14 @@
 use std::{
     collections::{BTreeSet, HashMap},
     fmt::Debug,
-    sync::{
-        Arc, Mutex, RwLock,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
-use k8s_openapi::api::{core::v1::Namespace, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Namespace, Service},
+    discovery::v1::EndpointSlice,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{
     Api, Client, Resource, ResourceExt as _,
@@ -29,10 +30,11 @@ use kube::{
 use mcs_merge::ServiceShape;
 use prometheus_client::metrics::counter::Counter;
 
-use crate::budget::{Admission, MetaBudget, MetaLimits};
+use crate::budget::{MetaBudget, MetaLimits};
 use crate::held::{HeldImport, HeldSlice};
-use crate::objects::{ExportVersion, LABEL_K8S_SERVICE_NAME, LeanExport, ObjKey, WireExport};
-use crate::selection::Selection;
+use crate::objects::{ExportVersion, LeanExport, ObjKey, WireExport, shape};
+use crate::selection::{MemberReads, Selection, lean_member_slice, member_slice_service};
+pub use crate::store::{Changes, Dirty, Objects, Sink, Store, Touch};
 use mcs_runtime::{
     retry::WatchRetry,
     watch::{ListWatch, Next},
@@ -40,315 +42,12 @@ use mcs_runtime::{
 use serde::de::DeserializeOwned;
 use tokio::sync::Notify;
 
-/// The objects of one kind, and which service each belongs to.
-#[derive(Debug)]
-pub struct Objects<K> {
-    /// By (namespace, name).
-    pub map: HashMap<ObjKey, Arc<K>>,
-    /// (namespace, service) → the keys of its objects, for kinds with more than one object
-    /// per service (EndpointSlices, by their service-name label).
-    pub by_service: HashMap<ObjKey, BTreeSet<ObjKey>>,
-    /// How many times it changed (an object stored or removed, a list replaced): what is
-    /// derived from all of its objects is computed again only when this moved.
-    pub generation: u64,
-}
-
-impl<K> Default for Objects<K> {
-    fn default() -> Self {
-        Self {
-            map: HashMap::new(),
-            by_service: HashMap::new(),
-            generation: 0,
-        }
-    }
-}
-
-/// Which service an object belongs to, for the reconciler's dirty set.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Touch {
-    /// (namespace, service).
-    Service(ObjKey),
-    /// Every service of a namespace (a Namespace object).
-    Namespace(String),
-}
-
-/// A watched copy of one kind.
-#[derive(Debug)]
-pub struct Store<K> {
-    objects: RwLock<Objects<K>>,
-    /// What may be kept of each object (`None`: all of it).
-    admission: Option<Arc<dyn Admission<K>>>,
-    /// Set once its watcher has completed a first list.
-    listed: AtomicBool,
-    /// The service an object (under its key) belongs to (`None`: its own key is the
-    /// service's).
-    service_of: Option<fn(&ObjKey, &K) -> Option<ObjKey>>,
-    /// Where each change is recorded for the next pass.
-    changes: Arc<Changes>,
-}
-
-impl<K> Store<K> {
-    /// An empty store whose objects belong to the service of their own key (exports,
-    /// Services, imports; a cluster-scoped key, a Namespace, stands for all of its services),
-    /// or to `service_of` (slices by label).
-    pub fn new(
-        changes: Arc<Changes>,
-        service_of: Option<fn(&ObjKey, &K) -> Option<ObjKey>>,
-    ) -> Self {
-        Self {
-            objects: RwLock::new(Objects::default()),
-            admission: None,
-            listed: AtomicBool::new(false),
-            service_of,
-            changes,
-        }
-    }
-
-    /// The same store, keeping of each object what `a` admits.
-    pub fn with_admission(mut self, a: Arc<dyn Admission<K>>) -> Self {
-        self.admission = Some(a);
-        self
-    }
-
-    /// Whether its watcher has listed once.
-    pub fn listed(&self) -> bool {
-        self.listed.load(Ordering::Acquire)
-    }
-
-    /// Every object now (a copy of the map).
-    pub fn snapshot(&self) -> HashMap<ObjKey, Arc<K>> {
-        self.read().map.clone()
-    }
-
-    /// The objects, read-locked.
-    pub fn read(&self) -> std::sync::RwLockReadGuard<'_, Objects<K>> {
-        self.objects.read().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Objects<K>> {
-        self.objects.write().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn touch(&self, key: &ObjKey, o: &K) -> Option<Touch> {
-        match self.service_of {
-            None if key.0.is_empty() => Some(Touch::Namespace(key.1.clone())),
-            None => Some(Touch::Service(key.clone())),
-            Some(f) => f(key, o).map(Touch::Service),
-        }
-    }
-
-    /// Stores `o` under `key`; the services it leaves and joins are marked changed.
-    pub fn apply(&self, key: ObjKey, o: Arc<K>) {
-        let mut w = self.write();
-        let o = match &self.admission {
-            Some(a) => a.admit(&key, o),
-            None => o,
-        };
-        let joins = self.touch(&key, &o);
-        w.generation += 1;
-        let old = w.map.insert(key.clone(), o);
-        let leaves = old.as_ref().and_then(|old| self.touch(&key, old));
-        if leaves != joins {
-            if let Some(Touch::Service(svc)) = &leaves {
-                unindex(&mut w.by_service, svc, &key);
-            }
-            if let (Some(Touch::Service(svc)), Some(_)) = (&joins, self.service_of) {
-                w.by_service.entry(svc.clone()).or_default().insert(key);
-            }
-        }
-        drop(w);
-        self.changes.mark(leaves);
-        self.changes.mark(joins);
-    }
-
-    /// Removes `key`; its service is marked changed.
-    pub fn remove(&self, key: &ObjKey) {
-        let mut w = self.write();
-        let Some(old) = w.map.remove(key) else { return };
-        w.generation += 1;
-        if let Some(a) = &self.admission {
-            a.release(key);
-        }
-        let leaves = self.touch(key, &old);
-        if let Some(Touch::Service(svc)) = &leaves {
-            unindex(&mut w.by_service, svc, key);
-        }
-        drop(w);
-        self.changes.mark(leaves);
-    }
-
-    /// Replaces the objects for which `in_part` holds with `fresh` (a completed list of one
-    /// part of the kind: the slices of some services, the Services wanted); only the services
-    /// they leave and join are marked changed. Sets the store listed.
-    pub fn replace_part(
-        &self,
-        in_part: impl Fn(&ObjKey, &K) -> bool,
-        fresh: HashMap<ObjKey, Arc<K>>,
-    ) {
-        let mut w = self.write();
-        let gone: Vec<ObjKey> = w
-            .map
-            .iter()
-            .filter(|(k, o)| in_part(k, o) && !fresh.contains_key(*k))
-            .map(|(k, _)| k.clone())
-            .collect();
-        let mut touched = Vec::with_capacity(gone.len() + fresh.len());
-        for k in gone {
-            if let Some(old) = w.map.remove(&k) {
-                let leaves = self.touch(&k, &old);
-                if let Some(Touch::Service(svc)) = &leaves {
-                    unindex(&mut w.by_service, svc, &k);
-                }
-                touched.push(leaves);
-            }
-        }
-        for (k, o) in fresh {
-            let joins = self.touch(&k, &o);
-            let old = w.map.insert(k.clone(), o);
-            let leaves = old.as_ref().and_then(|old| self.touch(&k, old));
-            if leaves != joins {
-                if let Some(Touch::Service(svc)) = &leaves {
-                    unindex(&mut w.by_service, svc, &k);
-                }
-                if let (Some(Touch::Service(svc)), Some(_)) = (&joins, self.service_of) {
-                    w.by_service.entry(svc.clone()).or_default().insert(k);
-                }
-                touched.push(leaves);
-            }
-            touched.push(joins);
-        }
-        w.generation += 1;
-        drop(w);
-        for t in touched {
-            self.changes.mark(t);
-        }
-        self.listed.store(true, Ordering::Release);
-    }
-
-    /// Whether it holds `key`.
-    pub fn contains(&self, key: &ObjKey) -> bool {
-        self.read().map.contains_key(key)
-    }
-
-    /// Replaces every object (a completed list); the next pass is a full one.
-    pub fn replace(&self, mut fresh: HashMap<ObjKey, Arc<K>>) {
-        let mut w = self.write();
-        if let Some(a) = &self.admission {
-            a.reset();
-            let mut order: Vec<(i64, ObjKey)> =
-                fresh.iter().map(|(k, o)| (a.rank(o), k.clone())).collect();
-            order.sort_unstable();
-            for (_, k) in order {
-                if let Some(o) = fresh.remove(&k) {
-                    let kept = a.admit(&k, o);
-                    fresh.insert(k, kept);
-                }
-            }
-        }
-        let mut by_service: HashMap<ObjKey, BTreeSet<ObjKey>> = HashMap::new();
-        if let Some(f) = self.service_of {
-            for (k, o) in &fresh {
-                if let Some(svc) = f(k, o) {
-                    by_service.entry(svc).or_default().insert(k.clone());
-                }
-            }
-        }
-        *w = Objects {
-            map: fresh,
-            by_service,
-            generation: w.generation + 1,
-        };
-        drop(w);
-        self.changes.all();
-        self.listed.store(true, Ordering::Release);
-    }
-}
-
-/// Where a watcher puts what it reads: a [`Store`], or what stands before one (the
-/// [`crate::selection`] that keeps only what is exported).
-pub trait Sink<V>: Send + Sync {
-    /// A list starts.
-    fn begin(&self) {}
-    /// Whether an object of the list is worth holding until the list completes.
-    fn keep(&self, _key: &ObjKey, _o: &V) -> bool {
-        true
-    }
-    /// An object was created or changed.
-    fn apply(&self, key: ObjKey, o: Arc<V>);
-    /// An object was deleted.
-    fn remove(&self, key: &ObjKey);
-    /// A list completed with these objects.
-    fn replace(&self, fresh: HashMap<ObjKey, Arc<V>>);
-}
-
-impl<V: Send + Sync> Sink<V> for Store<V> {
-    fn apply(&self, key: ObjKey, o: Arc<V>) {
-        Store::apply(self, key, o);
-    }
-    fn remove(&self, key: &ObjKey) {
-        Store::remove(self, key);
-    }
-    fn replace(&self, fresh: HashMap<ObjKey, Arc<V>>) {
-        Store::replace(self, fresh);
-    }
-}
-
-fn unindex(by_service: &mut HashMap<ObjKey, BTreeSet<ObjKey>>, svc: &ObjKey, key: &ObjKey) {
-    if let Some(set) = by_service.get_mut(svc) {
-        set.remove(key);
-        if set.is_empty() {
-            by_service.remove(svc);
-        }
-    }
-}
-
-/// What changed since the last pass: the services to compute again, or everything.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Dirty {
-    /// Everything (a re-list, a member coming or going, a resync).
-    pub all: bool,
-    /// Services and namespaces whose objects changed.
-    pub touched: BTreeSet<Touch>,
-}
-
-/// Where the watchers record what changed; the reconciler takes it at each pass.
-#[derive(Debug, Default)]
-pub struct Changes(Mutex<Dirty>);
-
-impl Changes {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Dirty> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Records that `t` changed.
-    pub fn mark(&self, t: Option<Touch>) {
-        if let Some(t) = t {
-            let mut d = self.lock();
-            if !d.all {
-                d.touched.insert(t);
-            }
-        }
-    }
-
-    /// Records that everything is to be computed again.
-    pub fn all(&self) {
-        let mut d = self.lock();
-        d.all = true;
-        d.touched.clear();
-    }
-
-    /// What changed since the last call.
-    pub fn take(&self) -> Dirty {
-        std::mem::take(&mut *self.lock())
-    }
-}
-
 /// Whether a member answers.
 #[derive(Debug, Default)]
 struct Health {
     /// The member's watchers failing now, by kind: a member is failing while any of them
     /// is (one that fails every list is not made healthy by another's events).
-    failing: std::collections::BTreeMap<&'static str, Failing>,
+    failing: std::collections::BTreeMap<String, Failing>,
     /// The last error, for logs and status.
     last_error: Option<String>,
 }
@@ -546,17 +245,20 @@ impl Member {
     }
 
     /// Watcher `kind` completed a list or saw a watch event.
-    pub(crate) fn ok(&self, kind: &'static str) {
+    pub(crate) fn ok(&self, kind: &str) {
         let mut h = self.health.lock().unwrap_or_else(|p| p.into_inner());
         if h.failing.remove(kind).is_some() && h.failing.is_empty() {
             tracing::info!(cluster = %self.id, "member cluster answers again");
         }
     }
 
-    /// Watcher `kind` is stopped (nothing left for it to read): its failures no longer count.
-    pub(crate) fn forget(&self, kind: &'static str) {
+    /// The watchers for which `stopped` holds are stopped (nothing left for them to read):
+    /// their failures no longer count.
+    pub(crate) fn forget(&self, stopped: &dyn Fn(&str) -> bool) {
         let mut h = self.health.lock().unwrap_or_else(|p| p.into_inner());
-        if h.failing.remove(kind).is_some() && h.failing.is_empty() {
+        let before = h.failing.len();
+        h.failing.retain(|k, _| !stopped(k));
+        if before > 0 && h.failing.is_empty() {
             tracing::info!(cluster = %self.id, "member cluster answers again (its failing watcher was stopped)");
         }
     }
@@ -565,7 +267,7 @@ impl Member {
     /// before the next attempt); `refused`: the member answered 401 or 403.
     pub(crate) fn failed(
         &self,
-        kind: &'static str,
+        kind: &str,
         e: &str,
         refused: Option<u16>,
         streak: u32,
@@ -588,10 +290,13 @@ impl Member {
         } else {
             tracing::debug!(cluster = %self.id, error = e, failures = streak, retry_ms = retry.as_millis() as u64, "member cluster still fails");
         }
-        let f = h.failing.entry(kind).or_insert_with(|| Failing {
-            since: Instant::now(),
-            refused: false,
-        });
+        let f = h
+            .failing
+            .entry(kind.to_string())
+            .or_insert_with(|| Failing {
+                since: Instant::now(),
+                refused: false,
+            });
         f.refused |= refused.is_some();
         h.last_error = Some(e.to_string());
     }
@@ -631,10 +336,19 @@ pub fn start(
         member: m.clone(),
         wake: wake.clone(),
         retry_max,
+        health_key: None,
     };
     let all = watcher::Config::default;
     tokio::spawn(watch_exports(client.clone(), ctx()));
-    tokio::spawn(crate::selection::keep_in_step(client.clone(), ctx()));
+    tokio::spawn(crate::selection::keep_in_step(
+        client.clone(),
+        m.selection.clone(),
+        Reads {
+            client: client.clone(),
+            ctx: ctx(),
+        },
+        retry_max,
+    ));
     if let Some(local) = local {
         tokio::spawn(watch(
             "Namespace",
@@ -723,20 +437,9 @@ pub(crate) struct Ctx {
     pub(crate) member: Arc<Member>,
     pub(crate) wake: Arc<Notify>,
     pub(crate) retry_max: Duration,
-}
-
-/// The service a member's slice belongs to: its `kubernetes.io/service-name` (none for a
-/// slice that says it is ours: it is never copied).
-pub fn member_slice_service(key: &ObjKey, es: &EndpointSlice) -> Option<ObjKey> {
-    let labels = es.metadata.labels.as_ref()?;
-    if labels
-        .get(mcs_api::LABEL_MANAGED_BY)
-        .is_some_and(|v| v == crate::MANAGER)
-    {
-        return None;
-    }
-    let svc = labels.get(LABEL_K8S_SERVICE_NAME)?;
-    Some((key.0.clone(), svc.clone()))
+    /// What the watcher's failures are kept under in the member's health (default: its
+    /// name): each slice bucket its own, so one that succeeds does not hide another failing.
+    pub(crate) health_key: Option<Arc<str>>,
 }
 
 /// The service one of our MCS slices belongs to: its `multicluster.kubernetes.io/service-name`.
@@ -744,33 +447,68 @@ pub fn mcs_slice_service(key: &ObjKey, es: &HeldSlice) -> Option<ObjKey> {
     Some((key.0.clone(), es.service.clone()?))
 }
 
-/// What is kept of a member's Service EndpointSlice: name, namespace, the two labels read
-/// (`kubernetes.io/service-name`, `endpointslice.kubernetes.io/managed-by`), address type,
-/// ports, and of each endpoint what an MCS slice copies.
-pub fn lean_member_slice(es: EndpointSlice) -> EndpointSlice {
-    let labels = es.metadata.labels.map(|l| {
-        l.into_iter()
-            .filter(|(k, _)| k == LABEL_K8S_SERVICE_NAME || k == mcs_api::LABEL_MANAGED_BY)
-            .collect()
-    });
-    EndpointSlice {
-        metadata: ObjectMeta {
-            name: es.metadata.name,
-            namespace: es.metadata.namespace,
-            labels,
-            ..Default::default()
-        },
-        address_type: es.address_type,
-        endpoints: es.endpoints.map(|eps| {
-            eps.into_iter()
-                .map(|e| k8s_openapi::api::discovery::v1::Endpoint {
-                    target_ref: None,
-                    deprecated_topology: None,
-                    ..e
-                })
-                .collect()
-        }),
-        ports: es.ports,
+/// A member's watches and health, for its selection.
+struct Reads {
+    client: Client,
+    ctx: Ctx,
+}
+
+impl MemberReads for Reads {
+    fn id(&self) -> &str {
+        &self.ctx.member.id
+    }
+
+    fn watch_services(&self, sink: Arc<dyn Sink<ServiceShape>>) -> tokio::task::JoinHandle<()> {
+        let (client, ctx) = (self.client.clone(), self.ctx.clone());
+        tokio::spawn(async move {
+            watch(
+                "Service",
+                Api::<Service>::all(client),
+                // From the API server's cache: the watch goes on from the list's version,
+                // so whatever an older cache missed comes as an event.
+                watcher::Config::default().any_semantic(),
+                ctx,
+                sink,
+                |svc| shape(&svc),
+                false,
+            )
+            .await;
+        })
+    }
+
+    fn watch_slices(
+        &self,
+        selector: String,
+        health_key: String,
+        sink: Arc<dyn Sink<EndpointSlice>>,
+    ) -> tokio::task::JoinHandle<()> {
+        let (client, mut ctx) = (self.client.clone(), self.ctx.clone());
+        ctx.health_key = Some(health_key.into());
+        tokio::spawn(async move {
+            watch(
+                "EndpointSlice",
+                Api::<EndpointSlice>::all(client),
+                // As the Services' (the list is the slices of the selected names only).
+                watcher::Config::default().labels(&selector).any_semantic(),
+                ctx,
+                sink,
+                lean_member_slice,
+                false,
+            )
+            .await;
+        })
+    }
+
+    fn ok(&self, key: &str) {
+        self.ctx.member.ok(key);
+    }
+
+    fn failed(&self, key: &str, error: &str, retry: Duration) {
+        self.ctx.member.failed(key, error, None, 1, retry);
+    }
+
+    fn forget(&self, stopped: &dyn Fn(&str) -> bool) {
+        self.ctx.member.forget(stopped);
     }
 }
 
@@ -899,6 +637,7 @@ where
     let mut stream = ListWatch::new(watcher(api, config), ctx.retry_max);
     let mut pending: Option<HashMap<ObjKey, Arc<V>>> = None;
     let mut listed = false;
+    let health_key: &str = ctx.health_key.as_deref().unwrap_or(watcher_name);
     let counted = ctx.member.events.of(watcher_name).cloned();
     let counted = counted.as_ref();
     loop {
@@ -907,7 +646,7 @@ where
             () = tokio::time::sleep_until(probe_at.unwrap_or_else(tokio::time::Instant::now)), if probe_at.is_some() => {
                 probe_at = None;
                 if probe_api.list_metadata(&probe).await.is_ok() {
-                    ctx.member.ok(watcher_name);
+                    ctx.member.ok(health_key);
                     ctx.wake.notify_one();
                 }
                 continue;
@@ -922,14 +661,14 @@ where
                 // watcher yields `Init` before every list attempt, failing or not.
                 if proof {
                     probe_at = None;
-                    ctx.member.ok(watcher_name);
+                    ctx.member.ok(health_key);
                 }
                 event
             }
             Next::Failed(f) => {
                 let msg = format!("{kind}: {}", f.error);
                 ctx.member
-                    .failed(watcher_name, &msg, f.refused(), f.streak, f.delay);
+                    .failed(health_key, &msg, f.refused(), f.streak, f.delay);
                 // Not served in this version: a list says so; a watch that cannot start says
                 // so only if a one-object list agrees (a proxy may refuse watches alone).
                 if until_not_served && f.code() == Some(404) {

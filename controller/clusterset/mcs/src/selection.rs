@@ -7,57 +7,73 @@
 //! - **ServiceExports** are watched whole (they are what is shared).
 //! - **EndpointSlices** (what churns) are watched by label,
 //!   `kubernetes.io/service-name in (…)`, naming only exported Services: the API server
-//!   sends nothing for a slice of a Service nobody exports. The names are spread over
-//!   [`buckets`] watches of about [`NAMES_PER_WATCH`] each, by a fixed hash of the name; a
-//!   bucket whose names change is listed again (its slices only), at most once per
-//!   [`RESTART_GAP`]. The store holds every slice a selector returns: a slice of an
-//!   unexported Service that shares an exported one's name in another namespace is read too
-//!   (and never imported: only an export's own slices are).
+//!   sends nothing for a slice of a Service nobody exports. The names are spread over a power
+//!   of two of watches ([`plan`]: about [`NAMES_PER_WATCH`] names each, never more than
+//!   [`MAX_NAMES_PER_WATCH`], by a hash keyed per process, so no tenant can aim names at one
+//!   watch). A watch whose names change is listed again (its slices only) once its last list
+//!   completed and [`RESTART_GAP`] passed; one that did not complete its list waits twice as
+//!   long each time, up to [`RESTART_GAP_MAX`], so churning names cannot keep a list from
+//!   completing. The number of watches grows when they fill and shrinks only when a quarter
+//!   full. The store holds every slice a selector returns: a slice of an unexported Service
+//!   that shares an exported one's name in another namespace is read too (never imported:
+//!   only an export's own slices are).
 //! - **Services** (which seldom change) are watched whole, from the first complete list of
 //!   exports on, but only the shape of an exported one is kept; a Service exported after its
-//!   watcher listed is read once by name (at most [`GETS_IN_FLIGHT`] reads at a time).
+//!   watcher listed is read once by name (at most [`GETS_IN_FLIGHT`] reads at a time), and
+//!   that read is dropped if the watch said something of the Service meanwhile.
 //!
 //! Until both its Service and its slices have been read, an export is held back here (the
 //! reconciler sees it as not there yet), so no pass computes an export without its Service
-//! or endpoints — and a member counts as listed only once every export of its first list
-//! has been read so. An export whose name cannot be a Service's (not a DNS-1035 label) is
-//! passed on at once: it has no Service and no slices, and never enters a label selector.
+//! or endpoints; a member counts as listed once every export of its first complete list has
+//! been read so (later ones are held back alone). An export whose name cannot be a
+//! Service's (not a DNS-1035 label) is passed on at once: it has no Service and no slices,
+//! and never enters a label selector.
+//!
+//! Each slice watch keeps its own failures in the member's health, so one that answers does
+//! not hide another that fails.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
-    hash::{Hash as _, Hasher as _},
+    hash::BuildHasher as _,
     sync::{
-        Arc, Mutex,
+        Arc, Mutex, OnceLock,
         atomic::{AtomicBool, Ordering},
     },
     time::Duration,
 };
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-use kube::{
-    Api, Client,
-    runtime::{utils::Backoff as _, watcher},
-};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::{Api, Client, runtime::utils::Backoff as _};
 use mcs_merge::ServiceShape;
 use mcs_runtime::retry::WatchRetry;
 use tokio::{sync::Notify, task::JoinSet, time::Instant};
 
-use crate::members::{Ctx, Sink, Store, lean_member_slice, member_slice_service, watch};
 use crate::objects::{LABEL_K8S_SERVICE_NAME, LeanExport, ObjKey, shape};
+use crate::store::{Sink, Store};
 
-/// About how many Service names one EndpointSlice watch selects (the selector travels in
-/// the request's URL: 128 names of at most 63 bytes is 8 KiB).
+/// About how many Service names one EndpointSlice watch selects.
 pub const NAMES_PER_WATCH: usize = 128;
 
-/// The shortest time between two lists of one bucket of slices whose names changed (a
-/// burst of new exports lists each bucket a few times, not once per export).
+/// The most names one watch selects (the selector travels in the request's URL: 256 names
+/// of at most 63 bytes and their commas are 16 KiB).
+pub const MAX_NAMES_PER_WATCH: usize = 2 * NAMES_PER_WATCH;
+
+/// The shortest time between two lists of one slice watch whose names changed (a burst of
+/// new exports lists each watch a few times, not once per export).
 pub const RESTART_GAP: Duration = Duration::from_millis(200);
+
+/// The longest wait before a slice watch that has not completed its list is started again
+/// with new names.
+pub const RESTART_GAP_MAX: Duration = Duration::from_secs(30);
 
 /// Services read by name at a time (exported after the Service watcher listed).
 pub const GETS_IN_FLIGHT: usize = 16;
 
-/// How many slice watches `names` distinct names are spread over: a power of two, so that
-/// growing it moves each name to one of two buckets.
+/// What the reads of Services by name keep their failures under in the member's health.
+const GET_HEALTH: &str = "Service (by name)";
+
+/// How many slice watches are needed for `names` distinct names: a power of two.
 pub fn buckets(names: usize) -> usize {
     if names == 0 {
         0
@@ -66,11 +82,82 @@ pub fn buckets(names: usize) -> usize {
     }
 }
 
-/// The bucket of `name` among `buckets` (a fixed hash: the same in every process).
+/// The bucket of `name` among `buckets`, by a hash keyed once per process (a tenant cannot
+/// choose names that fall in one bucket).
 pub fn bucket_of(name: &str, buckets: usize) -> usize {
-    let mut h = std::hash::DefaultHasher::new();
-    name.hash(&mut h);
-    (h.finish() % buckets.max(1) as u64) as usize
+    static KEY: OnceLock<std::collections::hash_map::RandomState> = OnceLock::new();
+    let h = KEY.get_or_init(Default::default).hash_one(name);
+    (h % buckets.max(1) as u64) as usize
+}
+
+/// How many slice watches `names` are spread over when `now` are running: grown to what
+/// they need, shrunk only when a quarter full (names coming and going at a boundary do not
+/// make every watch list again), and doubled while any would select more than
+/// [`MAX_NAMES_PER_WATCH`].
+pub fn plan(names: &[&str], now: usize) -> usize {
+    if names.is_empty() {
+        return 0;
+    }
+    let need = buckets(names.len());
+    let mut n = if need > now || names.len() * 4 <= NAMES_PER_WATCH * now {
+        need
+    } else {
+        now
+    };
+    loop {
+        let mut sizes = vec![0usize; n];
+        for name in names {
+            sizes[bucket_of(name, n)] += 1;
+        }
+        if sizes.iter().all(|s| *s <= MAX_NAMES_PER_WATCH) || n >= names.len() {
+            return n;
+        }
+        n *= 2;
+    }
+}
+
+/// The service a member's slice belongs to: its `kubernetes.io/service-name` (none for a
+/// slice that says it is ours: it is never copied).
+pub fn member_slice_service(key: &ObjKey, es: &EndpointSlice) -> Option<ObjKey> {
+    let labels = es.metadata.labels.as_ref()?;
+    if labels
+        .get(mcs_api::LABEL_MANAGED_BY)
+        .is_some_and(|v| v == crate::MANAGER)
+    {
+        return None;
+    }
+    let svc = labels.get(LABEL_K8S_SERVICE_NAME)?;
+    Some((key.0.clone(), svc.clone()))
+}
+
+/// What is kept of a member's Service EndpointSlice: name, namespace, the two labels read
+/// (`kubernetes.io/service-name`, `endpointslice.kubernetes.io/managed-by`), address type,
+/// ports, and of each endpoint what an MCS slice copies.
+pub fn lean_member_slice(es: EndpointSlice) -> EndpointSlice {
+    let labels = es.metadata.labels.map(|l| {
+        l.into_iter()
+            .filter(|(k, _)| k == LABEL_K8S_SERVICE_NAME || k == mcs_api::LABEL_MANAGED_BY)
+            .collect()
+    });
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: es.metadata.name,
+            namespace: es.metadata.namespace,
+            labels,
+            ..Default::default()
+        },
+        address_type: es.address_type,
+        endpoints: es.endpoints.map(|eps| {
+            eps.into_iter()
+                .map(|e| k8s_openapi::api::discovery::v1::Endpoint {
+                    target_ref: None,
+                    deprecated_topology: None,
+                    ..e
+                })
+                .collect()
+        }),
+        ports: es.ports,
+    }
 }
 
 /// Whether `name` can be a Service's name (a DNS-1035 label): only such names enter a
@@ -98,6 +185,9 @@ struct Want {
     slices_known: bool,
     /// A read of its Service by name is under way.
     fetching: bool,
+    /// The Service watch said something of it since that read was sent (the read is then
+    /// older, and dropped).
+    seen: bool,
 }
 
 impl Want {
@@ -114,10 +204,12 @@ struct State {
     names: BTreeMap<String, usize>,
     /// Counts wants.
     epoch: u64,
+    /// The epoch when the exports' first list completed.
+    first_list: Option<u64>,
     /// The epoch when the Service watcher's list under way began.
     services_begun: Option<u64>,
-    /// The names whose slices the store holds as listed (a bucket's list completed with
-    /// them in its selector; the store keeps every slice of theirs, in every namespace).
+    /// The names whose slices the store holds as listed (a watch's list completed with them
+    /// in its selector; the store keeps every slice of theirs, in every namespace).
     listed_names: HashSet<String>,
 }
 
@@ -138,12 +230,14 @@ impl State {
                 service_known: !ok,
                 slices_known,
                 fetching: false,
+                seen: false,
             },
         );
         !ok
     }
 
-    /// No longer wants `key`; whether it was wanted.
+    /// No longer wants `key`; whether it was wanted. A name nobody exports any more is no
+    /// longer counted as listed (exported again, it waits for a list that selects it).
     fn unwant(&mut self, key: &ObjKey) -> bool {
         if self.wanted.remove(key).is_none() {
             return false;
@@ -152,6 +246,7 @@ impl State {
             *n -= 1;
             if *n == 0 {
                 self.names.remove(&key.1);
+                self.listed_names.remove(&key.1);
             }
         }
         true
@@ -181,6 +276,7 @@ pub struct Selection {
     exports: Arc<Store<LeanExport>>,
     services: Arc<Store<ServiceShape>>,
     slices: Arc<Store<EndpointSlice>>,
+    /// Taken before a store's lock, never after.
     state: Mutex<State>,
     /// Wakes the task that keeps the watches in step with the exports.
     changed: Notify,
@@ -213,15 +309,23 @@ impl Selection {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether the exports listed and every one of them has its Service and slices read
-    /// (it stays so: a later export is held back alone until it is read).
+    /// Whether the exports listed and every export of that first list has its Service and
+    /// slices read (it stays so: a later export is held back alone until it is read).
     pub fn settled(&self) -> bool {
         if self.settled.load(Ordering::Acquire) {
             return true;
         }
-        let done = self.exports.listed()
-            && self.services.listed()
-            && self.lock().wanted.values().all(Want::covered);
+        if !self.exports.listed() || !self.services.listed() {
+            return false;
+        }
+        let st = self.lock();
+        let done = st.first_list.is_some_and(|first| {
+            st.wanted
+                .values()
+                .filter(|w| w.since <= first)
+                .all(Want::covered)
+        });
+        drop(st);
         if done {
             self.settled.store(true, Ordering::Release);
         }
@@ -242,13 +346,6 @@ impl Selection {
             self.exports.apply(k, e);
         }
         self.wake.notify_one();
-    }
-
-    /// Drops the Service of `key` (no longer exported). Its slices stay while its name is
-    /// selected (the store holds all of a selected name's slices); the next list of its
-    /// bucket drops them.
-    fn forget(&self, key: &ObjKey) {
-        self.services.remove(key);
     }
 }
 
@@ -279,10 +376,16 @@ impl Sink<LeanExport> for Selection {
     }
 
     fn remove(&self, key: &ObjKey) {
-        let was = self.lock().unwant(key);
+        let mut st = self.lock();
+        let was = st.unwant(key);
+        if was {
+            // Its slices stay while its name is selected; the next list of its watch drops
+            // them.
+            self.services.remove(key);
+        }
+        drop(st);
         self.exports.remove(key);
         if was {
-            self.forget(key);
             self.changed.notify_one();
         }
     }
@@ -297,6 +400,7 @@ impl Sink<LeanExport> for Selection {
             .collect();
         for k in &gone {
             st.unwant(k);
+            self.services.remove(k);
         }
         let mut covered = HashMap::new();
         for (k, e) in fresh {
@@ -315,10 +419,10 @@ impl Sink<LeanExport> for Selection {
                 }
             }
         }
-        drop(st);
-        for k in &gone {
-            self.forget(k);
+        if st.first_list.is_none() {
+            st.first_list = Some(st.epoch);
         }
+        drop(st);
         self.exports.replace(covered);
         self.changed.notify_one();
     }
@@ -338,12 +442,18 @@ impl Sink<ServiceShape> for Services {
     }
 
     fn apply(&self, key: ObjKey, o: Arc<ServiceShape>) {
-        if self.0.lock().wanted.contains_key(&key) {
+        let mut st = self.0.lock();
+        if let Some(w) = st.wanted.get_mut(&key) {
+            w.seen = true;
             self.0.services.apply(key, o);
         }
     }
 
     fn remove(&self, key: &ObjKey) {
+        let mut st = self.0.lock();
+        if let Some(w) = st.wanted.get_mut(key) {
+            w.seen = true;
+        }
         self.0.services.remove(key);
     }
 
@@ -358,31 +468,41 @@ impl Sink<ServiceShape> for Services {
         for (k, w) in st.wanted.iter_mut() {
             if w.since > begun {
                 later.insert(k.clone());
-            } else if !w.service_known {
-                w.service_known = true;
-                known.push(k.clone());
+            } else {
+                w.seen = true;
+                if !w.service_known {
+                    w.service_known = true;
+                    known.push(k.clone());
+                }
             }
         }
         let fresh: HashMap<_, _> = fresh
             .into_iter()
             .filter(|(k, _)| st.wanted.contains_key(k))
             .collect();
+        sel.services.replace_part(|k, _| !later.contains(k), fresh);
         let ready = st.release(known);
         drop(st);
-        sel.services.replace_part(|k, _| !later.contains(k), fresh);
         sel.pass_on(ready);
         sel.changed.notify_one();
     }
 }
 
-/// One bucket's slice watcher writes here: every slice its selector returns (the slices of
-/// the exported names, in every namespace).
+/// One slice watch writes here: every slice its selector returns (the slices of its names,
+/// in every namespace).
 struct Slices {
     selection: Arc<Selection>,
     /// Its names (the selector's).
     names: BTreeSet<String>,
     bucket: usize,
     buckets: usize,
+    /// Cleared (under the selection's lock) when the watch is replaced: a list it completes
+    /// afterwards is not taken.
+    live: Arc<AtomicBool>,
+    /// Set when its list completed.
+    listed: Arc<AtomicBool>,
+    /// When it was started.
+    started: Instant,
 }
 
 impl Sink<EndpointSlice> for Slices {
@@ -397,15 +517,24 @@ impl Sink<EndpointSlice> for Slices {
     fn replace(&self, fresh: HashMap<ObjKey, Arc<EndpointSlice>>) {
         let sel = &self.selection;
         let (bucket, buckets) = (self.bucket, self.buckets);
-        // The store first, then the names it now answers for.
+        let mut st = sel.lock();
+        if !self.live.load(Ordering::Acquire) {
+            return;
+        }
         sel.slices.replace_part(
             |k, es| member_slice_service(k, es).is_none_or(|s| bucket_of(&s.1, buckets) == bucket),
             fresh,
         );
-        let mut st = sel.lock();
         st.listed_names
             .retain(|name| bucket_of(name, buckets) != bucket);
-        st.listed_names.extend(self.names.iter().cloned());
+        // Only names still exported: one dropped meanwhile waits for a list that selects it.
+        let names: Vec<String> = self
+            .names
+            .iter()
+            .filter(|n| st.names.contains_key(*n))
+            .cloned()
+            .collect();
+        st.listed_names.extend(names);
         let mut known = Vec::new();
         for (k, w) in st.wanted.iter_mut() {
             if !w.slices_known && self.names.contains(&k.1) {
@@ -415,6 +544,15 @@ impl Sink<EndpointSlice> for Slices {
         }
         let ready = st.release(known);
         drop(st);
+        self.listed.store(true, Ordering::Release);
+        tracing::debug!(
+            bucket = bucket + 1,
+            buckets,
+            names = self.names.len(),
+            exports = ready.len(),
+            ms = self.started.elapsed().as_millis() as u64,
+            "slice watch listed"
+        );
         sel.pass_on(ready);
     }
 }
@@ -431,8 +569,37 @@ impl Drop for AbortOnDrop {
 /// A running slice watch.
 struct Bucket {
     names: BTreeSet<String>,
-    _task: AbortOnDrop,
     started: Instant,
+    live: Arc<AtomicBool>,
+    listed: Arc<AtomicBool>,
+    /// Times in a row it was started again before its list completed.
+    unlisted_restarts: u32,
+    _task: AbortOnDrop,
+}
+
+impl Bucket {
+    /// When it may be started again with other names: [`RESTART_GAP`] after it started once
+    /// its list completed; else twice as long for each restart in a row that came before
+    /// one did, up to [`RESTART_GAP_MAX`].
+    fn may_restart_at(&self) -> Instant {
+        let gap = if self.listed.load(Ordering::Acquire) {
+            RESTART_GAP
+        } else {
+            RESTART_GAP
+                .saturating_mul(1 << self.unlisted_restarts.min(8))
+                .min(RESTART_GAP_MAX)
+        };
+        self.started + gap
+    }
+
+    /// How many restarts in a row came before its list completed, counting one now.
+    fn restarts_after(&self) -> u32 {
+        if self.listed.load(Ordering::Acquire) {
+            0
+        } else {
+            self.unlisted_restarts + 1
+        }
+    }
 }
 
 /// The label selector naming `names`.
@@ -441,91 +608,147 @@ fn selector(names: &BTreeSet<String>) -> String {
     format!("{LABEL_K8S_SERVICE_NAME} in ({})", list.join(","))
 }
 
-/// Keeps member `ctx.member`'s Service and slice watches in step with its exports: starts
-/// the Service watcher once the exports listed, lists each bucket of slices again when its
-/// names change, and reads by name the Services exported after the Service watcher listed.
-pub(crate) async fn keep_in_step(client: Client, ctx: Ctx) {
-    let sel = ctx.member.selection.clone();
+/// What slice watch `b` of `n` keeps its failures under.
+fn bucket_health(b: usize, n: usize) -> String {
+    format!("EndpointSlice {}/{n}", b + 1)
+}
+
+/// A read of a Service by name under way: its key, and its want's `since`.
+type Get = (ObjKey, u64);
+
+/// What the selection needs of its member (`members.rs` gives it): its watches, started
+/// into a sink, and its health.
+pub trait MemberReads: Send + Sync + 'static {
+    /// The member's cluster id.
+    fn id(&self) -> &str;
+    /// Starts the watch of every Service, into `sink`.
+    fn watch_services(&self, sink: Arc<dyn Sink<ServiceShape>>) -> tokio::task::JoinHandle<()>;
+    /// Starts a watch of the EndpointSlices `selector` selects, into `sink`, its failures
+    /// kept under `health_key`.
+    fn watch_slices(
+        &self,
+        selector: String,
+        health_key: String,
+        sink: Arc<dyn Sink<EndpointSlice>>,
+    ) -> tokio::task::JoinHandle<()>;
+    /// Reads kept under `key` answer.
+    fn ok(&self, key: &str);
+    /// A read kept under `key` failed with `error`; the next one in `retry`.
+    fn failed(&self, key: &str, error: &str, retry: Duration);
+    /// The reads for which `stopped` holds no longer run: their failures no longer count.
+    fn forget(&self, stopped: &dyn Fn(&str) -> bool);
+}
+
+/// Keeps member `member`'s Service and slice watches in step with its exports: starts
+/// the Service watcher once the exports listed, lists a slice watch again when its names
+/// change, and reads by name the Services exported after the Service watcher listed.
+pub async fn keep_in_step(
+    client: Client,
+    sel: Arc<Selection>,
+    member: impl MemberReads,
+    retry_max: Duration,
+) {
     let mut services_watch: Option<AbortOnDrop> = None;
     let mut running: Vec<Option<Bucket>> = Vec::new();
-    let mut gets: JoinSet<(ObjKey, u64, Result<Option<Service>, kube::Error>)> = JoinSet::new();
-    let mut get_retry = WatchRetry::new(ctx.retry_max);
+    let mut gets: JoinSet<Result<Option<Service>, kube::Error>> = JoinSet::new();
+    let mut in_flight: HashMap<tokio::task::Id, Get> = HashMap::new();
+    let mut get_retry = WatchRetry::new(retry_max);
     let mut gets_after: Option<Instant> = None;
-    let services_api = |ns: &str| Api::<Service>::namespaced(client.clone(), ns);
     loop {
         let mut due: Option<Instant> = gets_after;
         if services_watch.is_none() && sel.exports.listed() {
-            services_watch = Some(AbortOnDrop(tokio::spawn({
-                let (client, ctx, sink) =
-                    (client.clone(), ctx.clone(), Arc::new(Services(sel.clone())));
-                async move {
-                    watch(
-                        "Service",
-                        Api::<Service>::all(client),
-                        watcher::Config::default(),
-                        ctx,
-                        sink,
-                        |svc| shape(&svc),
-                        false,
-                    )
-                    .await;
-                }
-            })));
+            services_watch = Some(AbortOnDrop(
+                member.watch_services(Arc::new(Services(sel.clone()))),
+            ));
         }
 
-        // Slice watches: one per bucket of names.
+        // Slice watches: the names spread over `n` of them.
         let names: Vec<String> = sel.lock().names.keys().cloned().collect();
-        let n = buckets(names.len());
-        if n != running.len() {
-            if n == 0 {
-                // Nothing exported: nothing selected, nothing held.
-                ctx.member.forget("EndpointSlice");
-                sel.lock().listed_names.clear();
-                sel.slices.replace_part(|_, _| true, HashMap::new());
-            }
-            tracing::info!(cluster = %ctx.member.id, services = names.len(), watches = n, "reading the EndpointSlices of exported Services only");
-            running = (0..n).map(|_| None).collect();
-        }
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let n = plan(&refs, running.len());
         let mut want: Vec<BTreeSet<String>> = vec![BTreeSet::new(); n];
-        for name in names {
-            want[bucket_of(&name, n)].insert(name);
+        for name in &names {
+            want[bucket_of(name, n)].insert(name.clone());
+        }
+        if n != running.len() {
+            // Every watch starts again: once each may.
+            let at = running
+                .iter()
+                .flatten()
+                .map(Bucket::may_restart_at)
+                .max()
+                .unwrap_or_else(Instant::now);
+            if at <= Instant::now() {
+                tracing::info!(
+                    cluster = member.id(),
+                    services = names.len(),
+                    watches = n,
+                    "reading the EndpointSlices of exported Services only"
+                );
+                let mut st = sel.lock();
+                for b in running.iter().flatten() {
+                    b.live.store(false, Ordering::Release);
+                }
+                if n == 0 {
+                    // Nothing exported: nothing selected, nothing held.
+                    st.listed_names.clear();
+                    sel.slices.replace_part(|_, _| true, HashMap::new());
+                }
+                drop(st);
+                running = (0..n).map(|_| None).collect();
+            } else {
+                due = Some(due.map_or(at, |d| d.min(at)));
+                want.clear();
+            }
         }
         for (b, names) in want.into_iter().enumerate() {
-            if running[b].as_ref().is_some_and(|r| r.names == names) {
-                continue;
-            }
+            let mut restarts = 0;
             if let Some(r) = &running[b] {
-                let at = r.started + RESTART_GAP;
+                if r.names == names {
+                    continue;
+                }
+                let at = r.may_restart_at();
                 if at > Instant::now() {
                     due = Some(due.map_or(at, |d| d.min(at)));
                     continue;
                 }
+                restarts = r.restarts_after();
+                let _st = sel.lock();
+                r.live.store(false, Ordering::Release);
             }
+            if names.is_empty() {
+                running[b] = None;
+                continue;
+            }
+            let live = Arc::new(AtomicBool::new(true));
+            let listed = Arc::new(AtomicBool::new(false));
             let sink = Arc::new(Slices {
                 selection: sel.clone(),
                 names: names.clone(),
                 bucket: b,
                 buckets: n,
+                live: live.clone(),
+                listed: listed.clone(),
+                started: Instant::now(),
             });
-            let config = watcher::Config::default().labels(&selector(&names));
-            let (client, ctx2) = (client.clone(), ctx.clone());
+            let task = member.watch_slices(selector(&names), bucket_health(b, n), sink);
             running[b] = Some(Bucket {
                 names,
                 started: Instant::now(),
-                _task: AbortOnDrop(tokio::spawn(async move {
-                    watch(
-                        "EndpointSlice",
-                        Api::<EndpointSlice>::all(client),
-                        config,
-                        ctx2,
-                        sink,
-                        lean_member_slice,
-                        false,
-                    )
-                    .await;
-                })),
+                live,
+                listed,
+                unlisted_restarts: restarts,
+                _task: AbortOnDrop(task),
             });
         }
+        // Failures of slice watches that no longer run no longer count.
+        let current: HashSet<String> = running
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.is_some())
+            .map(|(b, _)| bucket_health(b, running.len()))
+            .collect();
+        member.forget(&|k| k.starts_with("EndpointSlice ") && !current.contains(k));
 
         // Services exported after the Service watcher listed: read by name.
         if sel.services.listed() && gets_after.is_none_or(|t| t <= Instant::now()) {
@@ -543,12 +766,18 @@ pub(crate) async fn keep_in_step(client: Client, ctx: Ctx) {
                 for (since, k) in todo.into_iter().take(room) {
                     if let Some(w) = st.wanted.get_mut(&k) {
                         w.fetching = true;
+                        w.seen = false;
                     }
-                    let api = services_api(&k.0);
-                    gets.spawn(async move {
-                        let got = api.get_opt(&k.1).await;
-                        (k, since, got)
+                    let api = Api::<Service>::namespaced(client.clone(), &k.0);
+                    let name = k.1.clone();
+                    let cluster = member.id().to_string();
+                    let task = gets.spawn(async move {
+                        let t = Instant::now();
+                        let got = api.get_opt(&name).await;
+                        tracing::debug!(%cluster, name, ms = t.elapsed().as_millis() as u64, "read an exported Service by name");
+                        got
                     });
+                    in_flight.insert(task.id(), (k, since));
                 }
             }
         }
@@ -556,33 +785,41 @@ pub(crate) async fn keep_in_step(client: Client, ctx: Ctx) {
         tokio::select! {
             () = sel.changed.notified() => {}
             () = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {}
-            Some(done) = gets.join_next(), if !gets.is_empty() => {
-                let Ok((k, since, got)) = done else { continue };
+            Some(done) = gets.join_next_with_id(), if !gets.is_empty() => {
+                let (id, got) = match done {
+                    Ok((id, got)) => (id, got),
+                    Err(e) => (e.id(), Err(kube::Error::Service(e.to_string().into()))),
+                };
+                let Some((k, since)) = in_flight.remove(&id) else { continue };
+                match &got {
+                    Ok(_) => {
+                        get_retry.reset();
+                        member.ok(GET_HEALTH);
+                    }
+                    Err(e) => {
+                        let wait = get_retry.next().unwrap_or(retry_max);
+                        tracing::warn!(cluster = member.id(), namespace = %k.0, name = %k.1, error = %e, retry_ms = wait.as_millis() as u64, "reading an exported Service failed; trying again");
+                        member.failed(GET_HEALTH, &format!("Service {}/{}: {e}", k.0, k.1), wait);
+                        gets_after = Some(Instant::now() + wait);
+                    }
+                }
                 let mut st = sel.lock();
                 let Some(w) = st.wanted.get_mut(&k).filter(|w| w.since == since) else {
                     continue;
                 };
                 w.fetching = false;
-                match got {
-                    Ok(svc) => {
-                        get_retry.reset();
-                        w.service_known = true;
-                        let ready = st.release([k.clone()]);
-                        drop(st);
-                        if let Some(svc) = svc
-                            && !sel.services.contains(&k)
-                        {
-                            sel.services.apply(k, Arc::new(shape(&svc)));
-                        }
-                        sel.pass_on(ready);
-                    }
-                    Err(e) => {
-                        drop(st);
-                        let wait = get_retry.next().unwrap_or(ctx.retry_max);
-                        tracing::warn!(cluster = %ctx.member.id, namespace = %k.0, name = %k.1, error = %e, retry_ms = wait.as_millis() as u64, "reading an exported Service failed; trying again");
-                        gets_after = Some(Instant::now() + wait);
+                let Ok(svc) = got else { continue };
+                // The watch said something of it since the read was sent: the read is older.
+                if !w.seen {
+                    match svc {
+                        Some(svc) => sel.services.apply(k.clone(), Arc::new(shape(&svc))),
+                        None => sel.services.remove(&k),
                     }
                 }
+                w.service_known = true;
+                let ready = st.release([k]);
+                drop(st);
+                sel.pass_on(ready);
             }
         }
     }
@@ -591,7 +828,7 @@ pub(crate) async fn keep_in_step(client: Client, ctx: Ctx) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::members::Changes;
+    use crate::store::Changes;
 
     fn selection() -> Arc<Selection> {
         let changes = Arc::new(Changes::default());
@@ -636,6 +873,9 @@ mod tests {
             bucket: bucket_of(names.iter().next().unwrap(), n),
             buckets: n,
             names,
+            live: Arc::new(AtomicBool::new(true)),
+            listed: Arc::new(AtomicBool::new(false)),
+            started: Instant::now(),
         }
     }
 
@@ -666,6 +906,29 @@ mod tests {
         }
         let names: BTreeSet<String> = ["a".to_string(), "b".to_string()].into();
         assert_eq!(selector(&names), "kubernetes.io/service-name in (a,b)");
+    }
+
+    #[test]
+    fn watches_grow_when_full_shrink_when_a_quarter_full_and_never_select_too_many() {
+        let names: Vec<String> = (0..2000).map(|i| format!("svc-{i}")).collect();
+        let refs = |n: usize| names[..n].iter().map(String::as_str).collect::<Vec<_>>();
+        assert_eq!(plan(&refs(0), 4), 0);
+        assert_eq!(plan(&refs(100), 0), 1);
+        assert_eq!(plan(&refs(129), 1), 2);
+        // Names coming and going at the boundary keep the watches.
+        assert_eq!(plan(&refs(100), 2), 2);
+        assert_eq!(plan(&refs(128), 2), 2);
+        // A quarter full: fewer.
+        assert_eq!(plan(&refs(60), 2), 1);
+        for n in [1, 300, 2000] {
+            let k = plan(&refs(n), 0);
+            assert!(k.is_power_of_two());
+            let mut sizes = vec![0; k];
+            for name in refs(n) {
+                sizes[bucket_of(name, k)] += 1;
+            }
+            assert!(sizes.iter().all(|s| *s <= MAX_NAMES_PER_WATCH), "{sizes:?}");
+        }
     }
 
     #[test]
@@ -709,6 +972,55 @@ mod tests {
         Sink::remove(&*sel, &web);
         assert!(!sel.exports.contains(&web) && !sel.services.contains(&web));
         assert!(sel.settled(), "settled stays");
+    }
+
+    #[test]
+    fn a_member_is_settled_once_its_first_list_is_read_whatever_comes_after() {
+        let sel = selection();
+        let web = key("shop", "web");
+        Sink::replace(&*sel, HashMap::from([(web.clone(), export())]));
+        let services = Services(sel.clone());
+        services.begin();
+        services.replace(HashMap::new());
+        // A new export before the first one's slices are listed: it does not hold the
+        // member back once the first list's exports are read.
+        Sink::apply(&*sel, key("shop", "late"), export());
+        slices_sink(&sel, &["web"]).replace(HashMap::new());
+        assert!(sel.exports.contains(&web));
+        assert_eq!(sel.held_back(), 1);
+        assert!(sel.settled());
+    }
+
+    #[test]
+    fn a_read_by_name_older_than_the_watch_is_dropped_and_an_unexported_name_is_listed_again() {
+        let sel = selection();
+        Sink::replace(&*sel, HashMap::new());
+        let services = Services(sel.clone());
+        services.begin();
+        services.replace(HashMap::new());
+        let web = key("shop", "web");
+        Sink::apply(&*sel, web.clone(), export());
+        // The read is sent; the watch then says the Service was deleted.
+        sel.lock().wanted.get_mut(&web).unwrap().seen = false;
+        Services(sel.clone()).remove(&web);
+        assert!(
+            sel.lock().wanted[&web].seen,
+            "a later read result is dropped"
+        );
+        // A Service event for a key nobody wants is not kept.
+        Services(sel.clone()).apply(key("shop", "idle"), Arc::new(ServiceShape::default()));
+        assert!(!sel.services.contains(&key("shop", "idle")));
+
+        // Its name listed, then unexported and exported again: it waits for a new list.
+        slices_sink(&sel, &["web"]).replace(HashMap::new());
+        Sink::remove(&*sel, &web);
+        Sink::apply(&*sel, web.clone(), export());
+        assert!(!sel.lock().wanted[&web].slices_known);
+        // A list by a watch that was replaced meanwhile is not taken.
+        let stale = slices_sink(&sel, &["web"]);
+        stale.live.store(false, Ordering::Release);
+        stale.replace(HashMap::new());
+        assert!(!sel.lock().wanted[&web].slices_known);
     }
 
     #[test]
