@@ -3,6 +3,7 @@
 //!
 //! # Layout
 //!
+//! - [`client`]: Kubernetes clients whose connections send at once (`TCP_NODELAY`).
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`retry`]: the retry delays of a failed watch.
 //! - [`discovery`]: which version of an MCS kind a cluster serves and we read.
@@ -13,6 +14,7 @@
 //! - [`cluster_id`]: what a cluster id may be.
 #![forbid(unsafe_code)]
 
+pub mod client;
 pub mod cluster_id;
 pub mod discovery;
 pub mod http;

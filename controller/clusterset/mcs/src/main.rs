@@ -161,7 +161,7 @@ async fn cluster_id_from_property() -> anyhow::Result<String> {
     let config = kube::Config::infer().await.context(
         "no --cluster-id, and no in-cluster config or KUBECONFIG to read the ClusterProperty",
     )?;
-    let client = kube::Client::try_from(config)?;
+    let client = mcs_runtime::client::client(config)?;
     let api: kube::Api<mcs_api::ClusterProperty> = kube::Api::all(client);
     let cp = api
         .get_opt(mcs_api::CLUSTER_ID_PROPERTY)
@@ -223,7 +223,7 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         )
         .await
         .with_context(|| format!("context {id}"))?;
-        members.push((id, kube::Client::try_from(config)?));
+        members.push((id, mcs_runtime::client::client(config)?));
     }
     if !members.iter().any(|(id, _)| *id == cluster_id) {
         let config = kube::Config::infer().await.with_context(|| {
@@ -233,7 +233,7 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                 args.clusterset_kubeconfig.display()
             )
         })?;
-        members.push((cluster_id.clone(), kube::Client::try_from(config)?));
+        members.push((cluster_id.clone(), mcs_runtime::client::client(config)?));
     }
     tracing::info!(
         cluster = %cluster_id,
