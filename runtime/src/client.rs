@@ -5,7 +5,9 @@
 //! makes while its connections are all held by watches, so that wait was on the path of
 //! every new export. This builds the same stack as kube's (TLS, timeouts, base URI, the
 //! retry of 429/503 answers, authentication, extra headers) over a connector with
-//! `TCP_NODELAY`; a kubeconfig that names a proxy gets kube's own client.
+//! `TCP_NODELAY`; a kubeconfig that names a proxy gets kube's own client (built without
+//! proxy support here, it refuses it as before). Left out of kube's stack: its per-request
+//! debug spans.
 
 use hyper_timeout::TimeoutConnector;
 use hyper_util::{client::legacy::connect::HttpConnector, rt::TokioExecutor};

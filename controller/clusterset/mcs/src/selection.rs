@@ -12,8 +12,8 @@
 //!   [`MAX_NAMES_PER_WATCH`], by a hash keyed per process, so no tenant can aim names at one
 //!   watch). A watch whose names change is listed again (its slices only) once its last list
 //!   completed and [`RESTART_GAP`] passed; one that did not complete its list waits twice as
-//!   long each time, up to [`RESTART_GAP_MAX`], so churning names cannot keep a list from
-//!   completing. The number of watches grows when they fill and shrinks only when a quarter
+//!   long each time (also when the number of watches changes), up to [`RESTART_GAP_MAX`], so
+//!   churning names cannot keep a list that takes less than that from completing. The number of watches grows when they fill and shrinks only when a quarter
 //!   full. The store holds every slice a selector returns: a slice of an unexported Service
 //!   that shares an exported one's name in another namespace is read too (never imported:
 //!   only an export's own slices are).
@@ -56,7 +56,9 @@ use crate::store::{Sink, Store};
 pub const NAMES_PER_WATCH: usize = 128;
 
 /// The most names one watch selects (the selector travels in the request's URL: 256 names
-/// of at most 63 bytes and their commas are 16 KiB).
+/// of at most 63 bytes, their commas and the rest, percent-encoded, about 17 KB; the API
+/// server takes 1 MiB, but a proxy in front of it with an 8 KiB line limit would refuse
+/// the longest).
 pub const MAX_NAMES_PER_WATCH: usize = 2 * NAMES_PER_WATCH;
 
 /// The shortest time between two lists of one slice watch whose names changed (a burst of
@@ -252,20 +254,28 @@ impl State {
         true
     }
 
-    /// Takes the held-back exports of `keys` that are covered now.
+    /// Passes on to `exports` the held-back exports of `keys` that are covered now, while
+    /// the selection is locked (an unexport then cannot come between: it would find nothing
+    /// to remove, and the export would stay); how many.
     fn release(
         &mut self,
+        exports: &Store<LeanExport>,
         keys: impl IntoIterator<Item = ObjKey>,
-    ) -> Vec<(ObjKey, Arc<LeanExport>)> {
-        keys.into_iter()
-            .filter_map(|k| {
-                let w = self.wanted.get_mut(&k)?;
-                if !w.covered() {
-                    return None;
-                }
-                w.pending.take().map(|e| (k, e))
-            })
-            .collect()
+    ) -> usize {
+        let mut n = 0;
+        for k in keys {
+            let Some(w) = self.wanted.get_mut(&k) else {
+                continue;
+            };
+            if !w.covered() {
+                continue;
+            }
+            if let Some(e) = w.pending.take() {
+                exports.apply(k, e);
+                n += 1;
+            }
+        }
+        n
     }
 }
 
@@ -337,15 +347,11 @@ impl Selection {
         self.lock().wanted.values().filter(|w| !w.covered()).count()
     }
 
-    /// Passes on the exports covered now.
-    fn pass_on(&self, ready: Vec<(ObjKey, Arc<LeanExport>)>) {
-        if ready.is_empty() {
-            return;
+    /// Wakes the reconciler when `passed` exports were passed on.
+    fn passed(&self, passed: usize) {
+        if passed > 0 {
+            self.wake.notify_one();
         }
-        for (k, e) in ready {
-            self.exports.apply(k, e);
-        }
-        self.wake.notify_one();
     }
 }
 
@@ -369,10 +375,11 @@ impl Sink<LeanExport> for Selection {
                 covered
             }
         };
-        drop(st);
+        // Under the lock, as every write to the exports' store.
         if now {
             self.exports.apply(key, e);
         }
+        drop(st);
     }
 
     fn remove(&self, key: &ObjKey) {
@@ -383,8 +390,8 @@ impl Sink<LeanExport> for Selection {
             // them.
             self.services.remove(key);
         }
-        drop(st);
         self.exports.remove(key);
+        drop(st);
         if was {
             self.changed.notify_one();
         }
@@ -422,8 +429,8 @@ impl Sink<LeanExport> for Selection {
         if st.first_list.is_none() {
             st.first_list = Some(st.epoch);
         }
-        drop(st);
         self.exports.replace(covered);
+        drop(st);
         self.changed.notify_one();
     }
 }
@@ -481,9 +488,9 @@ impl Sink<ServiceShape> for Services {
             .filter(|(k, _)| st.wanted.contains_key(k))
             .collect();
         sel.services.replace_part(|k, _| !later.contains(k), fresh);
-        let ready = st.release(known);
+        let passed = st.release(&sel.exports, known);
         drop(st);
-        sel.pass_on(ready);
+        sel.passed(passed);
         sel.changed.notify_one();
     }
 }
@@ -507,11 +514,16 @@ struct Slices {
 
 impl Sink<EndpointSlice> for Slices {
     fn apply(&self, key: ObjKey, es: Arc<EndpointSlice>) {
-        self.selection.slices.apply(key, es);
+        // A replaced watch may deliver a few more events before it stops: dropped.
+        if self.live.load(Ordering::Acquire) {
+            self.selection.slices.apply(key, es);
+        }
     }
 
     fn remove(&self, key: &ObjKey) {
-        self.selection.slices.remove(key);
+        if self.live.load(Ordering::Acquire) {
+            self.selection.slices.remove(key);
+        }
     }
 
     fn replace(&self, fresh: HashMap<ObjKey, Arc<EndpointSlice>>) {
@@ -542,18 +554,22 @@ impl Sink<EndpointSlice> for Slices {
                 known.push(k.clone());
             }
         }
-        let ready = st.release(known);
+        let passed = st.release(&sel.exports, known);
         drop(st);
-        self.listed.store(true, Ordering::Release);
+        let first = !self.listed.swap(true, Ordering::AcqRel);
         tracing::debug!(
             bucket = bucket + 1,
             buckets,
             names = self.names.len(),
-            exports = ready.len(),
+            exports = passed,
             ms = self.started.elapsed().as_millis() as u64,
             "slice watch listed"
         );
-        sel.pass_on(ready);
+        sel.passed(passed);
+        if first {
+            // A restart waiting for this list may go now.
+            sel.changed.notify_one();
+        }
     }
 }
 
@@ -670,8 +686,17 @@ pub async fn keep_in_step(
         for name in &names {
             want[bucket_of(name, n)].insert(name.clone());
         }
+        // A watch started in place of one that had not listed waits as long as that one
+        // would have (also across a change of their number).
+        let mut carried = 0;
         if n != running.len() {
             // Every watch starts again: once each may.
+            carried = running
+                .iter()
+                .flatten()
+                .map(Bucket::restarts_after)
+                .max()
+                .unwrap_or(0);
             let at = running
                 .iter()
                 .flatten()
@@ -689,11 +714,17 @@ pub async fn keep_in_step(
                 for b in running.iter().flatten() {
                     b.live.store(false, Ordering::Release);
                 }
-                if n == 0 {
-                    // Nothing exported: nothing selected, nothing held.
-                    st.listed_names.clear();
-                    sel.slices.replace_part(|_, _| true, HashMap::new());
-                }
+                // The slices of names no longer exported go now (the new watches' lists
+                // replace the rest; a watch with no names would never list).
+                let exported: HashSet<&str> = refs.iter().copied().collect();
+                st.listed_names
+                    .retain(|name| exported.contains(name.as_str()));
+                sel.slices.replace_part(
+                    |k, es| {
+                        member_slice_service(k, es).is_none_or(|s| !exported.contains(s.1.as_str()))
+                    },
+                    HashMap::new(),
+                );
                 drop(st);
                 running = (0..n).map(|_| None).collect();
             } else {
@@ -702,7 +733,7 @@ pub async fn keep_in_step(
             }
         }
         for (b, names) in want.into_iter().enumerate() {
-            let mut restarts = 0;
+            let mut restarts = carried;
             if let Some(r) = &running[b] {
                 if r.names == names {
                     continue;
@@ -717,7 +748,14 @@ pub async fn keep_in_step(
                 r.live.store(false, Ordering::Release);
             }
             if names.is_empty() {
-                running[b] = None;
+                // None of its names exported any more: its slices go with it.
+                if running[b].take().is_some() {
+                    let _st = sel.lock();
+                    sel.slices.replace_part(
+                        |k, es| member_slice_service(k, es).is_none_or(|s| bucket_of(&s.1, n) == b),
+                        HashMap::new(),
+                    );
+                }
                 continue;
             }
             let live = Arc::new(AtomicBool::new(true));
@@ -749,6 +787,12 @@ pub async fn keep_in_step(
             .map(|(b, _)| bucket_health(b, running.len()))
             .collect();
         member.forget(&|k| k.starts_with("EndpointSlice ") && !current.contains(k));
+
+        // Nothing left to read by name (the Service watch may have read what a failed read
+        // could not): a failed read no longer counts against the member.
+        if gets.is_empty() && sel.lock().wanted.values().all(|w| w.service_known) {
+            member.ok(GET_HEALTH);
+        }
 
         // Services exported after the Service watcher listed: read by name.
         if sel.services.listed() && gets_after.is_none_or(|t| t <= Instant::now()) {
@@ -817,233 +861,13 @@ pub async fn keep_in_step(
                     }
                 }
                 w.service_known = true;
-                let ready = st.release([k]);
+                let passed = st.release(&sel.exports, [k]);
                 drop(st);
-                sel.pass_on(ready);
+                sel.passed(passed);
             }
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::store::Changes;
-
-    fn selection() -> Arc<Selection> {
-        let changes = Arc::new(Changes::default());
-        Arc::new(Selection::new(
-            Arc::new(Store::new(changes.clone(), None)),
-            Arc::new(Store::new(changes.clone(), None)),
-            Arc::new(Store::new(changes, Some(member_slice_service))),
-            Arc::new(Notify::new()),
-        ))
-    }
-
-    fn key(ns: &str, name: &str) -> ObjKey {
-        (ns.into(), name.into())
-    }
-
-    fn export() -> Arc<LeanExport> {
-        Arc::new(LeanExport::new(
-            serde_json::from_value(serde_json::json!({
-                "metadata": { "name": "x", "namespace": "shop", "generation": 1,
-                              "creationTimestamp": "2026-01-01T00:00:00Z" }
-            }))
-            .unwrap(),
-        ))
-    }
-
-    fn slice(ns: &str, name: &str, service: &str) -> Arc<EndpointSlice> {
-        Arc::new(
-            serde_json::from_value(serde_json::json!({
-                "metadata": { "name": name, "namespace": ns,
-                              "labels": { "kubernetes.io/service-name": service } },
-                "addressType": "IPv4", "endpoints": []
-            }))
-            .unwrap(),
-        )
-    }
-
-    fn slices_sink(sel: &Arc<Selection>, names: &[&str]) -> Slices {
-        let names: BTreeSet<String> = names.iter().map(|n| n.to_string()).collect();
-        let n = buckets(sel.lock().names.len());
-        Slices {
-            selection: sel.clone(),
-            bucket: bucket_of(names.iter().next().unwrap(), n),
-            buckets: n,
-            names,
-            live: Arc::new(AtomicBool::new(true)),
-            listed: Arc::new(AtomicBool::new(false)),
-            started: Instant::now(),
-        }
-    }
-
-    #[test]
-    fn names_spread_over_power_of_two_buckets_and_only_service_names_are_selected() {
-        assert_eq!(buckets(0), 0);
-        assert_eq!(buckets(1), 1);
-        assert_eq!(buckets(NAMES_PER_WATCH), 1);
-        assert_eq!(buckets(NAMES_PER_WATCH + 1), 2);
-        assert_eq!(buckets(5 * NAMES_PER_WATCH), 8);
-        assert_eq!(bucket_of("web", 8), bucket_of("web", 8));
-        assert!((0..1000).all(|i| bucket_of(&format!("s{i}"), 8) < 8));
-        for ok in ["web", "a", "a-1", &"a".repeat(63)] {
-            assert!(selectable(ok), "{ok}");
-        }
-        for bad in [
-            "",
-            "Web",
-            "1web",
-            "web-",
-            "web.v2",
-            "a,b",
-            "a)",
-            "web in",
-            &"a".repeat(64),
-        ] {
-            assert!(!selectable(bad), "{bad}");
-        }
-        let names: BTreeSet<String> = ["a".to_string(), "b".to_string()].into();
-        assert_eq!(selector(&names), "kubernetes.io/service-name in (a,b)");
-    }
-
-    #[test]
-    fn watches_grow_when_full_shrink_when_a_quarter_full_and_never_select_too_many() {
-        let names: Vec<String> = (0..2000).map(|i| format!("svc-{i}")).collect();
-        let refs = |n: usize| names[..n].iter().map(String::as_str).collect::<Vec<_>>();
-        assert_eq!(plan(&refs(0), 4), 0);
-        assert_eq!(plan(&refs(100), 0), 1);
-        assert_eq!(plan(&refs(129), 1), 2);
-        // Names coming and going at the boundary keep the watches.
-        assert_eq!(plan(&refs(100), 2), 2);
-        assert_eq!(plan(&refs(128), 2), 2);
-        // A quarter full: fewer.
-        assert_eq!(plan(&refs(60), 2), 1);
-        for n in [1, 300, 2000] {
-            let k = plan(&refs(n), 0);
-            assert!(k.is_power_of_two());
-            let mut sizes = vec![0; k];
-            for name in refs(n) {
-                sizes[bucket_of(name, k)] += 1;
-            }
-            assert!(sizes.iter().all(|s| *s <= MAX_NAMES_PER_WATCH), "{sizes:?}");
-        }
-    }
-
-    #[test]
-    fn an_export_is_passed_on_once_its_service_and_slices_are_read() {
-        let sel = selection();
-        let web = key("shop", "web");
-        Sink::replace(&*sel, HashMap::from([(web.clone(), export())]));
-        assert!(sel.exports.listed() && !sel.exports.contains(&web));
-        assert_eq!(sel.held_back(), 1);
-
-        // Services listed (the export was wanted before the list began): known.
-        let services = Services(sel.clone());
-        services.begin();
-        assert!(services.keep(&web, &ServiceShape::default()));
-        assert!(!services.keep(&key("shop", "idle"), &ServiceShape::default()));
-        services.replace(HashMap::from([
-            (web.clone(), Arc::new(ServiceShape::default())),
-            (key("shop", "idle"), Arc::new(ServiceShape::default())),
-        ]));
-        assert!(sel.services.contains(&web) && !sel.services.contains(&key("shop", "idle")));
-        assert!(!sel.exports.contains(&web), "its slices are not read yet");
-        assert!(!sel.settled());
-
-        // Its bucket listed: passed on, and the member is settled.
-        slices_sink(&sel, &["web"]).replace(HashMap::from([(
-            key("shop", "web-1"),
-            slice("shop", "web-1", "web"),
-        )]));
-        assert!(sel.exports.contains(&web));
-        assert_eq!(sel.held_back(), 0);
-        assert!(sel.settled());
-
-        // Another namespace exports the same name: its slices were listed with the name.
-        let other = key("other", "web");
-        Sink::apply(&*sel, other.clone(), export());
-        assert!(sel.lock().wanted[&other].slices_known);
-        assert!(!sel.lock().wanted[&other].service_known, "read by name");
-        assert!(!sel.exports.contains(&other));
-
-        // Unexported: its Service is dropped, the export gone.
-        Sink::remove(&*sel, &web);
-        assert!(!sel.exports.contains(&web) && !sel.services.contains(&web));
-        assert!(sel.settled(), "settled stays");
-    }
-
-    #[test]
-    fn a_member_is_settled_once_its_first_list_is_read_whatever_comes_after() {
-        let sel = selection();
-        let web = key("shop", "web");
-        Sink::replace(&*sel, HashMap::from([(web.clone(), export())]));
-        let services = Services(sel.clone());
-        services.begin();
-        services.replace(HashMap::new());
-        // A new export before the first one's slices are listed: it does not hold the
-        // member back once the first list's exports are read.
-        Sink::apply(&*sel, key("shop", "late"), export());
-        slices_sink(&sel, &["web"]).replace(HashMap::new());
-        assert!(sel.exports.contains(&web));
-        assert_eq!(sel.held_back(), 1);
-        assert!(sel.settled());
-    }
-
-    #[test]
-    fn a_read_by_name_older_than_the_watch_is_dropped_and_an_unexported_name_is_listed_again() {
-        let sel = selection();
-        Sink::replace(&*sel, HashMap::new());
-        let services = Services(sel.clone());
-        services.begin();
-        services.replace(HashMap::new());
-        let web = key("shop", "web");
-        Sink::apply(&*sel, web.clone(), export());
-        // The read is sent; the watch then says the Service was deleted.
-        sel.lock().wanted.get_mut(&web).unwrap().seen = false;
-        Services(sel.clone()).remove(&web);
-        assert!(
-            sel.lock().wanted[&web].seen,
-            "a later read result is dropped"
-        );
-        // A Service event for a key nobody wants is not kept.
-        Services(sel.clone()).apply(key("shop", "idle"), Arc::new(ServiceShape::default()));
-        assert!(!sel.services.contains(&key("shop", "idle")));
-
-        // Its name listed, then unexported and exported again: it waits for a new list.
-        slices_sink(&sel, &["web"]).replace(HashMap::new());
-        Sink::remove(&*sel, &web);
-        Sink::apply(&*sel, web.clone(), export());
-        assert!(!sel.lock().wanted[&web].slices_known);
-        // A list by a watch that was replaced meanwhile is not taken.
-        let stale = slices_sink(&sel, &["web"]);
-        stale.live.store(false, Ordering::Release);
-        stale.replace(HashMap::new());
-        assert!(!sel.lock().wanted[&web].slices_known);
-    }
-
-    #[test]
-    fn a_service_exported_while_services_are_listed_is_left_to_a_read_by_name() {
-        let sel = selection();
-        Sink::replace(&*sel, HashMap::new());
-        let services = Services(sel.clone());
-        services.begin();
-        let late = key("shop", "late");
-        // Wanted after the list began: the list may have passed over its Service.
-        Sink::apply(&*sel, late.clone(), export());
-        services.replace(HashMap::new());
-        assert!(!sel.lock().wanted[&late].service_known);
-        assert!(sel.services.listed());
-    }
-
-    #[test]
-    fn an_export_no_service_can_match_is_passed_on_at_once() {
-        let sel = selection();
-        Sink::replace(&*sel, HashMap::new());
-        let odd = key("shop", "web.v2");
-        Sink::apply(&*sel, odd.clone(), export());
-        assert!(sel.exports.contains(&odd));
-        assert!(sel.lock().names.is_empty(), "never in a selector");
-    }
-}
+mod tests;
