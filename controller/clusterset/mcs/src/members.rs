@@ -34,7 +34,7 @@ use crate::budget::{MetaBudget, MetaLimits};
 use crate::held::{HeldImport, HeldSlice};
 use crate::objects::{ExportVersion, LeanExport, ObjKey, WireExport, shape};
 use crate::selection::{MemberReads, Selection, lean_member_slice, member_slice_service};
-pub use crate::store::{Changes, Dirty, Objects, Sink, Store, Touch};
+use crate::store::{Changes, Sink, Store};
 use mcs_runtime::{
     retry::WatchRetry,
     watch::{ListWatch, Next},

@@ -213,6 +213,8 @@ struct State {
     /// The names whose slices the store holds as listed (a watch's list completed with them
     /// in its selector; the store keeps every slice of theirs, in every namespace).
     listed_names: HashSet<String>,
+    /// How many wants are not covered yet (each holds its export back).
+    held: usize,
 }
 
 impl State {
@@ -222,6 +224,7 @@ impl State {
         let ok = selectable(&key.1);
         if ok {
             *self.names.entry(key.1.clone()).or_default() += 1;
+            self.held += 1;
         }
         let slices_known = !ok || self.listed_names.contains(&key.1);
         self.wanted.insert(
@@ -241,8 +244,11 @@ impl State {
     /// No longer wants `key`; whether it was wanted. A name nobody exports any more is no
     /// longer counted as listed (exported again, it waits for a list that selects it).
     fn unwant(&mut self, key: &ObjKey) -> bool {
-        if self.wanted.remove(key).is_none() {
+        let Some(w) = self.wanted.remove(key) else {
             return false;
+        };
+        if !w.covered() {
+            self.held = self.held.saturating_sub(1);
         }
         if let Some(n) = self.names.get_mut(&key.1) {
             *n -= 1;
@@ -270,11 +276,13 @@ impl State {
             if !w.covered() {
                 continue;
             }
+            // Not covered until now (a held-back export is always pending).
             if let Some(e) = w.pending.take() {
                 exports.apply(k, e);
                 n += 1;
             }
         }
+        self.held = self.held.saturating_sub(n);
         n
     }
 }
@@ -344,7 +352,7 @@ impl Selection {
 
     /// How many exports are held back (their Service or slices not read yet).
     pub fn held_back(&self) -> usize {
-        self.lock().wanted.values().filter(|w| !w.covered()).count()
+        self.lock().held
     }
 
     /// Wakes the reconciler when `passed` exports were passed on.

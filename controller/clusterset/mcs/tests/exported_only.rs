@@ -52,13 +52,7 @@ fn a_member_s_unexported_services_and_their_slices_are_never_read() {
         let _ctl2 = start_controller("c2", kc);
 
         // Imported into c1 with c2's endpoint.
-        until("web's endpoint imported into c1", || async {
-            endpoints(k1, "web")
-                .await
-                .contains(&"198.18.2.2".to_string())
-                .then_some(())
-        })
-        .await;
+        imported(k1, "web", "198.18.2.2", "web's endpoint imported into c1").await;
         let held = |kind: &str| member_metric(port, "mcs_controller_member_objects", "c2", kind);
         let received =
             |kind: &str| member_metric(port, "mcs_controller_member_watch_objects", "c2", kind);
@@ -84,12 +78,12 @@ fn a_member_s_unexported_services_and_their_slices_are_never_read() {
             set_address(&slices2, &format!("idle-{i}-abcde"), "198.18.2.11").await;
         }
         set_address(&slices2, "web-abcde", "198.18.2.9").await;
-        until("web's new endpoint imported into c1", || async {
-            endpoints(k1, "web")
-                .await
-                .contains(&"198.18.2.9".to_string())
-                .then_some(())
-        })
+        imported(
+            k1,
+            "web",
+            "198.18.2.9",
+            "web's new endpoint imported into c1",
+        )
         .await;
         let after = received("EndpointSlice");
         assert!(
@@ -100,13 +94,7 @@ fn a_member_s_unexported_services_and_their_slices_are_never_read() {
 
         // A Service exported later is read by name, its slices by a new selector.
         create(k2, NS, export("idle-7")).await;
-        until("idle-7 imported into c1", || async {
-            endpoints(k1, "idle-7")
-                .await
-                .contains(&"198.18.2.11".to_string())
-                .then_some(())
-        })
-        .await;
+        imported(k1, "idle-7", "198.18.2.11", "idle-7 imported into c1").await;
         until("two Services held", || async {
             (held("Service") == 2.0).then_some(())
         })
@@ -136,18 +124,24 @@ fn a_member_s_unexported_services_and_their_slices_are_never_read() {
         })
         .await;
         create(k2, NS, export("web")).await;
-        until("web imported into c1 again", || async {
-            endpoints(k1, "web")
-                .await
-                .contains(&"198.18.2.9".to_string())
-                .then_some(())
-        })
-        .await;
+        imported(k1, "web", "198.18.2.9", "web imported into c1 again").await;
         assert_eq!(
             member_metric(port, "mcs_controller_member_exports_held_back", "c2", ""),
             0.0
         );
     });
+}
+
+/// Waits until cluster `k`'s MCS slices of `name` hold `addr` (`what` names the wait).
+async fn imported(k: &Client, name: &str, addr: &str, what: &str) {
+    until(what, || async {
+        endpoints(k, name)
+            .await
+            .iter()
+            .any(|a| a == addr)
+            .then_some(())
+    })
+    .await;
 }
 
 /// The addresses of the MCS slices of `name` in cluster `k`.
