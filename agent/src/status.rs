@@ -42,9 +42,18 @@ pub(crate) fn status(args: &StatusArgs) -> anyhow::Result<ExitCode> {
                 .collect();
             let _ = writeln!(out, "map entries: {}", fill.join(", "));
             for (f, backends) in &p.frontends {
-                let _ = writeln!(out, "{f}  ({} backends)", backends.len());
+                let fallback = p.fallbacks.get(f).map_or(&[][..], Vec::as_slice);
+                let _ = writeln!(
+                    out,
+                    "{f}  ({} backends, {} fallback)",
+                    backends.len(),
+                    fallback.len()
+                );
                 for b in backends {
                     let _ = writeln!(out, "  {b}");
+                }
+                for b in fallback {
+                    let _ = writeln!(out, "  {b}  (fallback)");
                 }
             }
             print_out(out.trim_end())?;

@@ -768,3 +768,150 @@ fn random_payloads_arrive_byte_exact_both_ways_through_the_socket_lb() {
     });
     assert_eq!((r.ok, r.failed), (n, 0), "{:?}", r.error);
 }
+
+/// An address in the fixture's namespace where nothing listens: a connect to it is refused.
+fn refusing(f: &Fixture, addr: &str) -> SocketAddr {
+    let l =
+        f.ns.run(|| std::net::TcpListener::bind(addr))
+            .unwrap()
+            .expect("bind");
+    l.local_addr().unwrap()
+}
+
+/// `count` new TCP connections to `to`, one after the other, from one process of the pod.
+fn tcp_loop(f: &Fixture, to: &str, count: u32) -> mcs_test_support::probe::ProbeResult {
+    f.probe(&Probe::TcpLoop {
+        to: to.parse().unwrap(),
+        count,
+        interval_ms: 0,
+    })
+}
+
+fn failed_marks(f: &Fixture) -> usize {
+    read_pinned(f.pins.path()).unwrap().maps[mcs_ebpf_common::FAILED_MAP].entries
+}
+
+#[test]
+fn a_backend_that_refuses_costs_its_pod_one_failed_connect_then_others_serve() {
+    let Some(f) = Fixture::new("bpf") else {
+        return;
+    };
+    let alive = f.tcp_backend("127.0.0.1:0");
+    let dead = refusing(&f, "127.0.0.1:0");
+    let dead2 = refusing(&f, "127.0.0.1:0");
+    let fallback = f.tcp_backend("127.0.0.1:0");
+    let alive6 = f.tcp_backend("[::1]:0");
+    let dead6 = refusing(&f, "[::1]:0");
+    let mut lb = open_attached(&f);
+
+    // One of two selected backends refuses: the pod's first connect to it fails and marks
+    // it; the pod's next connects go to the other (without passive health half of them
+    // would fail).
+    lb.set_service("198.18.0.10:80".parse().unwrap(), L4::Tcp, &[alive, dead])
+        .unwrap();
+    let r = tcp_loop(&f, "198.18.0.10:80", 40);
+    assert!(r.failed <= 1 && r.ok + r.failed == 40, "{r:?}");
+    if r.failed == 1 {
+        assert_eq!(failed_marks(&f), 1, "the refused backend is marked");
+    }
+
+    // Every selected backend refuses: the fallback one (another cluster's) takes the
+    // connections after at most one failure per dead backend.
+    lb.set_service_staged(
+        "198.18.0.11:80".parse().unwrap(),
+        L4::Tcp,
+        &[dead, dead2],
+        &[fallback],
+        None,
+    )
+    .unwrap();
+    let read = read_pinned(f.pins.path()).unwrap();
+    assert_eq!(
+        read.fallbacks["198.18.0.11:80/TCP"],
+        vec![fallback.to_string()]
+    );
+    assert_eq!(read.frontends["198.18.0.11:80/TCP"].len(), 2);
+    let r = tcp_loop(&f, "198.18.0.11:80", 40);
+    assert!(r.failed <= 2 && r.ok >= 38, "{r:?}");
+    assert!(failed_marks(&f) >= 2, "both refusing backends are marked");
+    let r = f.probe(&tcp("198.18.0.11:80"));
+    assert_eq!(
+        r.reply,
+        format!("backend {} got hi", fallback.port()),
+        "{r:?}"
+    );
+    assert_eq!(r.peer, Some("198.18.0.11:80".parse().unwrap()), "{r:?}");
+    // The fallback backend is not selected: UDP stickiness and membership ignore it.
+    assert_eq!(
+        read.maps[mcs_ebpf_common::MEMBER_MAP].entries,
+        4,
+        "members: two frontends of two selected backends"
+    );
+
+    // IPv6 alike.
+    lb.set_service(
+        "[2001:2::10]:80".parse().unwrap(),
+        L4::Tcp,
+        &[alive6, dead6],
+    )
+    .unwrap();
+    let r = tcp_loop(&f, "[2001:2::10]:80", 40);
+    assert!(r.failed <= 1 && r.ok + r.failed == 40, "{r:?}");
+
+    // The dead backend comes back: once its mark ends a connect probes it, it answers, and
+    // the mark is gone (polled within a bound: the mark lasts 1 s, doubling per failure).
+    let marked = failed_marks(&f);
+    mcs_test_support::socket_lb::tcp_backend(&f.ns, &dead.to_string());
+    let back = format!("backend {} got hi", dead.port());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(40);
+    let mut answered = false;
+    while std::time::Instant::now() < deadline {
+        if f.probe(&tcp("198.18.0.10:80")).reply == back {
+            answered = true;
+            break;
+        }
+    }
+    assert!(
+        answered,
+        "a backend that answers again gets connections again"
+    );
+    assert_eq!(
+        failed_marks(&f),
+        marked - 1,
+        "a connect that succeeds ends the mark"
+    );
+}
+
+#[test]
+fn a_blackholed_backend_costs_its_pod_one_slow_connect() {
+    let Some(f) = Fixture::new("bpf") else {
+        return;
+    };
+    let alive = f.tcp_backend("127.0.0.1:0");
+    let hole = refusing(&f, "127.0.0.1:0");
+    // Packets to the hole's port are dropped (no reset): only the SYN's retransmission
+    // timeout tells. The rule lives in the fixture's namespace and goes with it.
+    let rule = format!(
+        "add table inet mcs_test_hole\n\
+         add chain inet mcs_test_hole out {{ type filter hook output priority 0; }}\n\
+         add rule inet mcs_test_hole out tcp dport {} drop\n",
+        hole.port()
+    );
+    let mut nft = f.ns.command("nft");
+    nft.args(["-f", "-"]).stdin(std::process::Stdio::piped());
+    let mut child = nft.spawn().expect("nft");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(rule.as_bytes())
+        .unwrap();
+    assert!(child.wait().unwrap().success(), "nft rule");
+    let mut lb = open_attached(&f);
+    lb.set_service("198.18.0.12:80".parse().unwrap(), L4::Tcp, &[alive, hole])
+        .unwrap();
+    // Each connect to the hole waits the probe's connect timeout (5 s); its first SYN
+    // retransmission (1 s) marks the hole, so later connects of the pod go to `alive`.
+    let r = tcp_loop(&f, "198.18.0.12:80", 30);
+    assert!(r.failed <= 1 && r.ok + r.failed == 30, "{r:?}");
+}

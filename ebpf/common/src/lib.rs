@@ -21,9 +21,25 @@
 //! new count) last, and free stale slots after that, so a concurrent `connect()` never sees a
 //! count that points to a missing slot.
 //!
+//! Slot 0's [`SvcValue::backend_id`] holds the number of **fallback** slots that follow the
+//! selected ones: `count+1..=count+fallback` name backends (another zone's, another
+//! cluster's) that a connect is sent to only when every selected backend it tried failed on
+//! this pod lately (see the failed map). Programs from before fallback slots read only
+//! `1..=count` and never see them.
+//!
 //! # Backends map (`MCS_BE4_V1`)
 //!
 //! Backend id (`u32`, never 0) → [`Backend4`].
+//!
+//! # Failed map (`MCS_FAILED_V1`)
+//!
+//! Passive health, per client pod: [`FailedKey`] (the client's network namespace and a
+//! backend address) → [`FailedValue`]. The `sock_ops` program marks a backend when a
+//! translated TCP connect to it fails (its SYN answered by a reset or unreachable, or
+//! unanswered for one retransmission timeout); the connect hook then sends that pod's new
+//! connections to another backend until the mark ends ([`failed_for_ns`]: 1 s doubling to
+//! 30 s). An ended mark is lent to one connect as a probe; a connect that succeeds removes it.
+//! Keyed by the pod, so no pod can steer another pod's traffic by failing its own connects.
 #![no_std]
 // `unsafe` is denied (workspace lint) and allowed only in the `pod` module below, which says why.
 
@@ -73,8 +89,35 @@ pub const QUOTA_MAP_MAX_ENTRIES: u32 = 65_536;
 pub const NETNS_QUOTA_PER_WINDOW: u32 = 4_096;
 /// The quota window, in nanoseconds.
 pub const NETNS_QUOTA_WINDOW_NS: u64 = 1_000_000_000;
+/// Name of the failed-connect LRU map (client netns + backend → [`FailedValue`]).
+pub const FAILED_MAP: &str = "MCS_FAILED_V1";
+/// Entries of the failed-connect LRU map.
+pub const FAILED_MAP_MAX_ENTRIES: u32 = 65_536;
+/// How long a first failed connect keeps a backend skipped, in nanoseconds.
+pub const FAILED_FIRST_NS: u64 = 1_000_000_000;
+/// The longest a backend stays skipped after failures in a row, in nanoseconds.
+pub const FAILED_MAX_NS: u64 = 30_000_000_000;
+/// How long an ended mark is lent to the connect that probes it (the pod's other connects skip
+/// the backend meanwhile), in nanoseconds: the probe's outcome ends the lease sooner.
+pub const PROBE_LEASE_NS: u64 = 2_000_000_000;
+/// Other slots of a stage a connect tries when its first choice is skipped.
+pub const REPICKS_PER_STAGE: u32 = 8;
+
+/// How long a backend is skipped after `failures` failed connects in a row (at least 1):
+/// 1 s, 2 s, 4 s, 8 s, 16 s, then 30 s.
+pub const fn failed_for_ns(failures: u32) -> u64 {
+    let doublings = if failures == 0 { 0 } else { failures - 1 };
+    let doublings = if doublings > 5 { 5 } else { doublings };
+    let ns = FAILED_FIRST_NS << doublings;
+    if ns > FAILED_MAX_NS {
+        FAILED_MAX_NS
+    } else {
+        ns
+    }
+}
+
 /// Every map, for pinning and status.
-pub const ALL_MAPS: [&str; 11] = [
+pub const ALL_MAPS: [&str; 12] = [
     SVC4_MAP,
     BE4_MAP,
     SVC6_MAP,
@@ -86,6 +129,7 @@ pub const ALL_MAPS: [&str; 11] = [
     UDP_STICKY_MAP,
     MEMBER_MAP,
     QUOTA_MAP,
+    FAILED_MAP,
 ];
 /// Entries of each reverse-NAT LRU map.
 pub const REVNAT_MAP_MAX_ENTRIES: u32 = 262_144;
@@ -185,11 +229,12 @@ pub struct MemberKey {
 }
 
 /// Value of the services map. Slot 0 uses `count`, `flags`, `affinity_timeout_s`,
-/// `rev_nat_id`; slots 1.. use `backend_id`. Host byte order throughout.
+/// `rev_nat_id` and holds the number of fallback slots in `backend_id` (see
+/// [`SvcValue::fallback_count`]); slots 1.. use `backend_id`. Host byte order throughout.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SvcValue {
-    /// Backend id (slots 1..), 0 in slot 0.
+    /// Backend id (slots 1..); in slot 0 the number of fallback slots after `count`.
     pub backend_id: u32,
     /// Number of backend slots (slot 0).
     pub count: u16,
@@ -201,6 +246,42 @@ pub struct SvcValue {
     pub affinity_timeout_s: u32,
     /// Id that maps a translated socket back to this frontend (slot 0).
     pub rev_nat_id: u32,
+}
+
+impl SvcValue {
+    /// Slot 0: the number of fallback slots (`count+1..=count+fallback`).
+    pub const fn fallback_count(&self) -> u32 {
+        self.backend_id
+    }
+}
+
+/// Key of the failed map: a client pod (its network namespace) and a backend it connected to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FailedKey {
+    /// `bpf_get_netns_cookie()` of the client socket.
+    pub netns_cookie: u64,
+    /// Backend address, network byte order (IPv4 in word 0, rest 0; an IPv4-mapped IPv6
+    /// backend is keyed as IPv4).
+    pub addr: [u32; 4],
+    /// Backend port, network byte order.
+    pub port: u16,
+    /// 4 or 6.
+    pub family: u8,
+    /// Always 0.
+    pub _pad0: [u8; 5],
+}
+
+/// Value of the failed map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FailedValue {
+    /// `bpf_ktime_get_ns()` until which the backend is skipped (or lent to a probe).
+    pub until_ns: u64,
+    /// Failed connects in a row (failures while marked are not counted).
+    pub failures: u32,
+    /// 1 while the mark has ended and one connect probes the backend, else 0.
+    pub probing: u32,
 }
 
 /// Value of the backends map, IPv4.
@@ -374,6 +455,8 @@ mod pod {
     unsafe impl aya::Pod for super::MaglevKey {}
     unsafe impl aya::Pod for super::MemberKey {}
     unsafe impl aya::Pod for super::NetnsQuota {}
+    unsafe impl aya::Pod for super::FailedKey {}
+    unsafe impl aya::Pod for super::FailedValue {}
 }
 
 #[cfg(test)]
@@ -397,6 +480,15 @@ mod tests {
         assert_eq!(size_of::<RevNat6Value>(), 16 + 2 + 2);
         assert_eq!(size_of::<AffinityKey>(), 8 + 16 + 2 + 1 + 1 + 4);
         assert_eq!(size_of::<AffinityValue>(), 8 + 4 + 2 + 2 + 16);
+        assert_eq!(size_of::<FailedKey>(), 8 + 16 + 2 + 1 + 5);
+        assert_eq!(size_of::<FailedValue>(), 8 + 4 + 4);
+    }
+
+    #[test]
+    fn a_backend_is_skipped_longer_after_each_failure_in_a_row_up_to_30_s() {
+        let secs: [u64; 8] = core::array::from_fn(|i| failed_for_ns(i as u32) / 1_000_000_000);
+        assert_eq!(secs, [1, 1, 2, 4, 8, 16, 30, 30]);
+        assert_eq!(failed_for_ns(u32::MAX), FAILED_MAX_NS);
     }
 
     #[test]

@@ -11,6 +11,12 @@
 //! - `recvmsg4/6` (UDP source address) and `getpeername4/6`: a backend address of this socket
 //!   is shown as the VIP the application asked for.
 //!
+//! - `sock_ops` (TCP sockets the connect hooks translated): passive health. A connect that
+//!   fails (SYN answered by a reset or unreachable, or unanswered for one retransmission
+//!   timeout) marks its backend failed for the client's pod; the connect hooks send that pod's
+//!   new TCP connections to another selected backend, else to a fallback one, while the mark
+//!   holds (see `mcs-ebpf-common`'s failed map).
+//!
 //! Anything that is not a frontend is left untouched. Every program returns 1 (proceed): the
 //! load balancer never refuses a syscall.
 #![no_std]
@@ -21,16 +27,24 @@
 
 use aya_ebpf::{
     EbpfContext as _,
-    bindings::bpf_sock_addr,
+    bindings::{
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_RTO_CB_FLAG,
+        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
+        BPF_TCP_CLOSE, BPF_TCP_SYN_SENT, bpf_sock_addr,
+    },
     helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns},
-    macros::{cgroup_sock_addr, map},
+    macros::{cgroup_sock_addr, map, sock_ops},
     maps::{HashMap, LruHashMap},
-    programs::SockAddrContext,
+    programs::{SockAddrContext, SockOpsContext},
 };
 use mcs_ebpf_common::{
     AFFINITY_MAP_MAX_ENTRIES, AffinityKey, AffinityValue, BE_MAP_MAX_ENTRIES, Backend4, Backend6,
     REVNAT_MAP_MAX_ENTRIES, RevNat4Key, RevNat4Value, RevNat6Key, RevNat6Value, SVC_FLAG_AFFINITY,
     SVC_MAP_MAX_ENTRIES, Svc4Key, Svc6Key, SvcValue, proto,
+};
+use mcs_ebpf_common::{
+    FAILED_MAP_MAX_ENTRIES, FailedKey, FailedValue, MAX_BACKENDS_PER_SVC, PROBE_LEASE_NS,
+    REPICKS_PER_STAGE, failed_for_ns,
 };
 use mcs_ebpf_common::{MAGLEV_MAP_MAX_ENTRIES, MAGLEV_TABLE_SIZE, MaglevKey, SVC_FLAG_MAGLEV};
 use mcs_ebpf_common::{
@@ -77,11 +91,21 @@ static MCS_MEMBER_V1: HashMap<MemberKey, u32> =
 static MCS_NETNS_QUOTA_V1: LruHashMap<u64, NetnsQuota> =
     LruHashMap::pinned(QUOTA_MAP_MAX_ENTRIES, 0);
 
-/// Whether this socket's pod may create one more entry in the shared LRU maps now: at most
-/// `NETNS_QUOTA_PER_WINDOW` per window and network namespace (approximate across CPUs). A pod
-/// over its quota is still translated; only its new reverse/stickiness entries are skipped.
+#[map(name = "MCS_FAILED_V1")]
+static MCS_FAILED_V1: LruHashMap<FailedKey, FailedValue> =
+    LruHashMap::pinned(FAILED_MAP_MAX_ENTRIES, 0);
+
+/// Whether this socket's pod may create one more entry in the shared LRU maps now (see
+/// [`new_entry_allowed_in`]).
 fn new_entry_allowed(ctx: &SockAddrContext) -> bool {
-    let ns = netns_cookie(ctx);
+    new_entry_allowed_in(netns_cookie(ctx))
+}
+
+/// Whether the pod of network namespace `ns` may create one more entry in the shared LRU maps
+/// now: at most `NETNS_QUOTA_PER_WINDOW` per window and network namespace (approximate across
+/// CPUs). A pod over its quota is still translated; only its new reverse, stickiness and
+/// failed-connect entries are skipped.
+fn new_entry_allowed_in(ns: u64) -> bool {
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     match MCS_NETNS_QUOTA_V1.get_ptr_mut(&ns) {
@@ -220,8 +244,106 @@ fn pick(count: u16) -> u16 {
     (unsafe { bpf_get_prandom_u32() } % u32::from(count)) as u16 + 1
 }
 
+/// The failed map's key of backend `addr:port` for the pod of network namespace `ns`.
+fn failed_key(ns: u64, addr: [u32; 4], port: u16, family: u8) -> FailedKey {
+    FailedKey {
+        netns_cookie: ns,
+        addr,
+        port,
+        family,
+        _pad0: [0; 5],
+    }
+}
+
+/// Whether this pod's connects to the backend of `key` failed lately (its mark holds). An
+/// ended mark is lent to this connect as a probe: the pod's other connects skip the backend
+/// until the probe's outcome (or `PROBE_LEASE_NS`).
+fn skipped(key: &FailedKey, now: u64) -> bool {
+    let Some(v) = MCS_FAILED_V1.get_ptr_mut(key) else {
+        return false;
+    };
+    // SAFETY: a valid pointer into the map value, used at once.
+    let v = unsafe { &mut *v };
+    if now < v.until_ns {
+        return true;
+    }
+    v.until_ns = now + PROBE_LEASE_NS;
+    v.probing = 1;
+    false
+}
+
+/// Another backend of the IPv4 frontend of `k` (the client pod's affinity key: its network
+/// namespace and the frontend) among slots `first..first+slots` (one
+/// stage: the selected ones, or the fallback ones) that this pod did not fail on lately: up to
+/// `REPICKS_PER_STAGE` slots from a random one, so the flows of a failed backend spread.
+#[inline(never)]
+fn repick4(k: &AffinityKey, now: u64, first: u16, slots: u16) -> Option<(u32, u32, u16)> {
+    let (vip, port, p, ns) = (k.vip[0], k.port, k.proto, k.netns_cookie);
+    if slots == 0 {
+        return None;
+    }
+    let n = u32::from(slots);
+    // SAFETY: helper without arguments.
+    let start = unsafe { bpf_get_prandom_u32() } % n;
+    let mut i = 0;
+    while i < REPICKS_PER_STAGE && i < n {
+        let slot = first + ((start + i) % n) as u16;
+        // SAFETY: values copied out before the next map call.
+        if let Some(s) = unsafe { MCS_SVC4_V1.get(&Svc4Key::new(vip, port, p, slot)) } {
+            let id = s.backend_id;
+            if let Some(be) = unsafe { MCS_BE4_V1.get(&id) } {
+                let (addr, bport) = (be.addr, be.port);
+                if !skipped(&failed_key(ns, [addr, 0, 0, 0], bport, 4), now) {
+                    return Some((id, addr, bport));
+                }
+            }
+        }
+        i += 1;
+    }
+    None
+}
+
+/// As [`repick4`], IPv6.
+#[inline(never)]
+fn repick6(k: &AffinityKey, now: u64, first: u16, slots: u16) -> Option<(u32, [u32; 4], u16)> {
+    let (vip, port, p, ns) = (k.vip, k.port, k.proto, k.netns_cookie);
+    if slots == 0 {
+        return None;
+    }
+    let n = u32::from(slots);
+    // SAFETY: helper without arguments.
+    let start = unsafe { bpf_get_prandom_u32() } % n;
+    let mut i = 0;
+    while i < REPICKS_PER_STAGE && i < n {
+        let slot = first + ((start + i) % n) as u16;
+        // SAFETY: values copied out before the next map call.
+        if let Some(s) = unsafe { MCS_SVC6_V1.get(&Svc6Key::new(vip, port, p, slot)) } {
+            let id = s.backend_id;
+            if let Some(be) = unsafe { MCS_BE6_V1.get(&id) } {
+                let (addr, bport) = (be.addr, be.port);
+                if !skipped(&failed_key(ns, addr, bport, 6), now) {
+                    return Some((id, addr, bport));
+                }
+            }
+        }
+        i += 1;
+    }
+    None
+}
+
+/// The number of fallback slots of a frontend, bounded so that slot numbers stay in `u16`.
+fn fallback_slots(svc: &SvcValue) -> u16 {
+    let n = svc.fallback_count();
+    if n > u32::from(MAX_BACKENDS_PER_SVC) {
+        MAX_BACKENDS_PER_SVC
+    } else {
+        n as u16
+    }
+}
+
 /// The IPv4 backend (address, port; network byte order) of frontend `vip:port`/`p` for this
 /// connection: the client's affinity entry while it holds, else a Maglev or random choice.
+#[inline(never)]
 fn select4(ctx: &SockAddrContext, p: u8, vip: u32, port: u16) -> Result<(u32, u16), Skip> {
     // SAFETY: values are copied out before any other map call.
     let svc =
@@ -307,12 +429,103 @@ fn select4(ctx: &SockAddrContext, p: u8, vip: u32, port: u16) -> Result<(u32, u1
     Ok((addr, bport))
 }
 
+/// Passive health (TCP): if this pod failed on the backend `chosen` lately, another selected
+/// backend of the IPv4 frontend `vip:port`/`p` takes the connect, else a fallback one (and
+/// the client's affinity follows); if every one tried failed lately, `chosen` stands. Not
+/// inlined, beside the selection rather than in it, for the verifier's 512-byte stack.
+#[inline(never)]
+fn healthy4(ctx: &SockAddrContext, p: u8, vip: u32, port: u16, chosen: &mut (u32, u16)) {
+    if p != proto::TCP {
+        return;
+    }
+    let ns = netns_cookie(ctx);
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if !skipped(&failed_key(ns, [chosen.0, 0, 0, 0], chosen.1, 4), now) {
+        return;
+    }
+    // SAFETY: values copied out.
+    let Some(svc) = (unsafe { MCS_SVC4_V1.get(&Svc4Key::new(vip, port, p, 0)) }) else {
+        return;
+    };
+    let (count, flags, fallback) = (svc.count, svc.flags, fallback_slots(svc));
+    let akey = AffinityKey {
+        netns_cookie: ns,
+        vip: [vip, 0, 0, 0],
+        port,
+        proto: p,
+        family: 4,
+        _pad0: [0; 4],
+    };
+    let Some((id, addr, bport)) =
+        repick4(&akey, now, 1, count).or_else(|| repick4(&akey, now, count + 1, fallback))
+    else {
+        return;
+    };
+    if flags & SVC_FLAG_AFFINITY != 0 {
+        let v = AffinityValue {
+            last_used_ns: now,
+            backend_id: id,
+            port: bport,
+            _pad0: [0; 2],
+            addr: [addr, 0, 0, 0],
+        };
+        let _ = MCS_AFFINITY_V1.insert(&akey, &v, 0);
+    }
+    *chosen = (addr, bport);
+}
+
+/// As [`healthy4`], IPv6.
+#[inline(never)]
+fn healthy6(ctx: &SockAddrContext, p: u8, vip: &[u32; 4], port: u16, chosen: &mut ([u32; 4], u16)) {
+    if p != proto::TCP {
+        return;
+    }
+    let ns = netns_cookie(ctx);
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if !skipped(&failed_key(ns, chosen.0, chosen.1, 6), now) {
+        return;
+    }
+    // SAFETY: values copied out.
+    let Some(svc) = (unsafe { MCS_SVC6_V1.get(&Svc6Key::new(*vip, port, p, 0)) }) else {
+        return;
+    };
+    let (count, flags, fallback) = (svc.count, svc.flags, fallback_slots(svc));
+    let akey = AffinityKey {
+        netns_cookie: ns,
+        vip: *vip,
+        port,
+        proto: p,
+        family: 6,
+        _pad0: [0; 4],
+    };
+    let Some((id, addr, bport)) =
+        repick6(&akey, now, 1, count).or_else(|| repick6(&akey, now, count + 1, fallback))
+    else {
+        return;
+    };
+    if flags & SVC_FLAG_AFFINITY != 0 {
+        let v = AffinityValue {
+            last_used_ns: now,
+            backend_id: id,
+            port: bport,
+            _pad0: [0; 2],
+            addr,
+        };
+        let _ = MCS_AFFINITY_V1.insert(&akey, &v, 0);
+    }
+    *chosen = (addr, bport);
+}
+
 fn translate4(ctx: &SockAddrContext) -> Result<(), Skip> {
     // SAFETY: `sock_addr` is the kernel's context for this call; the verifier checks accesses.
     let sa = unsafe { &mut *ctx.sock_addr };
     let p = l4(sa)?;
     let (vip, port) = (sa.user_ip4, sa.user_port as u16);
-    let (addr, bport) = select4(ctx, p, vip, port)?;
+    let mut chosen = select4(ctx, p, vip, port)?;
+    healthy4(ctx, p, vip, port, &mut chosen);
+    let (addr, bport) = chosen;
     let key = RevNat4Key {
         cookie: cookie(ctx),
         addr,
@@ -369,28 +582,45 @@ fn translate6(ctx: &SockAddrContext) -> Result<(), Skip> {
     let sa = unsafe { &mut *ctx.sock_addr };
     let p = l4(sa)?;
     let (vip, port) = (ip6(sa), sa.user_port as u16);
-    if vip[0] == 0 && vip[1] == 0 && vip[2] == V4_MAPPED_WORD2 {
+    let (addr, bport) = if vip[0] == 0 && vip[1] == 0 && vip[2] == V4_MAPPED_WORD2 {
         // A dual-stack socket to an IPv4 ClusterSetIP written as ::ffff:a.b.c.d: translated
         // through the IPv4 maps (one owner, one affinity with IPv4 sockets) to the mapped
         // backend; getpeername/recvmsg6 turn it back through the IPv6 reverse map.
-        let (addr, bport) = select4(ctx, p, vip[3], port)?;
-        let backend = [0, 0, V4_MAPPED_WORD2, addr];
-        let key = RevNat6Key {
-            cookie: cookie(ctx),
-            addr: backend,
-            port: bport,
-            _pad0: [0; 6],
-        };
-        let value = RevNat6Value {
-            vip,
-            port,
-            _pad0: [0; 2],
-        };
-        note_revnat6(ctx, &key, &value);
-        set_ip6(sa, backend);
-        sa.user_port = u32::from(bport);
-        return Ok(());
-    }
+        let mut chosen = select4(ctx, p, vip[3], port)?;
+        healthy4(ctx, p, vip[3], port, &mut chosen);
+        ([0, 0, V4_MAPPED_WORD2, chosen.0], chosen.1)
+    } else {
+        let mut chosen = select6(ctx, p, vip, port)?;
+        healthy6(ctx, p, &vip, port, &mut chosen);
+        chosen
+    };
+    let key = RevNat6Key {
+        cookie: cookie(ctx),
+        addr,
+        port: bport,
+        _pad0: [0; 6],
+    };
+    let value = RevNat6Value {
+        vip,
+        port,
+        _pad0: [0; 2],
+    };
+    note_revnat6(ctx, &key, &value);
+    set_ip6(sa, addr);
+    sa.user_port = u32::from(bport);
+    Ok(())
+}
+
+/// The IPv6 backend (address, port; network byte order) of frontend `vip:port`/`p`, as
+/// [`select4`]. Not inlined, as `select4`, so that the connect hook's stack stays within the
+/// verifier's 512 bytes.
+#[inline(never)]
+fn select6(
+    ctx: &SockAddrContext,
+    p: u8,
+    vip: [u32; 4],
+    port: u16,
+) -> Result<([u32; 4], u16), Skip> {
     let svc =
         unsafe { MCS_SVC6_V1.get(&Svc6Key::new(vip, port, p, 0)) }.ok_or(Skip::NotFrontend)?;
     let (count, flags, timeout_s, svc_id) =
@@ -469,21 +699,7 @@ fn translate6(ctx: &SockAddrContext) -> Result<(), Skip> {
     if udp {
         note_sticky(ctx, &skey, &v);
     }
-    let key = RevNat6Key {
-        cookie: cookie(ctx),
-        addr,
-        port: bport,
-        _pad0: [0; 6],
-    };
-    let value = RevNat6Value {
-        vip,
-        port,
-        _pad0: [0; 2],
-    };
-    note_revnat6(ctx, &key, &value);
-    set_ip6(sa, addr);
-    sa.user_port = u32::from(bport);
-    Ok(())
+    Ok((addr, bport))
 }
 
 fn reverse6(ctx: &SockAddrContext) -> Result<(), Skip> {
@@ -538,6 +754,142 @@ hook!(mcs_connect6, connect6, translate6);
 hook!(mcs_sendmsg6, sendmsg6, translate6);
 hook!(mcs_recvmsg6, recvmsg6, reverse6);
 hook!(mcs_getpeername6, getpeername6, reverse6);
+
+const AF_INET: u32 = 2;
+const AF_INET6: u32 = 10;
+
+/// The socket's peer address (IPv6), word by word: the verifier allows only 32-bit reads of
+/// the context's address fields.
+fn remote_ip6(ctx: &SockOpsContext) -> [u32; 4] {
+    // SAFETY: the kernel's context for this call; each read is one aligned 32-bit field.
+    unsafe {
+        let a = &(*ctx.ops).remote_ip6;
+        [
+            core::ptr::read_volatile(&a[0]),
+            core::ptr::read_volatile(&a[1]),
+            core::ptr::read_volatile(&a[2]),
+            core::ptr::read_volatile(&a[3]),
+        ]
+    }
+}
+
+/// The failed map's key of this socket's peer (an IPv4-mapped IPv6 peer keyed as IPv4, as the
+/// connect hooks key it).
+fn peer_key(ctx: &SockOpsContext) -> Option<FailedKey> {
+    // The kernel gives the peer's port in network order in the upper 16 bits.
+    let port = (ctx.remote_port() >> 16) as u16;
+    // SAFETY: the helper takes the program's context.
+    let ns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    match ctx.family() {
+        AF_INET => Some(failed_key(ns, [ctx.remote_ip4(), 0, 0, 0], port, 4)),
+        AF_INET6 => {
+            let a = remote_ip6(ctx);
+            if a[0] == 0 && a[1] == 0 && a[2] == V4_MAPPED_WORD2 {
+                Some(failed_key(ns, [a[3], 0, 0, 0], port, 4))
+            } else {
+                Some(failed_key(ns, a, port, 6))
+            }
+        }
+        _ => None,
+    }
+}
+
+/// Whether a connect hook translated this socket to its peer (the reverse map knows it).
+fn translated(ctx: &SockOpsContext) -> bool {
+    // SAFETY: the helper takes the program's context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let port = (ctx.remote_port() >> 16) as u16;
+    // SAFETY: presence only.
+    unsafe {
+        match ctx.family() {
+            AF_INET => MCS_REVNAT4_V1
+                .get(&RevNat4Key {
+                    cookie,
+                    addr: ctx.remote_ip4(),
+                    port,
+                    _pad0: [0; 2],
+                })
+                .is_some(),
+            AF_INET6 => MCS_REVNAT6_V1
+                .get(&RevNat6Key {
+                    cookie,
+                    addr: remote_ip6(ctx),
+                    port,
+                    _pad0: [0; 6],
+                })
+                .is_some(),
+            _ => false,
+        }
+    }
+}
+
+/// A connect to the peer failed: marked for `failed_for_ns(failures in a row)`. Failures while
+/// the mark holds (connects already under way) are not counted; a failed probe is.
+fn connect_failed(ctx: &SockOpsContext) {
+    let Some(key) = peer_key(ctx) else {
+        return;
+    };
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    match MCS_FAILED_V1.get_ptr_mut(&key) {
+        Some(v) => {
+            // SAFETY: a valid pointer into the map value, used at once.
+            let v = unsafe { &mut *v };
+            if v.probing != 0 || now >= v.until_ns {
+                v.failures = v.failures.saturating_add(1);
+                v.until_ns = now + failed_for_ns(v.failures);
+                v.probing = 0;
+            }
+        }
+        None => {
+            if new_entry_allowed_in(key.netns_cookie) {
+                let v = FailedValue {
+                    until_ns: now + failed_for_ns(1),
+                    failures: 1,
+                    probing: 0,
+                };
+                let _ = MCS_FAILED_V1.insert(&key, &v, 0);
+            }
+        }
+    }
+}
+
+fn passive_health(ctx: &SockOpsContext) {
+    match ctx.op() {
+        BPF_SOCK_OPS_TCP_CONNECT_CB => {
+            if translated(ctx) {
+                let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
+                let _ = ctx.set_cb_flags(flags as i32);
+            }
+        }
+        BPF_SOCK_OPS_STATE_CB => {
+            if ctx.arg(0) == BPF_TCP_SYN_SENT && ctx.arg(1) == BPF_TCP_CLOSE {
+                connect_failed(ctx);
+            }
+        }
+        BPF_SOCK_OPS_RTO_CB => {
+            // SAFETY: the kernel's context for this call.
+            if unsafe { (*ctx.ops).state } == BPF_TCP_SYN_SENT {
+                connect_failed(ctx);
+            }
+        }
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {
+            if ctx.cb_flags() & BPF_SOCK_OPS_STATE_CB_FLAG != 0 {
+                if let Some(key) = peer_key(ctx) {
+                    let _ = MCS_FAILED_V1.remove(&key);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Passive health of translated TCP connects (see the module's docs).
+#[sock_ops]
+pub fn mcs_sock_ops(ctx: SockOpsContext) -> u32 {
+    passive_health(&ctx);
+    1
+}
 
 #[cfg(not(test))]
 #[panic_handler]

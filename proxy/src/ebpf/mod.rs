@@ -32,12 +32,16 @@ mod writer;
 use aya::{
     EbpfLoader,
     maps::{HashMap, IterableMap as _, MapData},
-    programs::{CgroupAttachMode, CgroupSockAddr, links::PinnedLink},
+    programs::{
+        CgroupAttachMode, CgroupSockAddr, SockOps,
+        links::{FdLink, PinnedLink},
+    },
 };
 use mcs_ebpf_common::{
     ALL_MAPS, BE4_MAP, BE6_MAP, Backend4, Backend6, MAX_BACKENDS_PER_SVC, SVC4_MAP, SVC6_MAP,
     Svc4Key, Svc6Key, SvcValue,
 };
+use mcs_ebpf_common::{FAILED_MAP, FailedKey, FailedValue};
 use mcs_ebpf_common::{
     MAGLEV_MAP, MAGLEV_MAP_MAX_ENTRIES, MAGLEV_TABLE_SIZE, MEMBER_MAP, MaglevKey, MemberKey,
     SIZED_MAP_FLAGS,
@@ -46,7 +50,8 @@ use mcs_ebpf_common::{
 /// The object built by `build.rs`, 8-byte aligned as the ELF parser wants.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/mcs-ebpf"));
 
-/// Programs in the object, each attached to the hook its section names.
+/// Programs in the object, each attached to the cgroup at the hook its section names: the
+/// socket-address hooks, then the `sock_ops` program of passive health.
 pub const PROGRAMS: &[&str] = &[
     "mcs_connect4",
     "mcs_sendmsg4",
@@ -56,7 +61,11 @@ pub const PROGRAMS: &[&str] = &[
     "mcs_sendmsg6",
     "mcs_recvmsg6",
     "mcs_getpeername6",
+    SOCK_OPS_PROGRAM,
 ];
+
+/// The `sock_ops` program (passive health of translated TCP connects).
+pub const SOCK_OPS_PROGRAM: &str = "mcs_sock_ops";
 
 /// Default pin directory.
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/mcs";
@@ -144,8 +153,10 @@ type FrontKey = (SocketAddr, L4);
 /// What the maps hold, read back from the kernel (for `mcs-agent status`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Programmed {
-    /// Frontend → backends (in slot order).
+    /// Frontend → selected backends (in slot order).
     pub frontends: BTreeMap<String, Vec<String>>,
+    /// Frontend → fallback backends (in slot order), for frontends that have any.
+    pub fallbacks: BTreeMap<String, Vec<String>>,
     /// The maps sized from the caps: entries held and the size the kernel has.
     pub maps: BTreeMap<&'static str, MapFill>,
 }
@@ -252,6 +263,46 @@ pub struct SocketLb {
     maglev_tables: std::collections::BTreeSet<u32>,
     free_svc_ids: Vec<u32>,
     next_svc_id: u32,
+}
+
+/// What is pinned at a link's path.
+enum Pinned {
+    /// A link of the program with the tag asked for: kept as it is.
+    Kept(PinnedLink),
+    /// A link of another program (another agent version), or one that cannot be read: to be
+    /// replaced.
+    Other,
+    /// Nothing.
+    None,
+}
+
+/// The link pinned at `pin`, if it runs the program whose tag is `tag` (a hash of its
+/// instructions with map references left out, the same for every load of one object).
+fn keep_pinned(pin: &Path, tag: u64) -> Pinned {
+    if !pin.exists() {
+        return Pinned::None;
+    }
+    let program_id = PinnedLink::from_pin(pin)
+        .ok()
+        .map(FdLink::from)
+        .and_then(|link| link.info().ok())
+        .map(|info| info.program_id());
+    let same = program_id.is_some_and(|id| {
+        aya::programs::loaded_programs()
+            .filter_map(Result::ok)
+            .any(|p| p.id() == id && p.tag() == tag)
+    });
+    if !same {
+        tracing::info!(link = %pin.display(), "pinned link runs another program; attaching the new one");
+        return Pinned::Other;
+    }
+    match PinnedLink::from_pin(pin) {
+        Ok(link) => Pinned::Kept(link),
+        Err(e) => {
+            tracing::warn!(link = %pin.display(), error = %e, "unusable pinned link; attaching anew");
+            Pinned::Other
+        }
+    }
 }
 
 fn pin_err(path: &Path, e: impl std::fmt::Display) -> Error {
@@ -466,45 +517,70 @@ impl SocketLb {
             source,
         })?;
         let ebpf = self.ebpf.as_mut().ok_or(Error::Missing("programs"))?;
+        let mut replaced = 0;
         for &name in PROGRAMS {
             let pin = self.pin_dir.join("links").join(name);
-            if pin.exists() {
-                match PinnedLink::from_pin(&pin) {
-                    Ok(link) => {
+            let program = ebpf.program_mut(name).ok_or(Error::Missing(name))?;
+            let perr = |source| Error::Program { name, source };
+            let fd_link: FdLink = if name == SOCK_OPS_PROGRAM {
+                let prog: &mut SockOps = program.try_into().map_err(perr)?;
+                prog.load().map_err(perr)?;
+                let tag = prog.info().map_err(perr)?.tag();
+                // A pinned link of the same program (same instructions) is kept: no detach,
+                // no gap. One of another program (an agent of another version) is replaced
+                // below, after the new one is attached.
+                match keep_pinned(&pin, tag) {
+                    Pinned::Kept(link) => {
                         self.links.push(link);
                         self.adopted_links += 1;
                         continue;
                     }
-                    Err(e) => {
-                        tracing::warn!(program = name, error = %e, "unusable pinned link; attaching anew");
-                        let _ = std::fs::remove_file(&pin);
-                    }
+                    Pinned::Other | Pinned::None => {}
                 }
+                let id = prog.attach(&file, CgroupAttachMode::Single).map_err(perr)?;
+                prog.take_link(id)
+                    .map_err(perr)?
+                    .try_into()
+                    .map_err(|e: aya::programs::links::LinkError| pin_err(&pin, e))?
+            } else {
+                let prog: &mut CgroupSockAddr = program.try_into().map_err(perr)?;
+                prog.load().map_err(perr)?;
+                let tag = prog.info().map_err(perr)?.tag();
+                match keep_pinned(&pin, tag) {
+                    Pinned::Kept(link) => {
+                        self.links.push(link);
+                        self.adopted_links += 1;
+                        continue;
+                    }
+                    Pinned::Other | Pinned::None => {}
+                }
+                // Through bpf_link (kernel ≥ 5.7): links coexist with other programs on the
+                // cgroup whatever the mode; `Single` is the flag value link_create accepts.
+                let id = prog.attach(&file, CgroupAttachMode::Single).map_err(perr)?;
+                prog.take_link(id)
+                    .map_err(perr)?
+                    .try_into()
+                    .map_err(|e: aya::programs::links::LinkError| pin_err(&pin, e))?
+            };
+            // The new program runs beside the old one (the old one translates first; the new
+            // one sees a backend address and leaves it), so removing the old pin and closing
+            // its link leaves no gap.
+            if pin.exists() {
+                std::fs::remove_file(&pin).map_err(|e| pin_err(&pin, e))?;
+                replaced += 1;
             }
-            let prog: &mut CgroupSockAddr = ebpf
-                .program_mut(name)
-                .ok_or(Error::Missing(name))?
-                .try_into()
-                .map_err(|source| Error::Program { name, source })?;
-            prog.load()
-                .map_err(|source| Error::Program { name, source })?;
-            // Through bpf_link (kernel ≥ 5.7): links coexist with other programs on the cgroup
-            // whatever the mode; `Single` is the flag value link_create accepts.
-            let id = prog
-                .attach(&file, CgroupAttachMode::Single)
-                .map_err(|source| Error::Program { name, source })?;
-            let link = prog
-                .take_link(id)
-                .map_err(|source| Error::Program { name, source })?;
-            let fd_link: aya::programs::links::FdLink = link
-                .try_into()
-                .map_err(|e: aya::programs::links::LinkError| pin_err(&pin, e))?;
             let pinned = fd_link.pin(&pin).map_err(|e| pin_err(&pin, e))?;
             let _ = std::fs::set_permissions(&pin, std::fs::Permissions::from_mode(0o600));
             pinned_now.push(pin);
             self.links.push(pinned);
         }
-        if self.adopted_links > 0 {
+        if replaced > 0 {
+            tracing::info!(
+                replaced,
+                kept = self.adopted_links,
+                "replaced pinned programs of another agent version, the new ones attached first: no gap"
+            );
+        } else if self.adopted_links > 0 {
             tracing::info!(
                 adopted = self.adopted_links,
                 "kept pinned links: no detach, no gap"
@@ -639,41 +715,54 @@ pub fn read_pinned(pin_dir: &Path) -> Result<Programmed, Error> {
     let be4: HashMap<_, u32, Backend4> = open_pinned(pin_dir, BE4_MAP, false)?;
     let svc6: HashMap<_, Svc6Key, SvcValue> = open_pinned(pin_dir, SVC6_MAP, false)?;
     let be6: HashMap<_, u32, Backend6> = open_pinned(pin_dir, BE6_MAP, false)?;
-    // Frontend text → slot → backend text.
+    // Frontend text → slot → backend text; and each frontend's selected count (slot 0).
     let mut slots: BTreeMap<String, BTreeMap<u16, String>> = BTreeMap::new();
+    let mut selected: BTreeMap<String, u16> = BTreeMap::new();
     let mut record =
-        |vip: SocketAddr, proto: u8, slot: u16, backend: Option<SocketAddr>, id: u32| {
+        |vip: SocketAddr, proto: u8, slot: u16, v: SvcValue, backend: Option<SocketAddr>| {
             let name = match L4::from_number(proto) {
                 Some(L4::Tcp) => "TCP",
                 Some(L4::Udp) => "UDP",
                 None => "?",
             };
-            let e = slots.entry(format!("{vip}/{name}")).or_default();
+            let front = format!("{vip}/{name}");
+            if slot == 0 {
+                selected.insert(front.clone(), v.count);
+            }
+            let e = slots.entry(front).or_default();
             if slot > 0 {
+                let id = v.backend_id;
                 let b =
                     backend.map_or_else(|| format!("<missing backend {id}>"), |b| b.to_string());
                 e.insert(slot, b);
             }
         };
     for (k, v) in svc4.iter().filter_map(Result::ok) {
-        let be = be4
-            .get(&v.backend_id, 0)
-            .ok()
+        let be = (k.slot > 0)
+            .then(|| be4.get(&v.backend_id, 0).ok())
+            .flatten()
             .map(|b| sock4(b.addr, b.port));
-        record(sock4(k.vip, k.port), k.proto, k.slot, be, v.backend_id);
+        record(sock4(k.vip, k.port), k.proto, k.slot, v, be);
     }
     for (k, v) in svc6.iter().filter_map(Result::ok) {
-        let be = be6
-            .get(&v.backend_id, 0)
-            .ok()
+        let be = (k.slot > 0)
+            .then(|| be6.get(&v.backend_id, 0).ok())
+            .flatten()
             .map(|b| sock6(b.addr, b.port));
-        record(sock6(k.vip, k.port), k.proto, k.slot, be, v.backend_id);
+        record(sock6(k.vip, k.port), k.proto, k.slot, v, be);
     }
-    let frontends = slots
-        .into_iter()
-        .map(|(f, s)| (f, s.into_values().collect()))
-        .collect();
+    let mut frontends = BTreeMap::new();
+    let mut fallbacks = BTreeMap::new();
+    for (f, s) in slots {
+        let count = selected.get(&f).copied().unwrap_or(u16::MAX);
+        let (sel, fall): (Vec<_>, Vec<_>) = s.into_iter().partition(|(slot, _)| *slot <= count);
+        if !fall.is_empty() {
+            fallbacks.insert(f.clone(), fall.into_iter().map(|(_, b)| b).collect());
+        }
+        frontends.insert(f, sel.into_iter().map(|(_, b)| b).collect());
+    }
     let member: HashMap<_, MemberKey, u32> = open_pinned(pin_dir, MEMBER_MAP, false)?;
+    let failed: HashMap<_, FailedKey, FailedValue> = open_pinned(pin_dir, FAILED_MAP, true)?;
     let maglev: HashMap<_, MaglevKey, u32> = open_pinned(pin_dir, MAGLEV_MAP, false)?;
     let fill = |name: &'static str, map: &MapData, entries: usize| {
         let info = map.info().map_err(|source| Error::Map { name, source })?;
@@ -692,10 +781,15 @@ pub fn read_pinned(pin_dir: &Path) -> Result<Programmed, Error> {
         fill(BE6_MAP, be6.map(), be6.keys().count())?,
         fill(MEMBER_MAP, member.map(), member.keys().count())?,
         fill(MAGLEV_MAP, maglev.map(), maglev.keys().count())?,
+        fill(FAILED_MAP, failed.map(), failed.keys().count())?,
     ]
     .into_iter()
     .collect();
-    Ok(Programmed { frontends, maps })
+    Ok(Programmed {
+        frontends,
+        fallbacks,
+        maps,
+    })
 }
 
 /// An IPv4 address and port as the maps hold them (network byte order) → `SocketAddr`.

@@ -57,15 +57,30 @@ impl SocketLb {
         backends: &[SocketAddr],
         affinity_timeout_s: Option<u32>,
     ) -> Result<(), Error> {
-        let backends: Vec<SocketAddr> = backends
-            .iter()
-            .filter(|b| b.is_ipv4() == vip.is_ipv4())
-            .copied()
-            .collect();
+        self.set_service_staged(vip, l4, backends, &[], affinity_timeout_s)
+    }
+
+    /// As [`SocketLb::set_service_with`], with `fallback` backends after the selected ones:
+    /// a TCP connect goes to one of them only when every selected backend it tried failed on
+    /// its pod lately (passive health). Fallback backends past the per-frontend maximum are
+    /// left out.
+    pub fn set_service_staged(
+        &mut self,
+        vip: SocketAddr,
+        l4: L4,
+        selected: &[SocketAddr],
+        fallback: &[SocketAddr],
+        affinity_timeout_s: Option<u32>,
+    ) -> Result<(), Error> {
+        let same_family = |b: &&SocketAddr| b.is_ipv4() == vip.is_ipv4();
+        let mut backends: Vec<SocketAddr> = selected.iter().filter(same_family).copied().collect();
         let count = u16::try_from(backends.len())
             .ok()
             .filter(|&n| n <= MAX_BACKENDS_PER_SVC)
             .ok_or(Error::TooManyBackends(backends.len()))?;
+        let room = usize::from(MAX_BACKENDS_PER_SVC - count);
+        backends.extend(fallback.iter().filter(same_family).take(room).copied());
+        let fallback_count = (backends.len() - usize::from(count)) as u32;
         // 1. Backends: one reference each (new ids get their map entry).
         let mut ids = Vec::with_capacity(backends.len());
         for be in &backends {
@@ -80,7 +95,11 @@ impl SocketLb {
             }
         }
         let old_len = self.programmed.get(&(vip, l4)).map_or(0, Vec::len);
-        if let Err(e) = self.write_frontend(vip, l4, &backends, &ids, count, affinity_timeout_s) {
+        let stages = Stages {
+            selected: count,
+            fallback: fallback_count,
+        };
+        if let Err(e) = self.write_frontend(vip, l4, &backends, &ids, stages, affinity_timeout_s) {
             // Partly written: take the frontend out whole (slot 0 first), then every slot
             // either version used, and give back both versions' references.
             self.delete_slot(vip, l4, 0);
@@ -100,21 +119,24 @@ impl SocketLb {
             }
             return Err(e);
         }
-        // 4. Delete what the previous version used beyond the new count; release its ids.
-        let kept: BTreeSet<u32> = ids.iter().copied().collect();
-        let gone: Vec<u32> = self
+        // 4. Delete what the previous version used beyond the new slots; release its ids.
+        // Membership goes for every old backend that is not selected now (one may have moved
+        // to the fallback stage).
+        let selected_now: BTreeSet<u32> = ids[..usize::from(count)].iter().copied().collect();
+        let not_selected: Vec<u32> = self
             .programmed
             .get(&(vip, l4))
             .into_iter()
             .flatten()
-            .filter(|id| !kept.contains(id))
+            .filter(|id| !selected_now.contains(id))
             .copied()
             .collect();
         if let Some(&svc_id) = self.svc_ids.get(&(vip, l4)) {
-            self.drop_members(svc_id, gone.iter());
+            self.drop_members(svc_id, not_selected.iter());
         }
+        let slots = ids.len();
         let old = self.programmed.insert((vip, l4), ids).unwrap_or_default();
-        for slot in (backends.len() + 1)..=old.len() {
+        for slot in (slots + 1)..=old.len() {
             self.delete_slot(vip, l4, slot as u16);
         }
         for id in old {
@@ -123,17 +145,24 @@ impl SocketLb {
         Ok(())
     }
 
-    /// 2. Slots, Maglev table, 3. the frontend last.
+    /// Steps 2 and 3: slots (selected, then fallback), membership and Maglev table of the
+    /// selected ones, then the frontend last.
     fn write_frontend(
         &mut self,
         vip: SocketAddr,
         l4: L4,
         backends: &[SocketAddr],
         ids: &[u32],
-        count: u16,
+        stages: Stages,
         affinity_timeout_s: Option<u32>,
     ) -> Result<(), Error> {
-        for (i, &id) in ids.iter().enumerate() {
+        let count = stages.selected;
+        let (backends, ids_all, ids) = (
+            &backends[..usize::from(count)],
+            ids,
+            &ids[..usize::from(count)],
+        );
+        for (i, &id) in ids_all.iter().enumerate() {
             self.put_slot(
                 vip,
                 l4,
@@ -197,6 +226,8 @@ impl SocketLb {
             self.delete_maglev_table(svc_id);
         }
         let front = SvcValue {
+            // Slot 0 holds the number of fallback slots (see `SvcValue::fallback_count`).
+            backend_id: stages.fallback,
             count,
             flags: flags
                 | if affinity_timeout_s.is_some() {
@@ -423,12 +454,24 @@ impl SocketLb {
         let Some((vip, l4)) = key_of(f) else {
             return Ok(());
         };
-        let backends: Vec<SocketAddr> = svc
-            .selected()
-            .map(|b| SocketAddr::new(b.address, b.port))
-            .collect();
-        self.set_service_with(vip, l4, &backends, svc.affinity.map(|a| a.timeout_seconds))
+        let addr = |b: &mcs_model::Backend| SocketAddr::new(b.address, b.port);
+        let selected: Vec<SocketAddr> = svc.selected().map(addr).collect();
+        let fallback: Vec<SocketAddr> = svc.fallback().map(addr).collect();
+        self.set_service_staged(
+            vip,
+            l4,
+            &selected,
+            &fallback,
+            svc.affinity.map(|a| a.timeout_seconds),
+        )
     }
+}
+
+/// How a frontend's slots divide: `1..=selected`, then `fallback` more.
+#[derive(Clone, Copy)]
+struct Stages {
+    selected: u16,
+    fallback: u32,
 }
 
 fn l4_of(p: Protocol) -> Option<L4> {
