@@ -49,6 +49,8 @@ const WEB_VIP6: &str = "[2001:2::100:10]:80";
 const DNS_VIP: &str = "198.18.100.12:53";
 const METRICS_PORT: u16 = 9464;
 /// Largest request a demo backend reads.
+/// Backends of the local cluster c1 that the demo stops.
+const DEAD_BACKENDS: usize = 2;
 const IO_TIMEOUT: Duration = Duration::from_secs(3);
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -552,30 +554,36 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
     step.say(&format!(
         "traffic from the client pod to the ClusterSetIPs ({n} new connections each)"
     ));
-    // Steps where every request must get its whole reply; a failure there is a bug.
+    // Steps where every request must get its whole reply but `allowed` may fail outright
+    // (none, but where a backend just died); anything more is a bug.
     let mut unexpected: Vec<String> = Vec::new();
-    let mut expect_clean = |what: &str, t: &Tally| {
-        if t.bad() > 0 {
+    let mut expect = |what: &str, t: &Tally, allowed: usize| {
+        if t.incomplete > 0 || t.failed > allowed {
             unexpected.push(format!(
-                "{dataplane}: {what}: {} failed, {} incomplete ({})",
+                "{dataplane}: {what}: {} failed, {} incomplete ({}){}",
                 t.failed,
                 t.incomplete,
-                t.first_error.as_deref().unwrap_or("?")
+                t.first_error.as_deref().unwrap_or("?"),
+                if allowed > 0 {
+                    format!("; at most {allowed} failed expected")
+                } else {
+                    String::new()
+                }
             ));
         }
     };
     let what = format!("TCP {WEB_VIP} (shop/web)");
     let mut t = tcp_requests(&sb.cli, WEB_VIP, n)?;
     let tcp = t.print(&what);
-    expect_clean(&what, &t);
+    expect(&what, &t, 0);
     let what = format!("TCP {WEB_VIP6} (shop/web, IPv6)");
     let mut t = tcp_requests(&sb.cli, WEB_VIP6, n.min(50))?;
     t.print(&what);
-    expect_clean(&what, &t);
+    expect(&what, &t, 0);
     let what = format!("UDP {DNS_VIP} (shop/dns-cache)");
     let (mut udp, from_vip) = udp_requests(&sb.cli, DNS_VIP, n.min(100))?;
     let udp_lat = udp.print(&what);
-    expect_clean(&what, &udp);
+    expect(&what, &udp, 0);
     println!(
         "      replies came from the ClusterSetIP: {}",
         if from_vip { "yes" } else { "NO" }
@@ -590,16 +598,22 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
     during.print(what);
     println!("    (c1 is still the local cluster with ready endpoints, so the agent keeps to it;");
     if dataplane == "ebpf" {
-        println!("     the socket LB rewrote connect(), so the client sees the refusal itself:");
         println!(
-            "     no silent black hole. These failures are expected, not counted against the demo.)"
+            "     the socket LB rewrote connect(), so the client sees a refusal itself, once per"
         );
+        println!(
+            "     dead backend: the kernel marks a backend that refused this pod, and the pod's next"
+        );
+        println!(
+            "     connects go to c2's fallback backends. More than {DEAD_BACKENDS} failures are counted against the demo.)"
+        );
+        expect(&format!("TCP {WEB_VIP} {what}"), &during, DEAD_BACKENDS);
     } else {
         println!(
             "     the forwarder tries c1's backends, and when each refuses, c2's take the connection:"
         );
         println!("     the client sees no failure. A failure here is counted against the demo.)");
-        expect_clean(&format!("TCP {WEB_VIP} {what}"), &during);
+        expect(&format!("TCP {WEB_VIP} {what}"), &during, 0);
     }
     println!(
         "    The MCS controller of c1 now reports its endpoints not ready (EndpointSlice update)."
@@ -653,11 +667,11 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
     let what = format!("TCP {WEB_VIP} (shop/web) after failover");
     let mut t = tcp_requests(&sb.cli, WEB_VIP, n)?;
     t.print(&what);
-    expect_clean(&what, &t);
+    expect(&what, &t, 0);
     let what = format!("UDP {DNS_VIP} (shop/dns-cache) after failover");
     let (mut udp, _) = udp_requests(&sb.cli, DNS_VIP, n.min(100))?;
     udp.print(&what);
-    expect_clean(&what, &udp);
+    expect(&what, &udp, 0);
     if let Some(e) = sb.ebpf.as_ref() {
         println!("    what the eBPF maps hold now (mcs-agent status):");
         if let Ok(p) = mcs_proxy::ebpf::read_pinned(&e.pins) {
