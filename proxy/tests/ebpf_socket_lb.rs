@@ -834,6 +834,16 @@ fn a_backend_that_refuses_costs_its_pod_one_failed_connect_then_others_serve() {
     let r = tcp_loop(&f, "198.18.0.11:80", 40);
     assert!(r.failed <= 2 && r.ok >= 38, "{r:?}");
     assert!(failed_marks(&f) >= 2, "both refusing backends are marked");
+    // `/status` lists them as skipped on this node.
+    let skipped: BTreeSet<SocketAddr> =
+        mcs_model::Dataplane::skipped(&lb, &frontend("198.18.0.11:80"), 16)
+            .into_iter()
+            .map(|s| {
+                assert!(s.failures >= 1 && s.for_ms <= 30_000, "{s:?}");
+                SocketAddr::new(s.address, s.port)
+            })
+            .collect();
+    assert_eq!(skipped, BTreeSet::from([dead, dead2]));
     let r = f.probe(&tcp("198.18.0.11:80"));
     assert_eq!(
         r.reply,

@@ -126,6 +126,11 @@ impl BackendIds {
         self.capacity = n;
     }
 
+    /// The backend a live id names.
+    pub fn backend(&self, id: u32) -> Option<BackendKey> {
+        self.live.get(&id).map(|(key, _)| *key)
+    }
+
     /// Live ids.
     pub fn live_count(&self) -> usize {
         self.live.len()

@@ -253,6 +253,9 @@ pub struct SocketLb {
     maglev_map: HashMap<MapData, MaglevKey, u32>,
     /// (frontend, backend) pairs selected now (the kernel checks UDP stickiness with it).
     member_map: HashMap<MapData, MemberKey, u32>,
+    /// Passive health: backends client pods failed on lately (written by the kernel; read
+    /// for `/status`).
+    failed_map: HashMap<MapData, FailedKey, FailedValue>,
     /// Use Maglev tables (consistent per client pod) instead of random picks.
     maglev: bool,
     /// The sizes of the maps as the kernel has them.
@@ -356,6 +359,8 @@ impl SocketLb {
             HashMap::try_from(take(&mut ebpf, MAGLEV_MAP)?).map_err(map_err(MAGLEV_MAP))?;
         let member_map =
             HashMap::try_from(take(&mut ebpf, MEMBER_MAP)?).map_err(map_err(MEMBER_MAP))?;
+        let failed_map =
+            HashMap::try_from(take(&mut ebpf, FAILED_MAP)?).map_err(map_err(FAILED_MAP))?;
         // Each sized map: its name, the size asked, and what the kernel has (an adopted pin
         // keeps the size it was made with).
         let mut have: Vec<(&'static str, u32, u32, u32)> = Vec::new();
@@ -388,6 +393,7 @@ impl SocketLb {
         let mut lb = Self {
             maglev_map,
             member_map,
+            failed_map,
             maglev: false,
             svc_ids: BTreeMap::new(),
             maglev_tables: std::collections::BTreeSet::new(),

@@ -22,6 +22,7 @@ use mcs_ebpf_common::{
 };
 use mcs_model::{
     Dataplane, DataplaneError, Frontend, Protocol, Service, TableDiff,
+    health::SkippedBackend,
     validate::{Reason, Rejection},
 };
 
@@ -589,7 +590,62 @@ impl Dataplane for SocketLb {
     fn programmed(&self, frontend: &Frontend) -> bool {
         !self.failed.contains_key(frontend)
     }
+
+    /// Backends of `frontend` that some client pod on this node skips now (a pod's failed
+    /// connect marks a backend for that pod only): per backend, the most failures in a row
+    /// and the longest wait of any pod. Reads at most [`FAILED_SCAN`] marks of the node.
+    fn skipped(&self, frontend: &Frontend, limit: usize) -> Vec<SkippedBackend> {
+        let Some(key) = key_of(frontend) else {
+            return Vec::new();
+        };
+        let Some(ids) = self.programmed.get(&key) else {
+            return Vec::new();
+        };
+        let backends: BTreeSet<SocketAddr> = ids
+            .iter()
+            .filter_map(|id| self.ids.backend(*id))
+            .map(|(addr, _)| addr)
+            .collect();
+        let Ok(now) = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC) else {
+            return Vec::new();
+        };
+        let now_ns = (now.tv_sec() as u64)
+            .saturating_mul(1_000_000_000)
+            .saturating_add(now.tv_nsec() as u64);
+        let mut by_backend: BTreeMap<SocketAddr, SkippedBackend> = BTreeMap::new();
+        for (k, v) in self
+            .failed_map
+            .iter()
+            .take(FAILED_SCAN)
+            .filter_map(Result::ok)
+        {
+            if v.until_ns <= now_ns {
+                continue;
+            }
+            let addr = match k.family {
+                4 => super::sock4(k.addr[0], k.port),
+                _ => super::sock6(k.addr, k.port),
+            };
+            if !backends.contains(&addr) {
+                continue;
+            }
+            let for_ms = (v.until_ns - now_ns) / 1_000_000;
+            let e = by_backend.entry(addr).or_insert(SkippedBackend {
+                address: addr.ip(),
+                port: addr.port(),
+                failures: 0,
+                for_ms: 0,
+            });
+            e.failures = e.failures.max(v.failures);
+            e.for_ms = e.for_ms.max(for_ms);
+        }
+        by_backend.into_values().take(limit).collect()
+    }
 }
+
+/// The most marks of the failed map one [`Dataplane::skipped`] reads (each costs two system
+/// calls; the map holds up to 65,536).
+const FAILED_SCAN: usize = 8192;
 
 /// Frontends that could not be programmed, with the service and why.
 pub(super) type Failed = BTreeMap<Frontend, (std::sync::Arc<Service>, String)>;
