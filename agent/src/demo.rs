@@ -627,25 +627,47 @@ fn story(dataplane: &str, n: usize) -> anyhow::Result<Summary> {
     let changed = Instant::now();
     std::fs::rename(&tmp, sb.dir.join("slices-c1.yaml"))?;
     let mut first_remote = None;
-    // The forwarder's fallback already sends these connections to c2; the failover is when
-    // its table selects c2 (the change applied): a request that no fallback served.
+    // Both dataplanes already send these connections to c2 as a fallback (the forwarder after
+    // each c1 backend refused, the socket LB after each refused this pod once); the failover
+    // is when the table selects c2 (the change applied): for the forwarder a request that no
+    // fallback served, for the socket LB the maps selecting only c2 for both frontends.
     let fallbacks = || {
-        if dataplane == "ebpf" {
-            return Some(0);
-        }
         let (_, metrics) = http(at, "/metrics")?;
         let series = format!("mcs_proxy_fallback_connections_total{{frontend=\"{WEB_VIP}/TCP\"}} ");
         metrics
             .lines()
             .find_map(|l| l.strip_prefix(&series)?.trim().parse::<u64>().ok())
     };
+    let maps_select_c2 = || {
+        let Some(p) = sb
+            .ebpf
+            .as_ref()
+            .and_then(|e| mcs_proxy::ebpf::read_pinned(&e.pins).ok())
+        else {
+            return false;
+        };
+        [format!("{WEB_VIP}/TCP"), format!("{DNS_VIP}/UDP")]
+            .iter()
+            .all(|f| {
+                p.frontends
+                    .get(f)
+                    .is_some_and(|b| !b.is_empty() && b.iter().all(|b| b.starts_with("198.18.2.")))
+            })
+    };
     while changed.elapsed() < Duration::from_secs(10) {
-        let before = fallbacks();
+        let before = if dataplane == "ebpf" {
+            None
+        } else {
+            fallbacks()
+        };
         let t = tcp_requests(&sb.cli, WEB_VIP, 1)?;
-        if t.by_backend.keys().any(|k| k.starts_with("c2 "))
-            && before.is_some()
-            && fallbacks() == before
-        {
+        let reached_c2 = t.by_backend.keys().any(|k| k.starts_with("c2 "));
+        let selected = if dataplane == "ebpf" {
+            maps_select_c2()
+        } else {
+            before.is_some() && fallbacks() == before
+        };
+        if reached_c2 && selected {
             first_remote = Some(changed.elapsed());
             break;
         }

@@ -925,3 +925,27 @@ fn a_blackholed_backend_costs_its_pod_one_slow_connect() {
     let r = tcp_loop(&f, "198.18.0.12:80", 30);
     assert!(r.failed <= 1 && r.ok + r.failed == 30, "{r:?}");
 }
+
+#[test]
+fn a_pinned_link_of_another_program_is_replaced_and_the_rest_kept() {
+    let Some(f) = Fixture::new("bpf") else {
+        return;
+    };
+    let be = f.tcp_backend("127.0.0.1:0");
+    drop(open_attached(&f));
+    // As an agent of another version would leave it: the link pinned as `mcs_connect4` runs
+    // another program (here: sendmsg4's; the old connect4 link goes with its pin).
+    let links = f.pins.path().join("links");
+    std::fs::rename(links.join("mcs_sendmsg4"), links.join("mcs_connect4")).unwrap();
+    let mut lb = open_attached(&f);
+    // connect4 replaced, sendmsg4 attached anew, the other seven kept.
+    assert_eq!(lb.adopted_links(), mcs_proxy::ebpf::PROGRAMS.len() - 2);
+    lb.set_service("198.18.0.10:80".parse().unwrap(), L4::Tcp, &[be])
+        .unwrap();
+    let r = f.probe(&tcp("198.18.0.10:80"));
+    assert_eq!(r.reply, format!("backend {} got hi", be.port()), "{r:?}");
+    drop(lb);
+    // A third start keeps every link: they all run this build's programs.
+    let lb = open_attached(&f);
+    assert_eq!(lb.adopted_links(), mcs_proxy::ebpf::PROGRAMS.len());
+}

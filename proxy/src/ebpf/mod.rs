@@ -279,9 +279,10 @@ enum Pinned {
     None,
 }
 
-/// The link pinned at `pin`, if it runs the program whose tag is `tag` (a hash of its
-/// instructions with map references left out, the same for every load of one object).
-fn keep_pinned(pin: &Path, tag: u64) -> Pinned {
+/// The link pinned at `pin`, if it runs the program `loaded` is: the same name (two hooks may
+/// share their code) and tag (a hash of its instructions with map references left out, the
+/// same for every load of one object).
+fn keep_pinned(pin: &Path, loaded: &aya::programs::ProgramInfo) -> Pinned {
     if !pin.exists() {
         return Pinned::None;
     }
@@ -293,7 +294,7 @@ fn keep_pinned(pin: &Path, tag: u64) -> Pinned {
     let same = program_id.is_some_and(|id| {
         aya::programs::loaded_programs()
             .filter_map(Result::ok)
-            .any(|p| p.id() == id && p.tag() == tag)
+            .any(|p| p.id() == id && p.tag() == loaded.tag() && p.name() == loaded.name())
     });
     if !same {
         tracing::info!(link = %pin.display(), "pinned link runs another program; attaching the new one");
@@ -528,45 +529,34 @@ impl SocketLb {
             let pin = self.pin_dir.join("links").join(name);
             let program = ebpf.program_mut(name).ok_or(Error::Missing(name))?;
             let perr = |source| Error::Program { name, source };
-            let fd_link: FdLink = if name == SOCK_OPS_PROGRAM {
-                let prog: &mut SockOps = program.try_into().map_err(perr)?;
-                prog.load().map_err(perr)?;
-                let tag = prog.info().map_err(perr)?.tag();
-                // A pinned link of the same program (same instructions) is kept: no detach,
-                // no gap. One of another program (an agent of another version) is replaced
-                // below, after the new one is attached.
-                match keep_pinned(&pin, tag) {
-                    Pinned::Kept(link) => {
+            // Load the program; keep a pinned link of the same program (same instructions: no
+            // detach, no gap), else attach it. One of another program (an agent of another
+            // version) is replaced below, after the new one is attached. Through bpf_link
+            // (kernel ≥ 5.7): links coexist with other programs on the cgroup whatever the
+            // mode; `Single` is the flag value link_create accepts.
+            macro_rules! load_and_attach {
+                ($kind:ty) => {{
+                    let prog: &mut $kind = program.try_into().map_err(perr)?;
+                    prog.load().map_err(perr)?;
+                    let info = prog.info().map_err(perr)?;
+                    if let Pinned::Kept(link) = keep_pinned(&pin, &info) {
                         self.links.push(link);
                         self.adopted_links += 1;
                         continue;
                     }
-                    Pinned::Other | Pinned::None => {}
-                }
-                let id = prog.attach(&file, CgroupAttachMode::Single).map_err(perr)?;
-                prog.take_link(id)
-                    .map_err(perr)?
-                    .try_into()
-                    .map_err(|e: aya::programs::links::LinkError| pin_err(&pin, e))?
+                    let id = prog.attach(&file, CgroupAttachMode::Single).map_err(perr)?;
+                    let link: FdLink = prog
+                        .take_link(id)
+                        .map_err(perr)?
+                        .try_into()
+                        .map_err(|e: aya::programs::links::LinkError| pin_err(&pin, e))?;
+                    link
+                }};
+            }
+            let fd_link = if name == SOCK_OPS_PROGRAM {
+                load_and_attach!(SockOps)
             } else {
-                let prog: &mut CgroupSockAddr = program.try_into().map_err(perr)?;
-                prog.load().map_err(perr)?;
-                let tag = prog.info().map_err(perr)?.tag();
-                match keep_pinned(&pin, tag) {
-                    Pinned::Kept(link) => {
-                        self.links.push(link);
-                        self.adopted_links += 1;
-                        continue;
-                    }
-                    Pinned::Other | Pinned::None => {}
-                }
-                // Through bpf_link (kernel ≥ 5.7): links coexist with other programs on the
-                // cgroup whatever the mode; `Single` is the flag value link_create accepts.
-                let id = prog.attach(&file, CgroupAttachMode::Single).map_err(perr)?;
-                prog.take_link(id)
-                    .map_err(perr)?
-                    .try_into()
-                    .map_err(|e: aya::programs::links::LinkError| pin_err(&pin, e))?
+                load_and_attach!(CgroupSockAddr)
             };
             // The new program runs beside the old one (the old one translates first; the new
             // one sees a backend address and leaves it), so removing the old pin and closing
