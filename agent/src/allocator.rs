@@ -29,6 +29,7 @@
 #![allow(unsafe_code)]
 
 use libmimalloc_sys::{mi_option_get, mi_option_set, mi_option_t, mi_process_info};
+use mcs_model::status::HeapInfo;
 
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -100,26 +101,8 @@ pub fn tune() -> Vec<Note> {
     notes
 }
 
-/// What the allocator says of the process, for `/status`: bytes it has committed now and at
-/// most (mimalloc estimates both on Linux from what it reserved read/write), and the RSS it
-/// sees. Beside the kernel's RSS, this tells memory the heap holds from code and stacks. And
-/// the kernel's side of the heap: whether huge pages are off, and how much sits in them.
-#[derive(Debug, serde::Serialize)]
-pub struct HeapInfo {
-    /// Committed by the allocator now.
-    pub committed_bytes: usize,
-    /// The most it ever had committed.
-    pub peak_committed_bytes: usize,
-    /// The process's resident set as the allocator reads it.
-    pub rss_bytes: usize,
-    /// Whether the process is kept off transparent huge pages (`PR_GET_THP_DISABLE`).
-    pub thp_disabled: bool,
-    /// Anonymous memory the kernel backs with huge pages now (`AnonHugePages` of
-    /// `/proc/self/smaps_rollup`; absent where that file is not readable).
-    pub anon_huge_pages_bytes: Option<u64>,
-}
-
-/// The allocator's view now.
+/// The allocator's view now: what it has committed and what it sees of the process, and the
+/// kernel's side of the heap (huge pages).
 pub fn heap_info() -> HeapInfo {
     let (mut rss, mut commit, mut peak_commit) = (0usize, 0usize, 0usize);
     // SAFETY: every out-parameter is a valid pointer to a usize or null (optional, per

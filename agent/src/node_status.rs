@@ -9,49 +9,15 @@
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
+use mcs_model::status::{AgentStatus, DnsCheck, DnsStatus};
 use mcs_runtime::http::StatusFn;
-use mcs_sync::status::{NodeStatus, StatusRequest};
-use serde::Serialize;
+use mcs_sync::status::StatusRequest;
 use tokio::sync::{mpsc, oneshot};
 
 /// How long one DNS question to the agent's own listener may take.
 const DNS_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long the sync loop may take to answer (it answers between batches).
 const SYNC_TIMEOUT: Duration = Duration::from_secs(5);
-
-#[derive(Serialize)]
-struct AgentStatus {
-    /// The agent's version.
-    version: &'static str,
-    #[serde(flatten)]
-    node: Option<NodeStatus>,
-    /// Set when the sync loop did not answer.
-    error: Option<String>,
-    /// The allocator's view of the process's memory.
-    heap: crate::allocator::HeapInfo,
-    /// What the agent's DNS listener answers (absent: the agent serves no DNS).
-    dns: Option<DnsStatus>,
-}
-
-#[derive(Serialize)]
-struct DnsStatus {
-    /// The addresses it listens on.
-    listen: Vec<String>,
-    /// The one asked.
-    asked: String,
-    /// Each question and its answer.
-    checks: Vec<DnsCheck>,
-}
-
-#[derive(Serialize)]
-struct DnsCheck {
-    name: String,
-    qtype: String,
-    /// The response code (`NoError`, `NXDomain`, ...), absent when no answer came.
-    rcode: Option<String>,
-    answers: Vec<String>,
-    error: Option<String>,
-}
 
 /// The `/status` handler: questions go to the sync loop on `tx`; DNS is asked at `dns`.
 pub(crate) fn handler(tx: mpsc::Sender<StatusRequest>, dns: Vec<SocketAddr>) -> StatusFn {
@@ -90,10 +56,10 @@ pub(crate) fn handler(tx: mpsc::Sender<StatusRequest>, dns: Vec<SocketAddr>) -> 
                 None => None,
             };
             let status = AgentStatus {
-                version: env!("CARGO_PKG_VERSION"),
+                version: env!("CARGO_PKG_VERSION").to_string(),
                 node,
                 error,
-                heap: crate::allocator::heap_info(),
+                heap: Some(crate::allocator::heap_info()),
                 dns,
             };
             serde_json::to_string_pretty(&status)

@@ -9,6 +9,10 @@ use futures::future::join_all;
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use kube::{Api, Client, api::ListParams};
 use mcs_api::{LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER, ServiceExport, ServiceImport};
+use mcs_model::{
+    Backend,
+    status::{AgentStatus, NodeStatus},
+};
 use serde_json::{Value, json};
 
 use crate::{
@@ -397,8 +401,8 @@ async fn nodes(
     let mut raw = serde_json::Map::new();
     for (pod, r) in agent_statuses(client, mcs_ns, &pods, &format!("?service={ns}/{name}")).await {
         let what = format!("node {}", pod.node);
-        let st = match r {
-            Ok(v) => v,
+        let answer = match r.and_then(|a| a.node().cloned().map(|n| (n, a))) {
+            Ok(a) => a,
             Err(e) => {
                 s.push_fix(
                     Level::Fail,
@@ -409,36 +413,35 @@ async fn nodes(
                 continue;
             }
         };
-        node_checks(s, &what, &st, import);
-        raw.insert(pod.node.clone(), st);
+        let (node, answer) = answer;
+        node_checks(s, &what, &node, import);
+        dns_checks(s, &what, &answer.status, import);
+        raw.insert(pod.node.clone(), answer.raw);
     }
     Value::Object(raw)
 }
 
-/// One agent's view: frontends programmed with selected backends, rejections, DNS.
-fn node_checks(s: &mut Section, what: &str, st: &Value, import: Option<&ServiceImport>) {
-    let dp = st["dataplane"].as_str().unwrap_or("?");
-    let frontends = st["service"]["frontends"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
-    let rejected = st["rejected"].as_array().cloned().unwrap_or_default();
-    for r in &rejected {
-        let reason = r["reason"].as_str().unwrap_or("?");
+/// One agent's view: frontends programmed with selected backends, rejections.
+fn node_checks(s: &mut Section, what: &str, st: &NodeStatus, import: Option<&ServiceImport>) {
+    let dp = &st.dataplane;
+    let frontends = st
+        .service
+        .as_ref()
+        .map_or(&[][..], |svc| svc.frontends.as_slice());
+    for r in &st.rejected {
         s.push_fix(
             Level::Fail,
             what,
             format!(
-                "its agent ({dp}) rejects {}: {reason}: {}",
-                r["object"].as_str().unwrap_or("?"),
-                r["message"].as_str().unwrap_or("?")
+                "its agent ({dp}) rejects {}: {}: {}",
+                r.object, r.reason, r.message
             ),
-            rejection_fix(reason),
+            rejection_fix(&r.reason),
         );
     }
-    let headless = import.is_some_and(|i| i.spec.type_ == mcs_api::ServiceImportType::Headless);
+    let headless = is_headless(import);
     if frontends.is_empty() {
-        if import.is_some() && !headless && rejected.is_empty() {
+        if import.is_some() && !headless && st.rejected.is_empty() {
             s.push_fix(
                 Level::Fail,
                 what,
@@ -453,34 +456,22 @@ fn node_checks(s: &mut Section, what: &str, st: &Value, import: Option<&ServiceI
             );
         }
     }
-    for f in &frontends {
-        let backends = f["backends"].as_array().cloned().unwrap_or_default();
-        let selected: Vec<String> = backends
+    for f in frontends {
+        let selected: Vec<String> = f
+            .backends
             .iter()
-            .filter(|b| b["selected"].as_bool().unwrap_or(false))
+            .filter(|b| b.selected)
             .map(backend)
             .collect();
         // An agent lists at most 1,000 backends per answer; its counts are whole (an older
-        // agent gives only the list).
-        let count = |field: &str, listed: usize| {
-            f[field]
-                .as_u64()
-                .and_then(|n| usize::try_from(n).ok())
-                .unwrap_or(listed)
-        };
-        let fallback = count(
-            "fallback",
-            backends
-                .iter()
-                .filter(|b| b["fallback"].as_bool().unwrap_or(false))
-                .count(),
-        );
-        let selected_total = count("selected", selected.len());
-        let programmed = f["programmed"].as_bool().unwrap_or(false);
+        // agent gives only the list, and no counts).
+        let count = |counted: usize, listed: usize| if counted > 0 { counted } else { listed };
+        let fallback = count(f.fallback, f.backends.iter().filter(|b| b.fallback).count());
+        let selected_total = count(f.selected, selected.len());
         let detail = format!(
             "{} ({dp}{}): {} selected{}{}",
-            f["frontend"].as_str().unwrap_or("?"),
-            if programmed { "" } else { ", NOT programmed" },
+            f.frontend,
+            if f.programmed { "" } else { ", NOT programmed" },
             selected_total,
             if selected.is_empty() {
                 String::new()
@@ -499,13 +490,13 @@ fn node_checks(s: &mut Section, what: &str, st: &Value, import: Option<&ServiceI
                 String::new()
             }
         );
-        let fix = if programmed {
+        let fix = if f.programmed {
             "no backend selected: no ready endpoint reaches this node (all not ready, or internalTrafficPolicy Local with none on this node)"
         } else {
             "the dataplane could not program it: see the agent's unprogrammable rejection and its map sizes (mcs-agent status, docs/install.md Sizing)"
         };
         s.verdict(
-            programmed && selected_total > 0,
+            f.programmed && selected_total > 0,
             Level::Fail,
             what,
             detail,
@@ -513,16 +504,16 @@ fn node_checks(s: &mut Section, what: &str, st: &Value, import: Option<&ServiceI
         );
         // Backends this node skips after failed connects (passive health): the others
         // take their connections until they answer again.
-        let skipped = f["skipped"].as_array().cloned().unwrap_or_default();
-        if !skipped.is_empty() {
-            let listed: Vec<String> = skipped
+        if !f.skipped.is_empty() {
+            let listed: Vec<String> = f
+                .skipped
                 .iter()
                 .map(|b| {
                     format!(
                         "{} ({} failed connects in a row, tried again in {:.1} s)",
-                        backend_address(b),
-                        b["failures"].as_u64().unwrap_or(0),
-                        b["for_ms"].as_u64().unwrap_or(0) as f64 / 1000.0
+                        std::net::SocketAddr::new(b.address, b.port),
+                        b.failures,
+                        b.for_ms as f64 / 1000.0
                     )
                 })
                 .collect();
@@ -531,36 +522,26 @@ fn node_checks(s: &mut Section, what: &str, st: &Value, import: Option<&ServiceI
                 what,
                 format!(
                     "{}: skipped on this node after failed connects: {}",
-                    f["frontend"].as_str().unwrap_or("?"),
+                    f.frontend,
                     listed.join(", ")
                 ),
                 "those backends refuse or do not answer (a pod gone while its EndpointSlice still says ready, or its node or cluster unreachable); the others take the connections meanwhile",
             );
         }
     }
-    dns_checks(s, what, st, import, headless);
 }
 
-/// `addr:port` of a backend in an agent's answer (`[addr]:port` for IPv6).
-fn backend_address(b: &Value) -> String {
-    let addr = b["address"].as_str().unwrap_or("?");
-    let port = b["port"].as_u64().unwrap_or(0);
-    if addr.contains(':') {
-        format!("[{addr}]:{port}")
-    } else {
-        format!("{addr}:{port}")
-    }
+fn is_headless(import: Option<&ServiceImport>) -> bool {
+    import.is_some_and(|i| i.spec.type_ == mcs_api::ServiceImportType::Headless)
 }
 
-fn backend(b: &Value) -> String {
-    let addr = b["address"].as_str().unwrap_or("?");
-    let port = b["port"].as_u64().unwrap_or(0);
-    let cluster = b["cluster"].as_str().unwrap_or("?");
-    if addr.contains(':') {
-        format!("{cluster} [{addr}]:{port}")
-    } else {
-        format!("{cluster} {addr}:{port}")
-    }
+/// `cluster addr:port` of a backend (`[addr]:port` for IPv6).
+fn backend(b: &Backend) -> String {
+    format!(
+        "{} {}",
+        b.cluster,
+        std::net::SocketAddr::new(b.address, b.port)
+    )
 }
 
 fn rejection_fix(reason: &str) -> String {
@@ -572,23 +553,19 @@ fn rejection_fix(reason: &str) -> String {
     }
 }
 
-fn dns_checks(
-    s: &mut Section,
-    what: &str,
-    st: &Value,
-    import: Option<&ServiceImport>,
-    headless: bool,
-) {
-    let Some(checks) = st["dns"]["checks"].as_array() else {
+/// What the agent's DNS listener answers for the service, against the import's IPs.
+fn dns_checks(s: &mut Section, what: &str, st: &AgentStatus, import: Option<&ServiceImport>) {
+    let headless = is_headless(import);
+    let Some(dns) = &st.dns else {
         return;
     };
-    for c in checks
+    for c in dns
+        .checks
         .iter()
-        .filter(|c| c["qtype"] == "A" || c["qtype"] == "AAAA")
+        .filter(|c| c.qtype == "A" || c.qtype == "AAAA")
     {
-        let qtype = c["qtype"].as_str().unwrap_or("?");
-        let qname = c["name"].as_str().unwrap_or("?");
-        if let Some(e) = c["error"].as_str() {
+        let (qtype, qname) = (c.qtype.as_str(), c.name.as_str());
+        if let Some(e) = &c.error {
             s.push_fix(
                 Level::Fail,
                 what,
@@ -597,14 +574,7 @@ fn dns_checks(
             );
             continue;
         }
-        let mut got: Vec<String> = c["answers"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|v| v.as_str().map(String::from))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let mut got = c.answers.clone();
         got.sort();
         let v6 = qtype == "AAAA";
         let mut want: Vec<String> = import
@@ -619,7 +589,7 @@ fn dns_checks(
             })
             .unwrap_or_default();
         want.sort();
-        let rcode = c["rcode"].as_str().unwrap_or("?");
+        let rcode = c.rcode.as_deref().unwrap_or("?");
         let detail = format!(
             "DNS {qname} {qtype}: {rcode} {}",
             if got.is_empty() {
@@ -714,13 +684,20 @@ mod tests {
         );
     }
 
+    /// What `explain` checks of one agent's answer, read as `kubectl mcs` reads it.
+    fn agent_checks(s: &mut Section, answer: Value, import: Option<&ServiceImport>) {
+        let a = crate::member::AgentAnswer::parse(&answer.to_string()).unwrap();
+        node_checks(s, "node n1", a.node().unwrap(), import);
+        dns_checks(s, "node n1", &a.status, import);
+    }
+
     #[test]
     fn a_rejected_import_names_the_reason_and_the_range() {
         let st = json!({"dataplane": "ebpf", "service": {"frontends": []},
             "rejected": [{"object": "ServiceImport shop/stray", "reason": "vip_not_allowed", "message": "ClusterSetIP 198.18.250.1 is outside every --clusterset-ip-cidr"}],
             "dns": {"checks": []}});
         let mut s = Section::new("x");
-        node_checks(&mut s, "node n1", &st, None);
+        agent_checks(&mut s, st, None);
         assert_eq!(s.checks.len(), 1);
         assert_eq!(s.checks[0].level, Level::Fail);
         assert!(s.checks[0].detail.contains("vip_not_allowed"));
@@ -749,7 +726,7 @@ mod tests {
                 {"name": "web.shop.svc.clusterset.local.", "qtype": "A", "rcode": "NoError", "answers": ["198.18.56.4"]},
                 {"name": "web.shop.svc.clusterset.local.", "qtype": "AAAA", "rcode": "NoError", "answers": ["2001:2:0:56::4"]}]}});
         let mut s = Section::new("x");
-        node_checks(&mut s, "node n1", &st, Some(&import));
+        agent_checks(&mut s, st, Some(&import));
         assert!(s.checks.iter().all(|c| c.level == Level::Ok), "{s:?}");
         assert_eq!(
             s.checks[0].detail,
@@ -766,7 +743,7 @@ mod tests {
                 "skipped": [{"address": "198.19.33.6", "port": 8080, "failures": 2, "for_ms": 1500}]}]},
             "dns": {"checks": []}});
         let mut s = Section::new("x");
-        node_checks(&mut s, "node n1", &st, None);
+        agent_checks(&mut s, st, None);
         let warn: Vec<_> = s.checks.iter().filter(|c| c.level == Level::Warn).collect();
         assert_eq!(warn.len(), 1, "{s:?}");
         assert_eq!(

@@ -12,6 +12,7 @@ use kube::{
     api::ListParams,
     config::{KubeConfigOptions, Kubeconfig},
 };
+use mcs_model::status::{AgentStatus, NodeStatus};
 
 /// Agents asked at once.
 const AGENTS_AT_ONCE: usize = 16;
@@ -194,21 +195,46 @@ pub async fn pod_get(
 /// The most of one pod's answer `kubectl mcs` reads.
 const ANSWER_MAX: usize = 8 << 20;
 
+/// One agent's `/status`: read into its types, and as it came (for `-o json`).
+pub struct AgentAnswer {
+    /// The answer as `mcs_model::status` reads it.
+    pub status: AgentStatus,
+    /// The answer as it came.
+    pub raw: serde_json::Value,
+}
+
+impl AgentAnswer {
+    /// Reads an answer's text.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let raw: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| format!("not a status (an agent older than /status?): {e}"))?;
+        let status = serde_json::from_value(raw.clone())
+            .map_err(|e| format!("not a status this kubectl-mcs reads: {e}"))?;
+        Ok(Self { status, raw })
+    }
+
+    /// The sync loop's part: the node's view, or why there is none.
+    pub fn node(&self) -> Result<&NodeStatus, String> {
+        match (&self.status.error, &self.status.node) {
+            (Some(e), _) => Err(e.clone()),
+            (None, Some(n)) => Ok(n),
+            (None, None) => Err("the answer has no table".into()),
+        }
+    }
+}
+
 /// Every agent's `/status` (with `query`), parsed; at most [`AGENTS_AT_ONCE`] asked at once.
 pub async fn agent_statuses(
     client: &Client,
     ns: &str,
     agents: &[ChartPod],
     query: &str,
-) -> Vec<(ChartPod, Result<serde_json::Value, String>)> {
+) -> Vec<(ChartPod, Result<AgentAnswer, String>)> {
     stream::iter(agents.iter().cloned())
         .map(|pod| async move {
             let r = pod_get(client, ns, &pod, &format!("/status{query}"))
                 .await
-                .and_then(|t| {
-                    serde_json::from_str(&t)
-                        .map_err(|e| format!("not a status (an agent older than /status?): {e}"))
-                });
+                .and_then(|t| AgentAnswer::parse(&t));
             (pod, r)
         })
         .buffered(AGENTS_AT_ONCE)

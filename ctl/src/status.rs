@@ -2,6 +2,8 @@
 //! id, its controller's leader and what that controller reaches, its agents (ready, each
 //! one's own `/status`, DNS answering on each), its imports and exports.
 
+use std::collections::BTreeSet;
+
 use futures::future::join_all;
 use k8s_openapi::{
     api::{apps::v1::DaemonSet, coordination::v1::Lease, core::v1::Node},
@@ -9,6 +11,7 @@ use k8s_openapi::{
 };
 use kube::{Api, Client, api::ListParams};
 use mcs_api::{CLUSTER_ID_PROPERTY, ClusterProperty, ServiceExport, ServiceImport};
+use mcs_model::status::AgentStatus;
 use serde_json::{Value, json};
 
 use crate::{
@@ -65,23 +68,16 @@ async fn member_status(m: &Member, ns: &str) -> (Section, Value) {
         }
     }
     controller(&client, ns, &mut s).await;
-    let agents = agents(&client, ns, &mut s).await;
-    cluster_id(&client, &mut s, &agents).await;
+    let (agents, cluster_ids) = agents(&client, ns, &mut s).await;
+    cluster_id(&client, &mut s, &cluster_ids).await;
     objects(&client, &mut s).await;
     (s, agents)
 }
 
-/// The cluster id: the ClusterProperty's, else what the agents were given; every agent must
-/// use the same. Inserted after "reachable".
-async fn cluster_id(client: &Client, s: &mut Section, agents: &Value) {
-    let used: std::collections::BTreeSet<&str> = agents
-        .as_object()
-        .map(|m| {
-            m.values()
-                .filter_map(|a| a["cluster_id"].as_str())
-                .collect()
-        })
-        .unwrap_or_default();
+/// The cluster id: the ClusterProperty's, else what the agents were given (`used`: each
+/// answering agent's); every agent must use the same. Inserted after "reachable".
+async fn cluster_id(client: &Client, s: &mut Section, used: &BTreeSet<String>) {
+    let used: BTreeSet<&str> = used.iter().map(String::as_str).collect();
     let api: Api<ClusterProperty> = Api::all(client.clone());
     let mut c = Section::new("");
     match api.get_opt(CLUSTER_ID_PROPERTY).await {
@@ -245,7 +241,9 @@ fn gauge_by_cluster(text: &str, name: &str) -> Vec<(String, f64)> {
         .collect()
 }
 
-async fn agents(client: &Client, ns: &str, s: &mut Section) -> Value {
+/// The agents: DaemonSet, and each one's `/status` (as it came, by node) with the cluster ids
+/// they use.
+async fn agents(client: &Client, ns: &str, s: &mut Section) -> (Value, BTreeSet<String>) {
     let nodes = Api::<Node>::all(client.clone())
         .list_metadata(&ListParams::default())
         .await
@@ -265,7 +263,7 @@ async fn agents(client: &Client, ns: &str, s: &mut Section) -> Value {
                 format!("no DaemonSet {ns}/mcs-agent"),
                 "install the chart (helm install mcs-dataplane deploy/helm/mcs-dataplane)",
             );
-            return Value::Null;
+            return (Value::Null, BTreeSet::new());
         }
         Err(e) => {
             s.push(
@@ -273,7 +271,7 @@ async fn agents(client: &Client, ns: &str, s: &mut Section) -> Value {
                 "agents",
                 format!("reading DaemonSet {ns}/mcs-agent: {}", short(e)),
             );
-            return Value::Null;
+            return (Value::Null, BTreeSet::new());
         }
     };
     let nodes = nodes.map_or("?".to_string(), |n| n.to_string());
@@ -288,7 +286,7 @@ async fn agents(client: &Client, ns: &str, s: &mut Section) -> Value {
         .await
         .map_err(|e| short(&e));
     let Some(pods) = s.read(pods, "agents", "listing the agent pods") else {
-        return Value::Null;
+        return (Value::Null, BTreeSet::new());
     };
     let pods: Vec<ChartPod> = pods.into_iter().filter(|p| !p.terminating).collect();
     let answers = agent_statuses(client, ns, &pods, "").await;
@@ -296,42 +294,43 @@ async fn agents(client: &Client, ns: &str, s: &mut Section) -> Value {
     let (mut dns_ok, mut dns_bad, mut unanswered) = (Vec::new(), Vec::new(), Vec::new());
     let mut dataplanes = std::collections::BTreeMap::<String, usize>::new();
     let mut rejecting = Vec::new();
-    let mut frontends = std::collections::BTreeSet::new();
+    let mut frontends = BTreeSet::new();
+    let mut cluster_ids = BTreeSet::new();
     for (pod, r) in answers {
-        let st = match r {
-            Ok(v) => v,
+        let answer = match r {
+            Ok(a) => a,
             Err(e) => {
                 unanswered.push(format!("{} ({e})", pod.node));
                 continue;
             }
         };
-        *dataplanes
-            .entry(st["dataplane"].as_str().unwrap_or("?").to_string())
-            .or_default() += 1;
-        frontends.insert(st["frontends"].as_u64().unwrap_or(0));
-        if !st["ready"].as_bool().unwrap_or(false) {
-            unanswered.push(format!(
-                "{} (not ready: its first table is not programmed)",
-                pod.node
-            ));
-        }
-        let rejected = st["rejected_total"].as_u64().unwrap_or(0);
-        if rejected > 0 {
-            let first = &st["rejected"][0];
-            rejecting.push(format!(
-                "{}: {rejected} (e.g. {} {}: {})",
-                pod.node,
-                first["object"].as_str().unwrap_or("?"),
-                first["reason"].as_str().unwrap_or("?"),
-                first["message"].as_str().unwrap_or("?")
-            ));
-        }
-        match dns_version(&st) {
+        match dns_version(&answer.status) {
             None => {}
             Some(Ok(v)) => dns_ok.push(format!("{} {v}", pod.node)),
             Some(Err(e)) => dns_bad.push(format!("{}: {e}", pod.node)),
         }
-        raw.insert(pod.node.clone(), st);
+        match answer.node() {
+            Err(e) => unanswered.push(format!("{} ({e})", pod.node)),
+            Ok(st) => {
+                *dataplanes.entry(st.dataplane.clone()).or_default() += 1;
+                cluster_ids.insert(st.cluster_id.clone());
+                frontends.insert(st.frontends);
+                if !st.ready {
+                    unanswered.push(format!(
+                        "{} (not ready: its first table is not programmed)",
+                        pod.node
+                    ));
+                }
+                if st.rejected_total > 0 {
+                    let first = st.rejected.first().cloned().unwrap_or_default();
+                    rejecting.push(format!(
+                        "{}: {} (e.g. {} {}: {})",
+                        pod.node, st.rejected_total, first.object, first.reason, first.message
+                    ));
+                }
+            }
+        }
+        raw.insert(pod.node.clone(), answer.raw);
     }
     s.verdict(
         unanswered.is_empty(),
@@ -348,7 +347,7 @@ async fn agents(client: &Client, ns: &str, s: &mut Section) -> Value {
                     .join(", "),
                 frontends
                     .iter()
-                    .map(u64::to_string)
+                    .map(usize::to_string)
                     .collect::<Vec<_>>()
                     .join(" or ")
             )
@@ -389,27 +388,20 @@ async fn agents(client: &Client, ns: &str, s: &mut Section) -> Value {
             "kubectl mcs explain -n NAMESPACE NAME on the service, or the agent's Events",
         );
     }
-    Value::Object(raw)
+    (Value::Object(raw), cluster_ids)
 }
 
 /// The dns-version answer in an agent's status: `None` when it serves no DNS.
-fn dns_version(st: &Value) -> Option<Result<String, String>> {
-    let check = st["dns"]["checks"]
-        .as_array()?
-        .iter()
-        .find(|c| c["qtype"] == "TXT")?;
-    if let Some(e) = check["error"].as_str() {
-        return Some(Err(e.to_string()));
+fn dns_version(st: &AgentStatus) -> Option<Result<String, String>> {
+    let check = st.dns.as_ref()?.checks.iter().find(|c| c.qtype == "TXT")?;
+    if let Some(e) = &check.error {
+        return Some(Err(e.clone()));
     }
-    let answers: Vec<&str> = check["answers"]
-        .as_array()
-        .map(|a| a.iter().filter_map(Value::as_str).collect())
-        .unwrap_or_default();
-    let rcode = check["rcode"].as_str().unwrap_or("?");
-    Some(if rcode == "NoError" && !answers.is_empty() {
-        Ok(answers.join(" "))
+    let rcode = check.rcode.as_deref().unwrap_or("?");
+    Some(if rcode == "NoError" && !check.answers.is_empty() {
+        Ok(check.answers.join(" "))
     } else {
-        Err(format!("{rcode}, {} answers", answers.len()))
+        Err(format!("{rcode}, {} answers", check.answers.len()))
     })
 }
 
@@ -505,13 +497,16 @@ mod tests {
 
     #[test]
     fn the_dns_version_check_needs_an_answer() {
-        let ok = json!({"dns": {"checks": [{"qtype": "TXT", "rcode": "NoError", "answers": ["1.0.0"]}]}});
+        let st = |v: Value| -> AgentStatus { serde_json::from_value(v).unwrap() };
+        let ok = st(
+            json!({"dns": {"checks": [{"qtype": "TXT", "rcode": "NoError", "answers": ["1.0.0"]}]}}),
+        );
         assert_eq!(dns_version(&ok), Some(Ok("1.0.0".into())));
         let empty =
-            json!({"dns": {"checks": [{"qtype": "TXT", "rcode": "NoError", "answers": []}]}});
+            st(json!({"dns": {"checks": [{"qtype": "TXT", "rcode": "NoError", "answers": []}]}}));
         assert!(matches!(dns_version(&empty), Some(Err(_))));
-        let timeout = json!({"dns": {"checks": [{"qtype": "TXT", "error": "no answer"}]}});
+        let timeout = st(json!({"dns": {"checks": [{"qtype": "TXT", "error": "no answer"}]}}));
         assert_eq!(dns_version(&timeout), Some(Err("no answer".into())));
-        assert_eq!(dns_version(&json!({"dns": null})), None);
+        assert_eq!(dns_version(&st(json!({"dns": null}))), None);
     }
 }

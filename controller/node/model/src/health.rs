@@ -17,7 +17,7 @@
 //! attempts around skipped backends, spreading their flows over the others.
 
 /// A backend a dataplane skips now (the agent's `/status`).
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SkippedBackend {
     /// Its address.
     pub address: std::net::IpAddr,

@@ -26,6 +26,8 @@
 //!   while (backoff that only a success resets), and which candidate a connection tries.
 //! - [`render`]: `mcs-agent table` output (JSON and text).
 //! - [`dns`]: the records `clusterset.local` DNS answers from, and the zone that holds them.
+//! - [`status`]: the agent's `/status` answer as types (written by the agent, read by
+//!   `kubectl mcs`).
 //! - [`Dataplane`]: what the control plane hands diffs to.
 #![forbid(unsafe_code)]
 
@@ -38,6 +40,7 @@ pub mod intern;
 pub mod node;
 pub mod render;
 pub mod select;
+pub mod status;
 pub mod validate;
 
 pub use guard::{Guard, IpCidr, Limits};
@@ -47,7 +50,7 @@ pub use validate::{Reason, Rejection};
 
 use std::{collections::BTreeMap, fmt, net::IpAddr, sync::Arc};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Transport protocol of a frontend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -92,7 +95,7 @@ impl fmt::Display for Frontend {
 }
 
 /// A backend of a frontend: an endpoint address with the target port, and where it lives.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Backend {
     /// Endpoint address (same family as the frontend's VIP).
     pub address: IpAddr,
@@ -101,17 +104,23 @@ pub struct Backend {
     /// Source cluster id (shared by every backend of that cluster's slice).
     pub cluster: Arc<str>,
     /// Zone, if the slice says (shared likewise).
+    #[serde(default)]
     pub zone: Option<Arc<str>>,
     /// `conditions.ready`.
+    #[serde(default)]
     pub ready: bool,
     /// `conditions.serving`.
+    #[serde(default)]
     pub serving: bool,
     /// `conditions.terminating`.
+    #[serde(default)]
     pub terminating: bool,
     /// Whether the selection policy sends new connections here.
+    #[serde(default)]
     pub selected: bool,
     /// Usable but not selected (another cluster's or zone's): a dataplane that can retry
     /// tries these when every selected backend refuses ([`select`]).
+    #[serde(default)]
     pub fallback: bool,
 }
 

@@ -1,12 +1,15 @@
 //! What the agent's `/status` says about its node: the sync loop answers [`StatusRequest`]s
 //! between batches (so the view is one consistent table, and nothing is copied per flush),
 //! with the whole picture in counts, the rejections, and, when asked for one service, its
-//! frontends with their backends as programmed.
+//! frontends with their backends as programmed. The answer's types are
+//! [`mcs_model::status`]'s, which `kubectl mcs` reads.
 
 use std::sync::Arc;
 
-use mcs_model::{Backend, Dataplane, Index, Rejection};
-use serde::Serialize;
+use mcs_model::{
+    Dataplane, Index, Rejection,
+    status::{FrontendStatus, NodeStatus, RejectionStatus, ServiceStatus},
+};
 use tokio::sync::oneshot;
 
 /// Rejections listed in one answer (the count is always whole).
@@ -27,96 +30,6 @@ pub struct StatusRequest {
     pub service: Option<(String, String)>,
     /// Where the answer goes.
     pub reply: oneshot::Sender<NodeStatus>,
-}
-
-/// The node as the sync loop sees it.
-#[derive(Debug, Serialize)]
-pub struct NodeStatus {
-    /// This node (`--node-name`).
-    pub node: String,
-    /// This cluster's id, as the agent uses it (empty: not known yet).
-    pub cluster_id: String,
-    /// `ebpf`, `userspace` or `log`.
-    pub dataplane: &'static str,
-    /// The first full table is programmed (`/readyz`).
-    pub ready: bool,
-    /// ServiceImports and MCS EndpointSlices the agent holds.
-    pub service_imports: usize,
-    /// MCS EndpointSlices the agent holds.
-    pub endpoint_slices: usize,
-    /// Frontends (ClusterSetIP × port) in the table.
-    pub frontends: usize,
-    /// Backends over every frontend.
-    pub backends: usize,
-    /// Every object rejected now (by the guard, validation, or the dataplane).
-    pub rejected_total: usize,
-    /// The rejections: the asked service's, or the first [`REJECTIONS_LISTED`].
-    pub rejected: Vec<RejectionStatus>,
-    /// The dataplane's own figures ([`Dataplane::report`]), by name.
-    pub dataplane_report: std::collections::BTreeMap<String, String>,
-    /// The asked service, when one was.
-    pub service: Option<ServiceStatus>,
-}
-
-/// One rejection.
-#[derive(Debug, Serialize)]
-pub struct RejectionStatus {
-    /// `Kind namespace/name`.
-    pub object: String,
-    /// The reason's metric label.
-    pub reason: &'static str,
-    /// What exactly.
-    pub message: String,
-}
-
-impl From<&Rejection> for RejectionStatus {
-    fn from(r: &Rejection) -> Self {
-        Self {
-            object: r.object.clone(),
-            reason: r.reason.label(),
-            message: r.message.clone(),
-        }
-    }
-}
-
-/// One service on this node.
-#[derive(Debug, Serialize)]
-pub struct ServiceStatus {
-    /// Namespace.
-    pub namespace: String,
-    /// Name.
-    pub name: String,
-    /// Its frontends in the table (none: not imported here, or rejected: see `rejected`).
-    pub frontends: Vec<FrontendStatus>,
-    /// Some backends are not listed: more than [`BACKENDS_LISTED`] in all (each frontend's
-    /// `backends_total`, `selected` and `fallback` count them all).
-    pub truncated: bool,
-}
-
-/// One frontend as programmed.
-#[derive(Debug, Serialize)]
-pub struct FrontendStatus {
-    /// `vip:port/PROTO`.
-    pub frontend: String,
-    /// The dataplane programmed it (false: see the `unprogrammable` rejection).
-    pub programmed: bool,
-    /// ClientIP affinity timeout, when asked.
-    pub affinity_timeout_seconds: Option<u32>,
-    /// Its backends, with whether new connections go to it (`selected`) or it is tried
-    /// when every selected one refuses (`fallback`): all of them unless the service's answer
-    /// is `truncated`.
-    pub backends: Vec<Backend>,
-    /// Backends in all.
-    pub backends_total: usize,
-    /// Selected backends in all.
-    pub selected: usize,
-    /// Fallback backends in all.
-    pub fallback: usize,
-    /// Backends this node's dataplane skips now after failed connects (passive health),
-    /// at most [`SKIPPED_LISTED`] per frontend (none listed by a dataplane without passive
-    /// health: the eBPF socket LB).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub skipped: Vec<mcs_model::health::SkippedBackend>,
 }
 
 /// Builds the answer from the sync loop's state.
@@ -177,7 +90,7 @@ pub(crate) fn build<D: Dataplane>(
     NodeStatus {
         node: node.node_name.clone().unwrap_or_default(),
         cluster_id: node.cluster_id.clone(),
-        dataplane: dataplane.name(),
+        dataplane: dataplane.name().to_string(),
         ready,
         service_imports: imports,
         endpoint_slices: slices,

@@ -23,8 +23,9 @@ use crate::{
     http::Health,
     metrics::{KindLabel, Metrics, ReasonLabel},
     source::SourceEvent,
-    status::{self, NodeStatus, StatusRequest},
+    status::{self, StatusRequest},
 };
+use mcs_model::status::NodeStatus;
 
 /// Rejections logged one by one per flush; past these, one line says how many more (a full
 /// table that does not fit would otherwise log a line per frontend, ~90k at 100k imports).
