@@ -28,74 +28,17 @@ use crate::{
     source::{SOURCE_CHANNEL, prepare, spawn_source},
 };
 
-/// `mcs-agent run`: the agent.
+/// `mcs-agent run`: the agent. Built, then run: the source is prepared (a bad flag or
+/// source fails before anything is attached or listening), the dataplane, DNS and the
+/// metrics port started, the sync loop run until SIGTERM or SIGINT, then each part stopped.
 pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
-    // Flags and source first: a bad value fails before anything is attached or listening.
     let prepared = prepare(&args.source, Some(&args.node_name)).await?;
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(Metrics::new(&mut registry));
-    let start_userspace =
-        |registry: &mut prometheus_client::registry::Registry| -> anyhow::Result<AnyDataplane> {
-            if let Some(port) = args.proxy.proxy_port {
-                tracing::warn!(
-                    port,
-                    "--proxy-port (MCS_PROXY_PORT) is ignored: the forwarder listens on each frontend's ClusterSetIP and port"
-                );
-            }
-            mcs_runtime::open_files::raise();
-            let proxy_metrics = ProxyMetrics::default();
-            proxy_metrics.set_per_backend(args.proxy.metrics_per_backend);
-            proxy_metrics.register(registry);
-            Ok(AnyDataplane::Userspace(
-                Userspace::start(userspace_config(&args.proxy), proxy_metrics)
-                    .context("starting the userspace forwarder")?,
-            ))
-        };
-    let dataplane = match args.dataplane {
-        DataplaneKind::Userspace => start_userspace(&mut registry)?,
-        DataplaneKind::Ebpf => AnyDataplane::Ebpf(Box::new(start_ebpf(&args)?)),
-        DataplaneKind::Auto => match start_ebpf(&args) {
-            Ok(lb) => {
-                tracing::info!(
-                    "--dataplane auto: the kernel accepted the eBPF socket LB; using it"
-                );
-                AnyDataplane::Ebpf(Box::new(lb))
-            }
-            Err(e) => {
-                tracing::warn!(error = %format!("{e:#}"), "--dataplane auto: eBPF socket LB unavailable; using the userspace forwarder");
-                start_userspace(&mut registry)?
-            }
-        },
-        DataplaneKind::Log => AnyDataplane::Log(LogDataplane::default()),
-        DataplaneKind::Both => bail!("--dataplane both is for `mcs-agent demo` only"),
-    };
+    let dataplane = start_dataplane(&args, &mut registry)?;
     let health = Health::default();
     let zone = Arc::new(mcs_model::dns::Zone::new());
-    let dns_addrs = args.dns.addresses();
-    let dns = if dns_addrs.is_empty() {
-        None
-    } else {
-        let fd_limit = mcs_dns::server::raise_fd_limit();
-        let config = mcs_dns::server::DnsConfig {
-            listen: dns_addrs,
-            ttl: args.dns.answers.ttl,
-            rate_limit: args.dns.rate_limit,
-            tcp: mcs_dns::server::fit_to_fd_limit(
-                mcs_dns::server::TcpLimits {
-                    connections: args.dns.tcp_connections,
-                    per_client: args.dns.tcp_connections_per_client,
-                    idle: Duration::from_secs(args.dns.tcp_idle_s),
-                    lifetime: Duration::from_secs(args.dns.tcp_lifetime_s),
-                },
-                fd_limit,
-            ),
-        };
-        let server =
-            mcs_dns::server::DnsServer::start(zone.clone(), &config, &mut registry, health.clone())
-                .await?;
-        tracing::info!(addrs = ?server.addrs, ttl = config.ttl, rate_limit = config.rate_limit, tcp_connections = config.tcp.connections, tcp_connections_per_client = config.tcp.per_client, fd_limit, "serving clusterset.local DNS (UDP and TCP)");
-        Some(server)
-    };
+    let dns = start_dns(&args, &zone, &mut registry, &health).await?;
     // `/status`: answered by the sync loop between batches, plus the DNS listener's answers.
     let (status_tx, status_rx) = mpsc::channel(8);
     let status = crate::node_status::handler(
@@ -111,25 +54,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     .await
     .with_context(|| format!("binding the metrics address {}", args.metrics_addr))?;
     tracing::info!(%addr, "serving /metrics, /healthz, /readyz, /status");
-
-    // Uninstall or restart: told by whether the DaemonSet is deleted (mcs_sync::owner).
-    let owner = match (
-        &prepared.client,
-        &args.owner_daemonset,
-        &args.owner_namespace,
-    ) {
-        (Some(client), Some(name), Some(ns)) => {
-            Some(mcs_sync::owner::watch(client.clone(), ns, name))
-        }
-        (None, Some(name), _) => {
-            tracing::warn!(
-                daemonset = %name,
-                "--owner-daemonset is read with --source kube only; ignored"
-            );
-            None
-        }
-        _ => None,
-    };
+    let owner = watch_owner(prepared.client.as_ref(), &args);
     let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
     let events = prepared
         .client
@@ -164,27 +89,137 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         let _ = stop_tx.send(true);
     });
     if matches!(sync_loop.dataplane(), AnyDataplane::Userspace(_)) {
-        // An eBPF socket LB a previous agent left pinned (the dataplane was switched) would
-        // keep translating ClusterSetIPs in the kernel with a table nobody updates, ahead of
-        // the forwarder: it goes once the forwarder listens on the whole first table, so
-        // connections go from one to the other without a gap (the previous agent may still
-        // run beside this one: its programs stay attached until it exits).
-        let (ready, pins) = (health.clone(), args.pins.bpf_pin_dir.clone());
-        tokio::spawn(async move {
-            while !ready.is_ready() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            remove_pinned_ebpf(&pins);
-        });
+        retire_pinned_ebpf_when_ready(health.clone(), args.pins.bpf_pin_dir.clone());
     }
     tracing::info!(source = ?args.source.source, dataplane = ?args.dataplane, "mcs-agent running");
     let sync_loop = sync_loop.run(rx, stop_rx).await;
     if let Some(dns) = dns {
         dns.shutdown().await;
     }
-    match sync_loop.into_dataplane() {
-        AnyDataplane::Userspace(u) => u.shutdown(userspace_stop(&args, owner.as_ref())).await,
-        AnyDataplane::Ebpf(lb) => match owner.as_ref().filter(|o| o.removed()) {
+    stop_dataplane(sync_loop.into_dataplane(), &args, owner.as_ref()).await;
+    tracing::info!("stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The dataplane `--dataplane` asks for (`auto`: eBPF when the kernel takes it, else the
+/// userspace forwarder, whose metrics join `registry`).
+fn start_dataplane(
+    args: &RunArgs,
+    registry: &mut prometheus_client::registry::Registry,
+) -> anyhow::Result<AnyDataplane> {
+    let start_userspace =
+        |registry: &mut prometheus_client::registry::Registry| -> anyhow::Result<AnyDataplane> {
+            if let Some(port) = args.proxy.proxy_port {
+                tracing::warn!(
+                    port,
+                    "--proxy-port (MCS_PROXY_PORT) is ignored: the forwarder listens on each frontend's ClusterSetIP and port"
+                );
+            }
+            mcs_runtime::open_files::raise();
+            let proxy_metrics = ProxyMetrics::default();
+            proxy_metrics.set_per_backend(args.proxy.metrics_per_backend);
+            proxy_metrics.register(registry);
+            Ok(AnyDataplane::Userspace(
+                Userspace::start(userspace_config(&args.proxy), proxy_metrics)
+                    .context("starting the userspace forwarder")?,
+            ))
+        };
+    Ok(match args.dataplane {
+        DataplaneKind::Userspace => start_userspace(registry)?,
+        DataplaneKind::Ebpf => AnyDataplane::Ebpf(Box::new(start_ebpf(args)?)),
+        DataplaneKind::Auto => match start_ebpf(args) {
+            Ok(lb) => {
+                tracing::info!(
+                    "--dataplane auto: the kernel accepted the eBPF socket LB; using it"
+                );
+                AnyDataplane::Ebpf(Box::new(lb))
+            }
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "--dataplane auto: eBPF socket LB unavailable; using the userspace forwarder");
+                start_userspace(registry)?
+            }
+        },
+        DataplaneKind::Log => AnyDataplane::Log(LogDataplane::default()),
+        DataplaneKind::Both => bail!("--dataplane both is for `mcs-agent demo` only"),
+    })
+}
+
+/// The `clusterset.local` DNS server on `--dns-listen` addresses (none: no DNS), its TCP
+/// limits fitted to the open-files limit.
+async fn start_dns(
+    args: &RunArgs,
+    zone: &Arc<mcs_model::dns::Zone>,
+    registry: &mut prometheus_client::registry::Registry,
+    health: &Health,
+) -> anyhow::Result<Option<mcs_dns::server::DnsServer>> {
+    let dns_addrs = args.dns.addresses();
+    if dns_addrs.is_empty() {
+        return Ok(None);
+    }
+    let fd_limit = mcs_dns::server::raise_fd_limit();
+    let config = mcs_dns::server::DnsConfig {
+        listen: dns_addrs,
+        ttl: args.dns.answers.ttl,
+        rate_limit: args.dns.rate_limit,
+        tcp: mcs_dns::server::fit_to_fd_limit(
+            mcs_dns::server::TcpLimits {
+                connections: args.dns.tcp_connections,
+                per_client: args.dns.tcp_connections_per_client,
+                idle: Duration::from_secs(args.dns.tcp_idle_s),
+                lifetime: Duration::from_secs(args.dns.tcp_lifetime_s),
+            },
+            fd_limit,
+        ),
+    };
+    let server =
+        mcs_dns::server::DnsServer::start(zone.clone(), &config, registry, health.clone()).await?;
+    tracing::info!(addrs = ?server.addrs, ttl = config.ttl, rate_limit = config.rate_limit, tcp_connections = config.tcp.connections, tcp_connections_per_client = config.tcp.per_client, fd_limit, "serving clusterset.local DNS (UDP and TCP)");
+    Ok(Some(server))
+}
+
+/// Uninstall or restart: told by whether the agent's own DaemonSet is deleted
+/// ([`mcs_sync::owner`]); read with `--source kube` only.
+fn watch_owner(client: Option<&kube::Client>, args: &RunArgs) -> Option<mcs_sync::owner::Owner> {
+    match (client, &args.owner_daemonset, &args.owner_namespace) {
+        (Some(client), Some(name), Some(ns)) => {
+            Some(mcs_sync::owner::watch(client.clone(), ns, name))
+        }
+        (None, Some(name), _) => {
+            tracing::warn!(
+                daemonset = %name,
+                "--owner-daemonset is read with --source kube only; ignored"
+            );
+            None
+        }
+        _ => None,
+    }
+}
+
+/// An eBPF socket LB a previous agent left pinned (the dataplane was switched) would keep
+/// translating ClusterSetIPs in the kernel with a table nobody updates, ahead of the
+/// forwarder: it goes once the forwarder listens on the whole first table, so connections go
+/// from one to the other without a gap (the previous agent may still run beside this one:
+/// its programs stay attached until it exits).
+fn retire_pinned_ebpf_when_ready(ready: Health, pins: std::path::PathBuf) {
+    tokio::spawn(async move {
+        while !ready.is_ready() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        remove_pinned_ebpf(&pins);
+    });
+}
+
+/// Stops the dataplane: the forwarder hands over or removes its interception; the eBPF
+/// programs are detached and unpinned only when the agent's DaemonSet is deleted (else they
+/// keep translating across the restart).
+async fn stop_dataplane(
+    dataplane: AnyDataplane,
+    args: &RunArgs,
+    owner: Option<&mcs_sync::owner::Owner>,
+) {
+    match dataplane {
+        AnyDataplane::Userspace(u) => u.shutdown(userspace_stop(args, owner)).await,
+        AnyDataplane::Ebpf(lb) => match owner.filter(|o| o.removed()) {
             Some(o) => {
                 // Unpinned here, detached when this process closes the links.
                 let pins = &args.pins.bpf_pin_dir;
@@ -215,8 +250,6 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         },
         AnyDataplane::Log(_) => {}
     }
-    tracing::info!("stopped");
-    Ok(ExitCode::SUCCESS)
 }
 
 /// How the userspace forwarder stops. When a next agent runs beside this one (its DaemonSet
