@@ -48,9 +48,9 @@ const WEB_VIP: &str = "198.18.100.10:80";
 const WEB_VIP6: &str = "[2001:2::100:10]:80";
 const DNS_VIP: &str = "198.18.100.12:53";
 const METRICS_PORT: u16 = 9464;
-/// Largest request a demo backend reads.
 /// Backends of the local cluster c1 that the demo stops.
 const DEAD_BACKENDS: usize = 2;
+/// Largest request a demo backend reads.
 const IO_TIMEOUT: Duration = Duration::from_secs(3);
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 

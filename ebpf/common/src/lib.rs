@@ -21,11 +21,13 @@
 //! new count) last, and free stale slots after that, so a concurrent `connect()` never sees a
 //! count that points to a missing slot.
 //!
-//! Slot 0's [`SvcValue::backend_id`] holds the number of **fallback** slots that follow the
-//! selected ones: `count+1..=count+fallback` name backends (another zone's, another
-//! cluster's) that a connect is sent to only when every selected backend it tried failed on
-//! this pod lately (see the failed map). Programs from before fallback slots read only
-//! `1..=count` and never see them.
+//! Slot 0's [`SvcValue::backend_id`] holds the number of **fallback** slots:
+//! `FALLBACK_SLOT_BASE..FALLBACK_SLOT_BASE+fallback` name backends (another zone's, another
+//! cluster's) that a TCP connect is sent to only when every selected backend it tried failed
+//! on its pod lately (see the failed map). They sit apart from the selected slots, so a
+//! connect that reads an old count while the frontend is rewritten never takes a fallback
+//! backend for a selected one. Programs from before fallback slots read only `1..=count`
+//! and never see them.
 //!
 //! # Backends map (`MCS_BE4_V1`)
 //!
@@ -147,6 +149,9 @@ pub const BE_MAP_MAX_ENTRIES: u32 = 65_536;
 pub const SIZED_MAP_FLAGS: u32 = 1;
 /// Largest number of backends one frontend may have (slots 1..=MAX_BACKENDS_PER_SVC).
 pub const MAX_BACKENDS_PER_SVC: u16 = 1024;
+/// The first fallback slot of a frontend (its fallback backends are at
+/// `FALLBACK_SLOT_BASE..FALLBACK_SLOT_BASE+fallback`, at most [`MAX_BACKENDS_PER_SVC`]).
+pub const FALLBACK_SLOT_BASE: u16 = MAX_BACKENDS_PER_SVC + 1;
 
 /// IP protocol numbers as used in [`Svc4Key::proto`] (IANA, same as `IPPROTO_*`).
 pub mod proto {
@@ -234,7 +239,8 @@ pub struct MemberKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SvcValue {
-    /// Backend id (slots 1..); in slot 0 the number of fallback slots after `count`.
+    /// Backend id (slots 1..); in slot 0 the number of fallback slots (from
+    /// [`FALLBACK_SLOT_BASE`]).
     pub backend_id: u32,
     /// Number of backend slots (slot 0).
     pub count: u16,
@@ -249,7 +255,7 @@ pub struct SvcValue {
 }
 
 impl SvcValue {
-    /// Slot 0: the number of fallback slots (`count+1..=count+fallback`).
+    /// Slot 0: the number of fallback slots (from [`FALLBACK_SLOT_BASE`]).
     pub const fn fallback_count(&self) -> u32 {
         self.backend_id
     }

@@ -43,8 +43,8 @@ use mcs_ebpf_common::{
     SVC_MAP_MAX_ENTRIES, Svc4Key, Svc6Key, SvcValue, proto,
 };
 use mcs_ebpf_common::{
-    FAILED_MAP_MAX_ENTRIES, FailedKey, FailedValue, MAX_BACKENDS_PER_SVC, PROBE_LEASE_NS,
-    REPICKS_PER_STAGE, failed_for_ns,
+    FAILED_MAP_MAX_ENTRIES, FALLBACK_SLOT_BASE, FailedKey, FailedValue, MAX_BACKENDS_PER_SVC,
+    PROBE_LEASE_NS, REPICKS_PER_STAGE, failed_for_ns,
 };
 use mcs_ebpf_common::{MAGLEV_MAP_MAX_ENTRIES, MAGLEV_TABLE_SIZE, MaglevKey, SVC_FLAG_MAGLEV};
 use mcs_ebpf_common::{
@@ -369,8 +369,11 @@ fn select4(ctx: &SockAddrContext, p: u8, vip: u32, port: u16) -> Result<(u32, u1
         // SAFETY: as above; values copied out.
         if let Some(a) = unsafe { MCS_AFFINITY_V1.get(&akey) } {
             let (id, aaddr, aport, last) = (a.backend_id, a.addr[0], a.port, a.last_used_ns);
-            if now.saturating_sub(last) < u64::from(timeout_s) * 1_000_000_000 {
-                // Follow it only if the id still names that backend (ids are reused).
+            // Follow it only while that backend is selected (not a fallback one a failure sent
+            // the client to) and the id still names it (ids are reused).
+            if now.saturating_sub(last) < u64::from(timeout_s) * 1_000_000_000
+                && is_member(svc_id, id)
+            {
                 if let Some(be) = unsafe { MCS_BE4_V1.get(&id) } {
                     if be.addr == aaddr && be.port == aport {
                         chosen = Some((id, aaddr, aport));
@@ -457,12 +460,16 @@ fn healthy4(ctx: &SockAddrContext, p: u8, vip: u32, port: u16, chosen: &mut (u32
         family: 4,
         _pad0: [0; 4],
     };
-    let Some((id, addr, bport)) =
-        repick4(&akey, now, 1, count).or_else(|| repick4(&akey, now, count + 1, fallback))
-    else {
-        return;
+    // Another selected backend (the client's affinity follows it), else a fallback one (the
+    // affinity stays: it follows selected backends only).
+    let (id, addr, bport, selected) = match repick4(&akey, now, 1, count) {
+        Some((id, addr, bport)) => (id, addr, bport, true),
+        None => match repick4(&akey, now, FALLBACK_SLOT_BASE, fallback) {
+            Some((id, addr, bport)) => (id, addr, bport, false),
+            None => return,
+        },
     };
-    if flags & SVC_FLAG_AFFINITY != 0 {
+    if selected && flags & SVC_FLAG_AFFINITY != 0 {
         let v = AffinityValue {
             last_used_ns: now,
             backend_id: id,
@@ -500,12 +507,16 @@ fn healthy6(ctx: &SockAddrContext, p: u8, vip: &[u32; 4], port: u16, chosen: &mu
         family: 6,
         _pad0: [0; 4],
     };
-    let Some((id, addr, bport)) =
-        repick6(&akey, now, 1, count).or_else(|| repick6(&akey, now, count + 1, fallback))
-    else {
-        return;
+    // Another selected backend (the client's affinity follows it), else a fallback one (the
+    // affinity stays: it follows selected backends only).
+    let (id, addr, bport, selected) = match repick6(&akey, now, 1, count) {
+        Some((id, addr, bport)) => (id, addr, bport, true),
+        None => match repick6(&akey, now, FALLBACK_SLOT_BASE, fallback) {
+            Some((id, addr, bport)) => (id, addr, bport, false),
+            None => return,
+        },
     };
-    if flags & SVC_FLAG_AFFINITY != 0 {
+    if selected && flags & SVC_FLAG_AFFINITY != 0 {
         let v = AffinityValue {
             last_used_ns: now,
             backend_id: id,
@@ -644,7 +655,9 @@ fn select6(
         // SAFETY: as above; values copied out.
         if let Some(a) = unsafe { MCS_AFFINITY_V1.get(&akey) } {
             let (id, aaddr, aport, last) = (a.backend_id, a.addr, a.port, a.last_used_ns);
-            if now.saturating_sub(last) < u64::from(timeout_s) * 1_000_000_000 {
+            if now.saturating_sub(last) < u64::from(timeout_s) * 1_000_000_000
+                && is_member(svc_id, id)
+            {
                 if let Some(be) = unsafe { MCS_BE6_V1.get(&id) } {
                     if be.addr == aaddr && be.port == aport {
                         chosen = Some((id, aaddr, aport));
@@ -857,24 +870,31 @@ fn connect_failed(ctx: &SockOpsContext) {
 fn passive_health(ctx: &SockOpsContext) {
     match ctx.op() {
         BPF_SOCK_OPS_TCP_CONNECT_CB => {
-            if translated(ctx) {
-                let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
+            // Callbacks for translated connects only; a socket connected again elsewhere
+            // (after `connect(AF_UNSPEC)`) loses the ones its last connect had.
+            let ours = BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
+            let flags = if translated(ctx) {
+                ctx.cb_flags() | ours
+            } else {
+                ctx.cb_flags() & !ours
+            };
+            if flags != ctx.cb_flags() {
                 let _ = ctx.set_cb_flags(flags as i32);
             }
         }
         BPF_SOCK_OPS_STATE_CB => {
-            if ctx.arg(0) == BPF_TCP_SYN_SENT && ctx.arg(1) == BPF_TCP_CLOSE {
+            if ctx.arg(0) == BPF_TCP_SYN_SENT && ctx.arg(1) == BPF_TCP_CLOSE && translated(ctx) {
                 connect_failed(ctx);
             }
         }
         BPF_SOCK_OPS_RTO_CB => {
             // SAFETY: the kernel's context for this call.
-            if unsafe { (*ctx.ops).state } == BPF_TCP_SYN_SENT {
+            if unsafe { (*ctx.ops).state } == BPF_TCP_SYN_SENT && translated(ctx) {
                 connect_failed(ctx);
             }
         }
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {
-            if ctx.cb_flags() & BPF_SOCK_OPS_STATE_CB_FLAG != 0 {
+            if ctx.cb_flags() & BPF_SOCK_OPS_STATE_CB_FLAG != 0 && translated(ctx) {
                 if let Some(key) = peer_key(ctx) {
                     let _ = MCS_FAILED_V1.remove(&key);
                 }

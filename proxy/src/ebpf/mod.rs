@@ -41,7 +41,7 @@ use mcs_ebpf_common::{
     ALL_MAPS, BE4_MAP, BE6_MAP, Backend4, Backend6, MAX_BACKENDS_PER_SVC, SVC4_MAP, SVC6_MAP,
     Svc4Key, Svc6Key, SvcValue,
 };
-use mcs_ebpf_common::{FAILED_MAP, FailedKey, FailedValue};
+use mcs_ebpf_common::{FAILED_MAP, FALLBACK_SLOT_BASE, FailedKey, FailedValue};
 use mcs_ebpf_common::{
     MAGLEV_MAP, MAGLEV_MAP_MAX_ENTRIES, MAGLEV_TABLE_SIZE, MEMBER_MAP, MaglevKey, MemberKey,
     SIZED_MAP_FLAGS,
@@ -237,8 +237,8 @@ pub struct SocketLb {
     be4: HashMap<MapData, u32, Backend4>,
     svc6: HashMap<MapData, Svc6Key, SvcValue>,
     be6: HashMap<MapData, u32, Backend6>,
-    /// Backend ids per frontend, as programmed.
-    programmed: BTreeMap<FrontKey, Vec<u32>>,
+    /// Backend ids per frontend, as programmed (selected and fallback slots).
+    programmed: BTreeMap<FrontKey, writer::Slots>,
     /// Backend ids, reference-counted by the slots that name them.
     ids: ids::BackendIds,
     /// Frontends of the table that could not be programmed, and why.
@@ -256,6 +256,10 @@ pub struct SocketLb {
     /// Passive health: backends client pods failed on lately (written by the kernel; read
     /// for `/status`).
     failed_map: HashMap<MapData, FailedKey, FailedValue>,
+    /// The kernel took the `sock_ops` program (passive health runs).
+    passive_health: bool,
+    /// The marks `/status` read last, and when (read at most once a second).
+    marks: std::sync::Mutex<Option<(std::time::Instant, Vec<writer::Mark>)>>,
     /// Use Maglev tables (consistent per client pod) instead of random picks.
     maglev: bool,
     /// The sizes of the maps as the kernel has them.
@@ -268,43 +272,107 @@ pub struct SocketLb {
     next_svc_id: u32,
 }
 
-/// What is pinned at a link's path.
-enum Pinned {
-    /// A link of the program with the tag asked for: kept as it is.
+/// A program's link on the cgroup.
+enum Linked {
+    /// The link pinned before, running this very program: kept as it is.
     Kept(PinnedLink),
-    /// A link of another program (another agent version), or one that cannot be read: to be
-    /// replaced.
-    Other,
-    /// Nothing.
-    None,
+    /// A new link, attached beside whatever is pinned, not pinned yet.
+    New(FdLink),
 }
 
-/// The link pinned at `pin`, if it runs the program `loaded` is: the same name (two hooks may
-/// share their code) and tag (a hash of its instructions with map references left out, the
-/// same for every load of one object).
-fn keep_pinned(pin: &Path, loaded: &aya::programs::ProgramInfo) -> Pinned {
-    if !pin.exists() {
-        return Pinned::None;
+/// Loads program `name` and keeps its pinned link if that runs the same program, else
+/// attaches a new link to `cgroup` (through bpf_link, kernel ≥ 5.7: links coexist with other
+/// programs on the cgroup whatever the mode; `Single` is the flag value link_create accepts).
+fn link_program(
+    ebpf: &mut aya::Ebpf,
+    name: &'static str,
+    pin_dir: &Path,
+    cgroup: &File,
+) -> Result<Linked, Error> {
+    let perr = |source| Error::Program { name, source };
+    let program = ebpf.program_mut(name).ok_or(Error::Missing(name))?;
+    let pin = pin_dir.join("links").join(name);
+    macro_rules! load_and_attach {
+        ($kind:ty) => {{
+            let prog: &mut $kind = program.try_into().map_err(perr)?;
+            prog.load().map_err(perr)?;
+            let info = prog.info().map_err(perr)?;
+            if let Some(link) = same_program_pinned(pin_dir, name, &info) {
+                return Ok(Linked::Kept(link));
+            }
+            let id = prog
+                .attach(cgroup, CgroupAttachMode::Single)
+                .map_err(perr)?;
+            let link: FdLink = prog
+                .take_link(id)
+                .map_err(perr)?
+                .try_into()
+                .map_err(|e: aya::programs::links::LinkError| pin_err(&pin, e))?;
+            Ok(Linked::New(link))
+        }};
     }
-    let program_id = PinnedLink::from_pin(pin)
+    if name == SOCK_OPS_PROGRAM {
+        load_and_attach!(SockOps)
+    } else {
+        load_and_attach!(CgroupSockAddr)
+    }
+}
+
+/// The link pinned for program `name`, if it runs the program `loaded` is: the program pinned
+/// beside it (`programs/NAME`) is the link's and has the same name and tag (a hash of its
+/// instructions with map references left out: the same for every load of one build). Read
+/// from the pins, not by listing the kernel's programs (that needs CAP_SYS_ADMIN, which the
+/// agent does not have). A link of an agent that pinned no program is replaced once.
+fn same_program_pinned(
+    pin_dir: &Path,
+    name: &str,
+    loaded: &aya::programs::ProgramInfo,
+) -> Option<PinnedLink> {
+    let link_pin = pin_dir.join("links").join(name);
+    if !link_pin.exists() {
+        return None;
+    }
+    let link_program = PinnedLink::from_pin(&link_pin)
         .ok()
         .map(FdLink::from)
         .and_then(|link| link.info().ok())
         .map(|info| info.program_id());
-    let same = program_id.is_some_and(|id| {
-        aya::programs::loaded_programs()
-            .filter_map(Result::ok)
-            .any(|p| p.id() == id && p.tag() == loaded.tag() && p.name() == loaded.name())
+    let pinned = aya::programs::ProgramInfo::from_pin(pin_dir.join("programs").join(name)).ok();
+    let same = pinned.is_some_and(|p| {
+        Some(p.id()) == link_program && p.tag() == loaded.tag() && p.name() == loaded.name()
     });
     if !same {
-        tracing::info!(link = %pin.display(), "pinned link runs another program; attaching the new one");
-        return Pinned::Other;
+        tracing::info!(link = %link_pin.display(), "the pinned link runs another program (another agent version); attaching this one beside it, then replacing it");
+        return None;
     }
-    match PinnedLink::from_pin(pin) {
-        Ok(link) => Pinned::Kept(link),
+    match PinnedLink::from_pin(&link_pin) {
+        Ok(link) => Some(link),
         Err(e) => {
-            tracing::warn!(link = %pin.display(), error = %e, "unusable pinned link; attaching anew");
-            Pinned::Other
+            tracing::warn!(link = %link_pin.display(), error = %e, "unusable pinned link; attaching anew");
+            None
+        }
+    }
+}
+
+/// Pins program `name` at `programs/NAME` (renamed over the one before), so the next agent
+/// can tell whether the link pinned for it runs this program.
+fn pin_program(ebpf: &mut aya::Ebpf, name: &'static str, pin_dir: &Path) {
+    let path = pin_dir.join("programs").join(name);
+    let tmp = pin_dir.join("programs").join(format!("{name}_next"));
+    let _ = std::fs::remove_file(&tmp);
+    let r = match ebpf.program_mut(name) {
+        Some(aya::programs::Program::SockOps(p)) => p.pin(&tmp).map_err(|e| e.to_string()),
+        Some(aya::programs::Program::CgroupSockAddr(p)) => p.pin(&tmp).map_err(|e| e.to_string()),
+        _ => Err("not in the object".to_string()),
+    }
+    .and_then(|()| std::fs::rename(&tmp, &path).map_err(|e| e.to_string()));
+    match r {
+        Ok(()) => {
+            let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::warn!(program = name, error = %e, "could not pin the program beside its link; the next agent will replace the link once");
         }
     }
 }
@@ -395,6 +463,8 @@ impl SocketLb {
             maglev_map,
             member_map,
             failed_map,
+            passive_health: true,
+            marks: std::sync::Mutex::new(None),
             maglev: false,
             svc_ids: BTreeMap::new(),
             maglev_tables: std::collections::BTreeSet::new(),
@@ -479,11 +549,23 @@ impl SocketLb {
         }
         self.programmed = fronts
             .into_iter()
-            .map(|(k, slots)| (k, slots.into_values().collect()))
+            .map(|(k, slots)| {
+                let (selected, fallback): (Vec<_>, Vec<_>) = slots
+                    .into_iter()
+                    .partition(|(slot, _)| *slot < FALLBACK_SLOT_BASE);
+                let ids = |v: Vec<(u16, u32)>| v.into_iter().map(|(_, id)| id).collect();
+                (
+                    k,
+                    writer::Slots {
+                        selected: ids(selected),
+                        fallback: ids(fallback),
+                    },
+                )
+            })
             .collect();
-        for ids in self.programmed.values() {
-            for id in ids {
-                self.ids.add_ref(*id);
+        for slots in self.programmed.values() {
+            for id in slots.ids() {
+                self.ids.add_ref(id);
             }
         }
         // Entries no slot names (a crash between writes): nothing can reach them.
@@ -500,75 +582,71 @@ impl SocketLb {
         }
     }
 
-    /// Attaches every program to `cgroup`, or keeps the links a previous agent pinned. All or
-    /// nothing: if one program cannot be attached, the links this call attached are detached
-    /// again (a half-attached socket LB would translate some families and not others while
-    /// `--dataplane auto` falls back to userspace).
+    /// Attaches every program to `cgroup`, or keeps the links a previous agent pinned that run
+    /// the same programs. In three phases, so that no hook is ever left without a program:
+    /// each program is loaded (verified) and either its pinned link kept or a new link
+    /// attached beside the old one (the two run in turn: the first translates, the second
+    /// sees a backend and leaves it); only when every socket-address hook has its link are
+    /// the new links pinned, each under a temporary name renamed over the old pin (the old
+    /// link detaches when its pin goes). A socket-address hook that cannot be loaded or
+    /// attached fails the call with nothing changed (the new links are dropped: detached);
+    /// the `sock_ops` program of passive health is optional (a kernel that refuses it runs
+    /// the socket LB without passive health, said in the log).
     pub fn attach(&mut self, cgroup: &Path) -> Result<(), Error> {
-        let before = self.links.len();
-        let mut pinned_now: Vec<PathBuf> = Vec::new();
-        let r = self.attach_all(cgroup, &mut pinned_now);
-        if r.is_err() {
-            for pin in &pinned_now {
-                let _ = std::fs::remove_file(pin);
-            }
-            // Dropping the links closes their fds: with the pins gone, they detach.
-            self.links.truncate(before);
-        }
-        r
-    }
-
-    fn attach_all(&mut self, cgroup: &Path, pinned_now: &mut Vec<PathBuf>) -> Result<(), Error> {
         let file = File::open(cgroup).map_err(|source| Error::Cgroup {
             path: cgroup.to_path_buf(),
             source,
         })?;
         let ebpf = self.ebpf.as_mut().ok_or(Error::Missing("programs"))?;
-        let mut replaced = 0;
+        for d in ["links", "programs"] {
+            let dir = self.pin_dir.join(d);
+            std::fs::create_dir_all(&dir).map_err(|e| pin_err(&dir, e))?;
+            let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
+        }
+        let mut kept = Vec::new();
+        let mut new = Vec::new();
         for &name in PROGRAMS {
+            match link_program(ebpf, name, &self.pin_dir, &file) {
+                Ok(Linked::Kept(link)) => kept.push(link),
+                Ok(Linked::New(link)) => new.push((name, link)),
+                Err(e) if name == SOCK_OPS_PROGRAM => {
+                    tracing::warn!(error = %e, "the kernel refuses the sock_ops program: the socket LB runs without passive health (a backend whose connects fail is still chosen)");
+                    self.passive_health = false;
+                }
+                // The new links are dropped here: detached; no pin was touched.
+                Err(e) => return Err(e),
+            }
+        }
+        self.adopted_links = kept.len();
+        self.links.extend(kept);
+        let mut replaced = 0;
+        for (name, link) in new {
             let pin = self.pin_dir.join("links").join(name);
-            let program = ebpf.program_mut(name).ok_or(Error::Missing(name))?;
-            let perr = |source| Error::Program { name, source };
-            // Load the program; keep a pinned link of the same program (same instructions: no
-            // detach, no gap), else attach it. One of another program (an agent of another
-            // version) is replaced below, after the new one is attached. Through bpf_link
-            // (kernel ≥ 5.7): links coexist with other programs on the cgroup whatever the
-            // mode; `Single` is the flag value link_create accepts.
-            macro_rules! load_and_attach {
-                ($kind:ty) => {{
-                    let prog: &mut $kind = program.try_into().map_err(perr)?;
-                    prog.load().map_err(perr)?;
-                    let info = prog.info().map_err(perr)?;
-                    if let Pinned::Kept(link) = keep_pinned(&pin, &info) {
-                        self.links.push(link);
-                        self.adopted_links += 1;
-                        continue;
-                    }
-                    let id = prog.attach(&file, CgroupAttachMode::Single).map_err(perr)?;
-                    let link: FdLink = prog
-                        .take_link(id)
-                        .map_err(perr)?
-                        .try_into()
-                        .map_err(|e: aya::programs::links::LinkError| pin_err(&pin, e))?;
-                    link
-                }};
-            }
-            let fd_link = if name == SOCK_OPS_PROGRAM {
-                load_and_attach!(SockOps)
-            } else {
-                load_and_attach!(CgroupSockAddr)
+            // bpffs refuses names with a dot: the temporary name is `NAME_next`.
+            let tmp = self.pin_dir.join("links").join(format!("{name}_next"));
+            let _ = std::fs::remove_file(&tmp);
+            let old = pin.exists();
+            let pinned = match link.pin(&tmp) {
+                Ok(pinned) => pinned,
+                Err(e) if old => {
+                    // That hook keeps the program pinned before (the new link detached).
+                    tracing::error!(program = name, pin = %tmp.display(), error = %e, "could not pin the new link; that hook keeps the program pinned before");
+                    continue;
+                }
+                // Nothing runs at that hook: the start fails (with `auto`, userspace).
+                Err(e) => return Err(pin_err(&tmp, e)),
             };
-            // The new program runs beside the old one (the old one translates first; the new
-            // one sees a backend address and leaves it), so removing the old pin and closing
-            // its link leaves no gap.
-            if pin.exists() {
-                std::fs::remove_file(&pin).map_err(|e| pin_err(&pin, e))?;
-                replaced += 1;
+            if let Err(e) = std::fs::rename(&tmp, &pin) {
+                let _ = std::fs::remove_file(&tmp);
+                // Held, not pinned: attached while this agent runs, beside any older one.
+                tracing::error!(program = name, pin = %pin.display(), error = %e, "could not put the new link in place; it stays attached only while this agent runs");
+                self.links.push(pinned);
+                continue;
             }
-            let pinned = fd_link.pin(&pin).map_err(|e| pin_err(&pin, e))?;
             let _ = std::fs::set_permissions(&pin, std::fs::Permissions::from_mode(0o600));
-            pinned_now.push(pin);
             self.links.push(pinned);
+            replaced += usize::from(old);
+            pin_program(ebpf, name, &self.pin_dir);
         }
         if replaced > 0 {
             tracing::info!(
@@ -638,6 +716,13 @@ impl SocketLb {
             }
         }
         let _ = std::fs::remove_dir(&links);
+        let programs = pin_dir.join("programs");
+        if let Ok(dir) = std::fs::read_dir(&programs) {
+            for e in dir.filter_map(Result::ok) {
+                std::fs::remove_file(e.path()).map_err(|err| pin_err(&e.path(), err))?;
+            }
+        }
+        let _ = std::fs::remove_dir(&programs);
         for m in ALL_MAPS {
             let p = pin_dir.join(m);
             if p.exists() {
@@ -750,15 +835,18 @@ pub fn read_pinned(pin_dir: &Path) -> Result<Programmed, Error> {
     let mut frontends = BTreeMap::new();
     let mut fallbacks = BTreeMap::new();
     for (f, s) in slots {
-        let count = selected.get(&f).copied().unwrap_or(u16::MAX);
-        let (sel, fall): (Vec<_>, Vec<_>) = s.into_iter().partition(|(slot, _)| *slot <= count);
+        let (sel, fall): (Vec<_>, Vec<_>) = s
+            .into_iter()
+            .partition(|(slot, _)| *slot < FALLBACK_SLOT_BASE);
         if !fall.is_empty() {
             fallbacks.insert(f.clone(), fall.into_iter().map(|(_, b)| b).collect());
         }
         frontends.insert(f, sel.into_iter().map(|(_, b)| b).collect());
     }
     let member: HashMap<_, MemberKey, u32> = open_pinned(pin_dir, MEMBER_MAP, false)?;
-    let failed: HashMap<_, FailedKey, FailedValue> = open_pinned(pin_dir, FAILED_MAP, true)?;
+    // Absent where an agent from before passive health pinned the maps.
+    let failed: Option<HashMap<_, FailedKey, FailedValue>> =
+        open_pinned(pin_dir, FAILED_MAP, true).ok();
     let maglev: HashMap<_, MaglevKey, u32> = open_pinned(pin_dir, MAGLEV_MAP, false)?;
     let fill = |name: &'static str, map: &MapData, entries: usize| {
         let info = map.info().map_err(|source| Error::Map { name, source })?;
@@ -770,17 +858,20 @@ pub fn read_pinned(pin_dir: &Path) -> Result<Programmed, Error> {
             },
         ))
     };
-    let maps = [
+    let mut maps: BTreeMap<&'static str, MapFill> = [
         fill(SVC4_MAP, svc4.map(), svc4.keys().count())?,
         fill(SVC6_MAP, svc6.map(), svc6.keys().count())?,
         fill(BE4_MAP, be4.map(), be4.keys().count())?,
         fill(BE6_MAP, be6.map(), be6.keys().count())?,
         fill(MEMBER_MAP, member.map(), member.keys().count())?,
         fill(MAGLEV_MAP, maglev.map(), maglev.keys().count())?,
-        fill(FAILED_MAP, failed.map(), failed.keys().count())?,
     ]
     .into_iter()
     .collect();
+    if let Some(failed) = &failed {
+        let (name, f) = fill(FAILED_MAP, failed.map(), failed.keys().count())?;
+        maps.insert(name, f);
+    }
     Ok(Programmed {
         frontends,
         fallbacks,

@@ -17,8 +17,9 @@ use std::{
 };
 
 use mcs_ebpf_common::{
-    BE4_MAP, BE6_MAP, Backend4, Backend6, MAGLEV_TABLE_SIZE, MAX_BACKENDS_PER_SVC, MEMBER_MAP,
-    MaglevKey, MemberKey, SVC4_MAP, SVC6_MAP, Svc4Key, Svc6Key, SvcValue,
+    BE4_MAP, BE6_MAP, Backend4, Backend6, FALLBACK_SLOT_BASE, MAGLEV_TABLE_SIZE,
+    MAX_BACKENDS_PER_SVC, MEMBER_MAP, MaglevKey, MemberKey, SVC4_MAP, SVC6_MAP, Svc4Key, Svc6Key,
+    SvcValue,
 };
 use mcs_model::{
     Dataplane, DataplaneError, Frontend, Protocol, Service, TableDiff,
@@ -74,17 +75,19 @@ impl SocketLb {
         affinity_timeout_s: Option<u32>,
     ) -> Result<(), Error> {
         let same_family = |b: &&SocketAddr| b.is_ipv4() == vip.is_ipv4();
-        let mut backends: Vec<SocketAddr> = selected.iter().filter(same_family).copied().collect();
-        let count = u16::try_from(backends.len())
-            .ok()
-            .filter(|&n| n <= MAX_BACKENDS_PER_SVC)
-            .ok_or(Error::TooManyBackends(backends.len()))?;
-        let room = usize::from(MAX_BACKENDS_PER_SVC - count);
-        backends.extend(fallback.iter().filter(same_family).take(room).copied());
-        let fallback_count = (backends.len() - usize::from(count)) as u32;
+        let selected: Vec<SocketAddr> = selected.iter().filter(same_family).copied().collect();
+        if selected.len() > usize::from(MAX_BACKENDS_PER_SVC) {
+            return Err(Error::TooManyBackends(selected.len()));
+        }
+        let fallback: Vec<SocketAddr> = fallback
+            .iter()
+            .filter(same_family)
+            .take(usize::from(MAX_BACKENDS_PER_SVC))
+            .copied()
+            .collect();
         // 1. Backends: one reference each (new ids get their map entry).
-        let mut ids = Vec::with_capacity(backends.len());
-        for be in &backends {
+        let mut ids = Vec::with_capacity(selected.len() + fallback.len());
+        for be in selected.iter().chain(&fallback) {
             match self.acquire_backend(*be, l4) {
                 Ok(id) => ids.push(id),
                 Err(e) => {
@@ -95,85 +98,78 @@ impl SocketLb {
                 }
             }
         }
-        let old_len = self.programmed.get(&(vip, l4)).map_or(0, Vec::len);
-        let stages = Stages {
-            selected: count,
-            fallback: fallback_count,
+        let fallback_ids = ids.split_off(selected.len());
+        let new = Slots {
+            selected: ids,
+            fallback: fallback_ids,
         };
-        if let Err(e) = self.write_frontend(vip, l4, &backends, &ids, stages, affinity_timeout_s) {
+        if let Err(e) = self.write_frontend(vip, l4, &selected, &new, affinity_timeout_s) {
             // Partly written: take the frontend out whole (slot 0 first), then every slot
             // either version used, and give back both versions' references.
             self.delete_slot(vip, l4, 0);
-            for slot in 1..=old_len.max(ids.len()) {
-                self.delete_slot(vip, l4, slot as u16);
-            }
             let old = self.programmed.remove(&(vip, l4)).unwrap_or_default();
+            for (slot, _) in new.numbered().chain(old.numbered()) {
+                self.delete_slot(vip, l4, slot);
+            }
             if let Some(&svc_id) = self.svc_ids.get(&(vip, l4)) {
-                self.drop_members(svc_id, ids.iter().chain(&old));
+                self.drop_members(svc_id, new.ids().chain(old.ids()));
             }
             self.drop_maglev(vip, l4);
-            for id in ids {
-                self.release_backend(id);
-            }
-            for id in old {
+            for id in new.ids().chain(old.ids()) {
                 self.release_backend(id);
             }
             return Err(e);
         }
-        // 4. Delete what the previous version used beyond the new slots; release its ids.
+        // 4. Delete the slots the previous version used beyond the new ones; release its ids.
         // Membership goes for every old backend that is not selected now (one may have moved
         // to the fallback stage).
-        let selected_now: BTreeSet<u32> = ids[..usize::from(count)].iter().copied().collect();
-        let not_selected: Vec<u32> = self
-            .programmed
-            .get(&(vip, l4))
-            .into_iter()
-            .flatten()
-            .filter(|id| !selected_now.contains(id))
-            .copied()
-            .collect();
+        let selected_now: BTreeSet<u32> = new.selected.iter().copied().collect();
+        let (new_selected, new_fallback) = (new.selected.len(), new.fallback.len());
+        let old = self.programmed.insert((vip, l4), new).unwrap_or_default();
         if let Some(&svc_id) = self.svc_ids.get(&(vip, l4)) {
-            self.drop_members(svc_id, not_selected.iter());
+            let not_selected: Vec<u32> =
+                old.ids().filter(|id| !selected_now.contains(id)).collect();
+            self.drop_members(svc_id, not_selected.into_iter());
         }
-        let slots = ids.len();
-        let old = self.programmed.insert((vip, l4), ids).unwrap_or_default();
-        for slot in (slots + 1)..=old.len() {
-            self.delete_slot(vip, l4, slot as u16);
+        for (i, slot) in old.numbered().map(|(slot, _)| slot).enumerate() {
+            let stale = if i < old.selected.len() {
+                i >= new_selected
+            } else {
+                i - old.selected.len() >= new_fallback
+            };
+            if stale {
+                self.delete_slot(vip, l4, slot);
+            }
         }
-        for id in old {
+        for id in old.ids() {
             self.release_backend(id);
         }
         Ok(())
     }
 
-    /// Steps 2 and 3: slots (selected, then fallback), membership and Maglev table of the
-    /// selected ones, then the frontend last.
+    /// Steps 2 and 3: slots (selected at `1..`, fallback from `FALLBACK_SLOT_BASE`),
+    /// membership and Maglev table of the selected ones, then the frontend last.
     fn write_frontend(
         &mut self,
         vip: SocketAddr,
         l4: L4,
         backends: &[SocketAddr],
-        ids: &[u32],
-        stages: Stages,
+        slots: &Slots,
         affinity_timeout_s: Option<u32>,
     ) -> Result<(), Error> {
-        let count = stages.selected;
-        let (backends, ids_all, ids) = (
-            &backends[..usize::from(count)],
-            ids,
-            &ids[..usize::from(count)],
-        );
-        for (i, &id) in ids_all.iter().enumerate() {
+        for (slot, id) in slots.numbered() {
             self.put_slot(
                 vip,
                 l4,
-                i as u16 + 1,
+                slot,
                 SvcValue {
                     backend_id: id,
                     ..Default::default()
                 },
             )?;
         }
+        let ids = &slots.selected;
+        let count = ids.len() as u16;
         let svc_id = self.svc_id((vip, l4));
         for &id in ids {
             self.member_map
@@ -228,7 +224,7 @@ impl SocketLb {
         }
         let front = SvcValue {
             // Slot 0 holds the number of fallback slots (see `SvcValue::fallback_count`).
-            backend_id: stages.fallback,
+            backend_id: slots.fallback.len() as u32,
             count,
             flags: flags
                 | if affinity_timeout_s.is_some() {
@@ -243,8 +239,8 @@ impl SocketLb {
         self.put_slot(vip, l4, 0, front)
     }
 
-    fn drop_members<'a>(&mut self, svc_id: u32, ids: impl Iterator<Item = &'a u32>) {
-        for &id in ids {
+    fn drop_members(&mut self, svc_id: u32, ids: impl Iterator<Item = u32>) {
+        for id in ids {
             let _ = self.member_map.remove(&MemberKey {
                 svc_id,
                 backend_id: id,
@@ -276,14 +272,14 @@ impl SocketLb {
         self.delete_slot(vip, l4, 0);
         let old = self.programmed.remove(&(vip, l4));
         if let (Some(&svc_id), Some(old)) = (self.svc_ids.get(&(vip, l4)), &old) {
-            self.drop_members(svc_id, old.iter());
+            self.drop_members(svc_id, old.ids());
         }
         self.drop_maglev(vip, l4);
         if let Some(old) = old {
-            for slot in 1..=old.len() {
-                self.delete_slot(vip, l4, slot as u16);
+            for (slot, _) in old.numbered() {
+                self.delete_slot(vip, l4, slot);
             }
-            for id in old {
+            for id in old.ids() {
                 self.release_backend(id);
             }
         }
@@ -468,11 +464,26 @@ impl SocketLb {
     }
 }
 
-/// How a frontend's slots divide: `1..=selected`, then `fallback` more.
-#[derive(Clone, Copy)]
-struct Stages {
-    selected: u16,
-    fallback: u32,
+/// The backend ids a frontend's slots name: the selected ones at `1..`, the fallback ones
+/// from `FALLBACK_SLOT_BASE`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct Slots {
+    pub(super) selected: Vec<u32>,
+    pub(super) fallback: Vec<u32>,
+}
+
+impl Slots {
+    /// Every id, selected first.
+    pub(super) fn ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.selected.iter().chain(&self.fallback).copied()
+    }
+
+    /// Every slot in use, with the id it names.
+    pub(super) fn numbered(&self) -> impl Iterator<Item = (u16, u32)> + '_ {
+        let selected = (1u16..).zip(self.selected.iter().copied());
+        let fallback = (FALLBACK_SLOT_BASE..).zip(self.fallback.iter().copied());
+        selected.chain(fallback)
+    }
 }
 
 fn l4_of(p: Protocol) -> Option<L4> {
@@ -570,6 +581,14 @@ impl Dataplane for SocketLb {
             ("frontends programmed", self.programmed.len().to_string()),
             ("frontends unprogrammable", self.failed.len().to_string()),
             ("backend ids in use", self.ids.live_count().to_string()),
+            (
+                "passive health",
+                if self.passive_health {
+                    "on (per client pod, TCP)".to_string()
+                } else {
+                    "off: the kernel refused the sock_ops program".to_string()
+                },
+            ),
             ("pin dir", self.pin_dir.display().to_string()),
         ]
     }
@@ -593,58 +612,86 @@ impl Dataplane for SocketLb {
 
     /// Backends of `frontend` that some client pod on this node skips now (a pod's failed
     /// connect marks a backend for that pod only): per backend, the most failures in a row
-    /// and the longest wait of any pod. Reads at most [`FAILED_SCAN`] marks of the node.
+    /// and the longest wait of any pod. Marks are TCP's only. The node's marks are read at
+    /// most once a second (at most [`FAILED_SCAN`] of them), however many frontends ask.
     fn skipped(&self, frontend: &Frontend, limit: usize) -> Vec<SkippedBackend> {
-        let Some(key) = key_of(frontend) else {
+        let Some(key) = key_of(frontend).filter(|(_, l4)| *l4 == L4::Tcp) else {
             return Vec::new();
         };
-        let Some(ids) = self.programmed.get(&key) else {
+        let Some(slots) = self.programmed.get(&key) else {
             return Vec::new();
         };
-        let backends: BTreeSet<SocketAddr> = ids
-            .iter()
-            .filter_map(|id| self.ids.backend(*id))
+        let backends: BTreeSet<SocketAddr> = slots
+            .ids()
+            .filter_map(|id| self.ids.backend(id))
             .map(|(addr, _)| addr)
             .collect();
-        let Ok(now) = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC) else {
+        let Some(now_ns) = monotonic_ns() else {
             return Vec::new();
         };
-        let now_ns = (now.tv_sec() as u64)
-            .saturating_mul(1_000_000_000)
-            .saturating_add(now.tv_nsec() as u64);
+        let mut cache = self
+            .marks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let fresh = cache
+            .as_ref()
+            .is_some_and(|(at, _)| at.elapsed() < std::time::Duration::from_secs(1));
+        if !fresh {
+            let marks = self
+                .failed_map
+                .iter()
+                .take(FAILED_SCAN)
+                .filter_map(Result::ok)
+                .filter(|(_, v)| v.until_ns > now_ns)
+                .map(|(k, v)| Mark {
+                    backend: match k.family {
+                        4 => super::sock4(k.addr[0], k.port),
+                        _ => super::sock6(k.addr, k.port),
+                    },
+                    failures: v.failures,
+                    until_ns: v.until_ns,
+                })
+                .collect();
+            *cache = Some((std::time::Instant::now(), marks));
+        }
         let mut by_backend: BTreeMap<SocketAddr, SkippedBackend> = BTreeMap::new();
-        for (k, v) in self
-            .failed_map
-            .iter()
-            .take(FAILED_SCAN)
-            .filter_map(Result::ok)
-        {
-            if v.until_ns <= now_ns {
+        for m in cache.iter().flat_map(|(_, marks)| marks) {
+            if m.until_ns <= now_ns || !backends.contains(&m.backend) {
                 continue;
             }
-            let addr = match k.family {
-                4 => super::sock4(k.addr[0], k.port),
-                _ => super::sock6(k.addr, k.port),
-            };
-            if !backends.contains(&addr) {
-                continue;
-            }
-            let for_ms = (v.until_ns - now_ns) / 1_000_000;
-            let e = by_backend.entry(addr).or_insert(SkippedBackend {
-                address: addr.ip(),
-                port: addr.port(),
+            let e = by_backend.entry(m.backend).or_insert(SkippedBackend {
+                address: m.backend.ip(),
+                port: m.backend.port(),
                 failures: 0,
                 for_ms: 0,
             });
-            e.failures = e.failures.max(v.failures);
-            e.for_ms = e.for_ms.max(for_ms);
+            e.failures = e.failures.max(m.failures);
+            e.for_ms = e.for_ms.max((m.until_ns - now_ns) / 1_000_000);
         }
         by_backend.into_values().take(limit).collect()
     }
 }
 
-/// The most marks of the failed map one [`Dataplane::skipped`] reads (each costs two system
-/// calls; the map holds up to 65,536).
+/// A mark of the failed map, as `/status` reads it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Mark {
+    backend: SocketAddr,
+    failures: u32,
+    until_ns: u64,
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds (the kernel's `bpf_ktime_get_ns`).
+fn monotonic_ns() -> Option<u64> {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).ok()?;
+    Some(
+        (now.tv_sec() as u64)
+            .saturating_mul(1_000_000_000)
+            .saturating_add(now.tv_nsec() as u64),
+    )
+}
+
+/// The most marks of the failed map `/status` reads at a time (each costs two system calls;
+/// the map holds up to 65,536).
 const FAILED_SCAN: usize = 8192;
 
 /// Frontends that could not be programmed, with the service and why.
