@@ -24,6 +24,18 @@
 #                     readiness probe fails): traffic moves to the other node's pod, then to c2,
 #                     and back once kubelet restarted them. Counted (userspace retries the next
 #                     cluster when every local backend refuses; eBPF cannot retry).
+#   blackhole-ebpf, blackhole-userspace
+#                     packets to one of c1's web pods (on c1's second node) dropped in every
+#                     node of the ClusterSet for 15 s, no reset (a backend gone dark: its slices
+#                     still say ready, kubelet's probes come from its own node): each client
+#                     stops choosing it after one slow connect (eBPF: per client pod, at the
+#                     SYN's first retransmission; userspace: per node, at --connect-timeout-ms).
+#                     Counted.
+#   node-dark-ebpf, node-dark-userspace
+#                     c1's second node's pod network unreachable from every other node (and its
+#                     pods from reaching theirs) for 15 s: the probes on the other nodes lose
+#                     that node's web pod, the probe on it every backend but its own node's.
+#                     Counted.
 #   soak              (with --soak MINUTES, after the steps) churn under load: an export made
 #                     and an older one deleted every 2 s (in c1 and c2 by turns), c2's web
 #                     scaled 2 <-> 3 (endpoints coming and going in the ClusterSet), c2's API
@@ -44,7 +56,7 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/clusterset-lib.sh"
 need_clusterset lifecycle
 
-STEPS=upgrade-ebpf,rollback-ebpf,agents-deleted,drain-ebpf,to-userspace,upgrade-userspace,rollback-userspace,drain-userspace,to-ebpf
+STEPS=upgrade-ebpf,rollback-ebpf,agents-deleted,drain-ebpf,blackhole-ebpf,node-dark-ebpf,to-userspace,upgrade-userspace,rollback-userspace,drain-userspace,blackhole-userspace,node-dark-userspace,to-ebpf
 RATE=50
 SOAK=0
 while (($#)); do
@@ -78,6 +90,7 @@ done
 cleanup() {
   local rc=$?
   jobs -p | xargs -r kill 2>/dev/null || true
+  lights_on
   for c in $clusters; do
     kc "$c" delete namespace "$NS" --wait=false >/dev/null 2>&1 || true
     kc "$c" uncordon --all >/dev/null 2>&1 || true
@@ -327,6 +340,62 @@ drain() {
   until_ok 120 "c1's web ready again" kc c1 -n "$NS" rollout status deploy/web --timeout=2s
   if [[ -n $second ]]; then kc c1 uncordon "$second" >/dev/null; fi
 }
+# --- a backend or a node gone dark ---------------------------------------------------------------
+# An nftables table in every node's namespace that drops, before anything else, forwarded
+# (pods') and locally sent (the node's, the userspace forwarder's) packets matching RULE.
+DARK_TABLE=mcs_lifecycle_dark
+dark() { # dark NETNS RULE...: one table per node, its rules in both hooks
+  local ns=$1; shift
+  {
+    echo "add table inet $DARK_TABLE"
+    echo "add chain inet $DARK_TABLE fwd { type filter hook forward priority -310; }"
+    echo "add chain inet $DARK_TABLE out { type filter hook output priority -310; }"
+    local r
+    for r in "$@"; do
+      echo "add rule inet $DARK_TABLE fwd $r drop"
+      echo "add rule inet $DARK_TABLE out $r drop"
+    done
+  } | ip netns exec "$ns" nft -f -
+}
+lights_on() { # every node's table gone (also at exit, whatever happened)
+  local ns
+  for ns in $(cs_nodes | awk '{print $3}'); do
+    ip netns exec "$ns" nft delete table inet "$DARK_TABLE" 2>/dev/null || true
+  done
+}
+# c1's second node (its first if it has one): name, netns, and its pod ranges' rules.
+dark_node() { cs_nodes c1 | awk 'NR == 2 || (NR == 1 && c == 0) { line = $0 } { c++ } END { print line }'; }
+blackhole() {
+  local node pod ips ip rules=() ns
+  node=$(dark_node | awk '{print $2}')
+  pod=$(kc c1 -n "$NS" get pods -l app=web --field-selector "spec.nodeName=$node" -o jsonpath='{.items[0].metadata.name}')
+  ips=$(kc c1 -n "$NS" get pod "$pod" -o jsonpath='{range .status.podIPs[*]}{.ip}{"\n"}{end}')
+  [[ -n $ips ]] || { fail "blackhole: no web pod on $node"; return 1; }
+  for ip in $ips; do
+    if [[ $ip == *:* ]]; then rules+=("ip6 daddr $ip"); else rules+=("ip daddr $ip"); fi
+  done
+  say "   packets to c1's $pod ($(tr '\n' ' ' <<<"$ips")) dropped on every node for 15 s"
+  for ns in $(cs_nodes | awk '{print $3}'); do dark "$ns" "${rules[@]}" || fail "blackhole: nft in $ns"; done
+  sleep 15
+  lights_on
+}
+node_dark() {
+  local line name ns range k range6 other
+  line=$(dark_node)
+  name=$(awk '{print $2}' <<<"$line"); ns=$(awk '{print $3}' <<<"$line"); range=$(awk '{print $5}' <<<"$line")
+  k=$(cs_nodes c1 | awk -v n="$name" '$2 == n { print NR }')
+  range6="2001:2:0:41:$k::/80"
+  say "   $name's pods ($range, $range6) cut off from every other node for 15 s"
+  # On the node: nothing of its pods (or its own) to the other nodes' pods.
+  dark "$ns" "ip daddr 198.19.40.0/21 ip daddr != $range" "ip6 daddr 2001:2:0:40::/60 ip6 daddr != $range6" ||
+    fail "node-dark: nft in $ns"
+  for other in $(cs_nodes | awk -v n="$ns" '$3 != n {print $3}'); do
+    dark "$other" "ip daddr $range" "ip6 daddr $range6" || fail "node-dark: nft in $other"
+  done
+  sleep 15
+  lights_on
+}
+
 # The RSS (KiB) of every agent and controller process on this machine (the nodes share it):
 # "<cluster>/<node>/<agent|controller>/<pid> <rss>" per line, the node from its cgroup path.
 rss_sample() {
@@ -427,6 +496,12 @@ for s in ${STEPS//,/ }; do
     drain-ebpf|drain-userspace)
       [[ ${s#drain-} == "$current_dp" ]] || { fail "$s: the dataplane is $current_dp here (reorder --steps)"; continue; }
       step "$s" "$current_dp" measured drain ;;
+    blackhole-ebpf|blackhole-userspace)
+      [[ ${s#blackhole-} == "$current_dp" ]] || { fail "$s: the dataplane is $current_dp here (reorder --steps)"; continue; }
+      step "$s" "$current_dp" measured blackhole ;;
+    node-dark-ebpf|node-dark-userspace)
+      [[ ${s#node-dark-} == "$current_dp" ]] || { fail "$s: the dataplane is $current_dp here (reorder --steps)"; continue; }
+      step "$s" "$current_dp" measured node_dark ;;
     *) fail "unknown step $s" ;;
   esac
 done
