@@ -348,12 +348,12 @@ dark() { # dark NETNS RULE...: one table per node, its rules in both hooks
   local ns=$1; shift
   {
     echo "add table inet $DARK_TABLE"
-    echo "add chain inet $DARK_TABLE fwd { type filter hook forward priority -310; }"
-    echo "add chain inet $DARK_TABLE out { type filter hook output priority -310; }"
+    echo "add chain inet $DARK_TABLE dark_forward { type filter hook forward priority -310; }"
+    echo "add chain inet $DARK_TABLE dark_output { type filter hook output priority -310; }"
     local r
     for r in "$@"; do
-      echo "add rule inet $DARK_TABLE fwd $r drop"
-      echo "add rule inet $DARK_TABLE out $r drop"
+      echo "add rule inet $DARK_TABLE dark_forward $r drop"
+      echo "add rule inet $DARK_TABLE dark_output $r drop"
     done
   } | ip netns exec "$ns" nft -f -
 }
