@@ -87,6 +87,29 @@ declare -A first_rev
 for c in $clusters; do
   first_rev[$c]=$(release_of "$c")
 done
+# --- a backend or a node gone dark ---------------------------------------------------------------
+# An nftables table in every node's namespace that drops, before anything else, forwarded
+# (pods') and locally sent (the node's, the userspace forwarder's) packets matching RULE.
+DARK_TABLE=mcs_lifecycle_dark
+dark() { # dark NETNS RULE...: one table per node, its rules in both hooks
+  local ns=$1; shift
+  {
+    echo "add table inet $DARK_TABLE"
+    echo "add chain inet $DARK_TABLE dark_forward { type filter hook forward priority -310; }"
+    echo "add chain inet $DARK_TABLE dark_output { type filter hook output priority -310; }"
+    local r
+    for r in "$@"; do
+      echo "add rule inet $DARK_TABLE dark_forward $r drop"
+      echo "add rule inet $DARK_TABLE dark_output $r drop"
+    done
+  } | ip netns exec "$ns" nft -f -
+}
+lights_on() { # every node's table gone (also at exit, whatever happened)
+  local ns
+  for ns in $(cs_nodes | awk '{print $3}'); do
+    ip netns exec "$ns" nft delete table inet "$DARK_TABLE" 2>/dev/null || true
+  done
+}
 cleanup() {
   local rc=$?
   jobs -p | xargs -r kill 2>/dev/null || true
@@ -339,29 +362,6 @@ drain() {
   until_ok 60 "c1's web containers restarted by kubelet after the kill" restarted
   until_ok 120 "c1's web ready again" kc c1 -n "$NS" rollout status deploy/web --timeout=2s
   if [[ -n $second ]]; then kc c1 uncordon "$second" >/dev/null; fi
-}
-# --- a backend or a node gone dark ---------------------------------------------------------------
-# An nftables table in every node's namespace that drops, before anything else, forwarded
-# (pods') and locally sent (the node's, the userspace forwarder's) packets matching RULE.
-DARK_TABLE=mcs_lifecycle_dark
-dark() { # dark NETNS RULE...: one table per node, its rules in both hooks
-  local ns=$1; shift
-  {
-    echo "add table inet $DARK_TABLE"
-    echo "add chain inet $DARK_TABLE dark_forward { type filter hook forward priority -310; }"
-    echo "add chain inet $DARK_TABLE dark_output { type filter hook output priority -310; }"
-    local r
-    for r in "$@"; do
-      echo "add rule inet $DARK_TABLE dark_forward $r drop"
-      echo "add rule inet $DARK_TABLE dark_output $r drop"
-    done
-  } | ip netns exec "$ns" nft -f -
-}
-lights_on() { # every node's table gone (also at exit, whatever happened)
-  local ns
-  for ns in $(cs_nodes | awk '{print $3}'); do
-    ip netns exec "$ns" nft delete table inet "$DARK_TABLE" 2>/dev/null || true
-  done
 }
 # c1's second node (its first if it has one): name, netns, and its pod ranges' rules.
 dark_node() { cs_nodes c1 | awk 'NR == 2 || (NR == 1 && c == 0) { line = $0 } { c++ } END { print line }'; }

@@ -57,7 +57,7 @@ pub(crate) fn handler(tx: mpsc::Sender<StatusRequest>, dns: Vec<SocketAddr>) -> 
             };
             let status = AgentStatus {
                 version: env!("CARGO_PKG_VERSION").to_string(),
-                node,
+                node: node.unwrap_or_default(),
                 error,
                 heap: Some(crate::allocator::heap_info()),
                 dns,

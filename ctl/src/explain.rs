@@ -401,7 +401,7 @@ async fn nodes(
     let mut raw = serde_json::Map::new();
     for (pod, r) in agent_statuses(client, mcs_ns, &pods, &format!("?service={ns}/{name}")).await {
         let what = format!("node {}", pod.node);
-        let answer = match r.and_then(|a| a.node().cloned().map(|n| (n, a))) {
+        let answer = match r {
             Ok(a) => a,
             Err(e) => {
                 s.push_fix(
@@ -413,9 +413,18 @@ async fn nodes(
                 continue;
             }
         };
-        let (node, answer) = answer;
-        node_checks(s, &what, &node, import);
-        dns_checks(s, &what, &answer.status, import);
+        match answer.node() {
+            Ok(node) => node_checks(s, &what, node, import),
+            Err(e) => s.push_fix(
+                Level::Fail,
+                what.clone(),
+                format!("its agent {} did not answer for its table: {e}", pod.name),
+                "see that agent's log",
+            ),
+        }
+        if let Ok(status) = &answer.status {
+            dns_checks(s, &what, status, import);
+        }
         raw.insert(pod.node.clone(), answer.raw);
     }
     Value::Object(raw)
@@ -688,7 +697,7 @@ mod tests {
     fn agent_checks(s: &mut Section, answer: Value, import: Option<&ServiceImport>) {
         let a = crate::member::AgentAnswer::parse(&answer.to_string()).unwrap();
         node_checks(s, "node n1", a.node().unwrap(), import);
-        dns_checks(s, "node n1", &a.status, import);
+        dns_checks(s, "node n1", a.status.as_ref().unwrap(), import);
     }
 
     #[test]

@@ -195,30 +195,31 @@ pub async fn pod_get(
 /// The most of one pod's answer `kubectl mcs` reads.
 const ANSWER_MAX: usize = 8 << 20;
 
-/// One agent's `/status`: read into its types, and as it came (for `-o json`).
+/// One agent's `/status`: read into its types, and as it came (for `-o json`, also when it
+/// does not read as this `kubectl-mcs` expects).
 pub struct AgentAnswer {
-    /// The answer as `mcs_model::status` reads it.
-    pub status: AgentStatus,
+    /// The answer as `mcs_model::status` reads it, or why it does not.
+    pub status: Result<AgentStatus, String>,
     /// The answer as it came.
     pub raw: serde_json::Value,
 }
 
 impl AgentAnswer {
-    /// Reads an answer's text.
+    /// Reads an answer's text: it must be JSON; whether it reads as a status is `status`.
     pub fn parse(text: &str) -> Result<Self, String> {
         let raw: serde_json::Value = serde_json::from_str(text)
             .map_err(|e| format!("not a status (an agent older than /status?): {e}"))?;
         let status = serde_json::from_value(raw.clone())
-            .map_err(|e| format!("not a status this kubectl-mcs reads: {e}"))?;
+            .map_err(|e| format!("a status this kubectl-mcs cannot read: {e}"));
         Ok(Self { status, raw })
     }
 
     /// The sync loop's part: the node's view, or why there is none.
     pub fn node(&self) -> Result<&NodeStatus, String> {
-        match (&self.status.error, &self.status.node) {
-            (Some(e), _) => Err(e.clone()),
-            (None, Some(n)) => Ok(n),
-            (None, None) => Err("the answer has no table".into()),
+        let status = self.status.as_ref().map_err(Clone::clone)?;
+        match &status.error {
+            Some(e) => Err(e.clone()),
+            None => Ok(&status.node),
         }
     }
 }

@@ -304,7 +304,7 @@ async fn agents(client: &Client, ns: &str, s: &mut Section) -> (Value, BTreeSet<
                 continue;
             }
         };
-        match dns_version(&answer.status) {
+        match answer.status.as_ref().ok().and_then(dns_version) {
             None => {}
             Some(Ok(v)) => dns_ok.push(format!("{} {v}", pod.node)),
             Some(Err(e)) => dns_bad.push(format!("{}: {e}", pod.node)),

@@ -1030,3 +1030,35 @@ fn links_of_an_agent_that_pinned_no_programs_are_replaced_once() {
     let lb = open_attached(&f);
     assert_eq!(lb.adopted_links(), mcs_proxy::ebpf::PROGRAMS.len());
 }
+
+#[test]
+fn links_pinned_on_another_cgroup_are_replaced() {
+    let Some(f) = Fixture::new("bpf") else {
+        return;
+    };
+    let be = f.tcp_backend("127.0.0.1:0");
+    // An agent attached to another cgroup (its `--cgroup-root` since changed).
+    let elsewhere = mcs_test_support::cgroup::TestCgroup::new("bpf-other").expect("cgroup");
+    {
+        let mut lb = SocketLb::open(f.pins.path()).expect("load");
+        lb.attach(elsewhere.path()).expect("attach elsewhere");
+    }
+    // Same build, the fixture's cgroup: nothing kept, every hook attached here.
+    let mut lb = open_attached(&f);
+    assert_eq!(
+        lb.adopted_links(),
+        0,
+        "links on another cgroup are not kept"
+    );
+    lb.set_service("198.18.0.10:80".parse().unwrap(), L4::Tcp, &[be])
+        .unwrap();
+    assert_eq!(
+        f.probe(&tcp("198.18.0.10:80")).reply,
+        format!("backend {} got hi", be.port())
+    );
+    drop(lb);
+    assert_eq!(
+        open_attached(&f).adopted_links(),
+        mcs_proxy::ebpf::PROGRAMS.len()
+    );
+}

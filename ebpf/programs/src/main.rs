@@ -870,16 +870,14 @@ fn connect_failed(ctx: &SockOpsContext) {
 fn passive_health(ctx: &SockOpsContext) {
     match ctx.op() {
         BPF_SOCK_OPS_TCP_CONNECT_CB => {
-            // Callbacks for translated connects only; a socket connected again elsewhere
-            // (after `connect(AF_UNSPEC)`) loses the ones its last connect had.
-            let ours = BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
-            let flags = if translated(ctx) {
-                ctx.cb_flags() | ours
-            } else {
-                ctx.cb_flags() & !ours
-            };
-            if flags != ctx.cb_flags() {
-                let _ = ctx.set_cb_flags(flags as i32);
+            // Callbacks for translated connects (added to what other programs asked for, never
+            // taken from them); every callback checks again that its socket is translated, so
+            // a socket connected again elsewhere (after `connect(AF_UNSPEC)`) marks nothing.
+            if translated(ctx) {
+                let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
+                if flags != ctx.cb_flags() {
+                    let _ = ctx.set_cb_flags(flags as i32);
+                }
             }
         }
         BPF_SOCK_OPS_STATE_CB => {

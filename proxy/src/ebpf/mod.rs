@@ -289,7 +289,9 @@ fn link_program(
     pin_dir: &Path,
     cgroup: &File,
 ) -> Result<Linked, Error> {
+    use std::os::unix::fs::MetadataExt as _;
     let perr = |source| Error::Program { name, source };
+    let cgroup_id = cgroup.metadata().ok().map(|m| m.ino());
     let program = ebpf.program_mut(name).ok_or(Error::Missing(name))?;
     let pin = pin_dir.join("links").join(name);
     macro_rules! load_and_attach {
@@ -297,7 +299,7 @@ fn link_program(
             let prog: &mut $kind = program.try_into().map_err(perr)?;
             prog.load().map_err(perr)?;
             let info = prog.info().map_err(perr)?;
-            if let Some(link) = same_program_pinned(pin_dir, name, &info) {
+            if let Some(link) = same_program_pinned(pin_dir, name, &info, cgroup_id) {
                 return Ok(Linked::Kept(link));
             }
             let id = prog
@@ -318,29 +320,36 @@ fn link_program(
     }
 }
 
-/// The link pinned for program `name`, if it runs the program `loaded` is: the program pinned
-/// beside it (`programs/NAME`) is the link's and has the same name and tag (a hash of its
-/// instructions with map references left out: the same for every load of one build). Read
+/// The link pinned for program `name`, if it runs the program `loaded` is on the cgroup of id
+/// `cgroup_id`: the program pinned beside it (`programs/NAME`) is the link's and has the same
+/// name and tag (a hash of its instructions with map references left out: the same for every
+/// load of one build), and the link is attached to that cgroup. Read
 /// from the pins, not by listing the kernel's programs (that needs CAP_SYS_ADMIN, which the
 /// agent does not have). A link of an agent that pinned no program is replaced once.
 fn same_program_pinned(
     pin_dir: &Path,
     name: &str,
     loaded: &aya::programs::ProgramInfo,
+    cgroup_id: Option<u64>,
 ) -> Option<PinnedLink> {
     let link_pin = pin_dir.join("links").join(name);
     if !link_pin.exists() {
         return None;
     }
-    let link_program = PinnedLink::from_pin(&link_pin)
-        .ok()
-        .map(FdLink::from)
-        .and_then(|link| link.info().ok())
-        .map(|info| info.program_id());
+    // The link's program and the cgroup it is attached to (a link on another cgroup, e.g.
+    // after `--cgroup-root` changed, or on a deleted one, is replaced).
+    let link = PinnedLink::from_pin(&link_pin).ok().map(FdLink::from);
+    let info = link.as_ref().and_then(|l| l.info().ok());
+    let link_program = info
+        .as_ref()
+        .map(aya::programs::links::LinkInfo::program_id);
+    let link_cgroup = info.as_ref().and_then(|i| link_cgroup_id(i.id()));
+    drop(link);
     let pinned = aya::programs::ProgramInfo::from_pin(pin_dir.join("programs").join(name)).ok();
     let same = pinned.is_some_and(|p| {
         Some(p.id()) == link_program && p.tag() == loaded.tag() && p.name() == loaded.name()
-    });
+    }) && cgroup_id.is_some()
+        && link_cgroup == cgroup_id;
     if !same {
         tracing::info!(link = %link_pin.display(), "the pinned link runs another program (another agent version); attaching this one beside it, then replacing it");
         return None;
@@ -352,6 +361,24 @@ fn same_program_pinned(
             None
         }
     }
+}
+
+/// The cgroup a cgroup link is attached to (its id, the cgroup2 directory's inode number), read
+/// from the fdinfo of this process's descriptor of link `link_id` (aya does not expose it).
+fn link_cgroup_id(link_id: u32) -> Option<u64> {
+    let want = format!("link_id:\t{link_id}");
+    for entry in std::fs::read_dir("/proc/self/fdinfo").ok()?.flatten() {
+        let Ok(text) = std::fs::read_to_string(entry.path()) else {
+            continue;
+        };
+        if text.lines().any(|l| l == want) {
+            return text
+                .lines()
+                .find_map(|l| l.strip_prefix("cgroup_id:\t"))
+                .and_then(|v| v.trim().parse().ok());
+        }
+    }
+    None
 }
 
 /// Pins program `name` at `programs/NAME` (renamed over the one before), so the next agent
@@ -617,25 +644,33 @@ impl SocketLb {
                 Err(e) => return Err(e),
             }
         }
-        self.adopted_links = kept.len();
-        self.links.extend(kept);
-        let mut replaced = 0;
+        // Pin every new link under its temporary name first: a socket-address hook whose pin
+        // fails undoes this call's pins and fails the start with no pin changed.
+        let mut staged: Vec<(&'static str, PinnedLink, PathBuf)> = Vec::new();
         for (name, link) in new {
-            let pin = self.pin_dir.join("links").join(name);
             // bpffs refuses names with a dot: the temporary name is `NAME_next`.
             let tmp = self.pin_dir.join("links").join(format!("{name}_next"));
             let _ = std::fs::remove_file(&tmp);
-            let old = pin.exists();
-            let pinned = match link.pin(&tmp) {
-                Ok(pinned) => pinned,
-                Err(e) if old => {
-                    // That hook keeps the program pinned before (the new link detached).
-                    tracing::error!(program = name, pin = %tmp.display(), error = %e, "could not pin the new link; that hook keeps the program pinned before");
-                    continue;
+            match link.pin(&tmp) {
+                Ok(pinned) => staged.push((name, pinned, tmp)),
+                Err(e) if name == SOCK_OPS_PROGRAM => {
+                    tracing::warn!(error = %e, "could not pin the sock_ops program's link: the socket LB runs without passive health");
+                    self.passive_health = false;
                 }
-                // Nothing runs at that hook: the start fails (with `auto`, userspace).
-                Err(e) => return Err(pin_err(&tmp, e)),
-            };
+                Err(e) => {
+                    for (_, _, t) in &staged {
+                        let _ = std::fs::remove_file(t);
+                    }
+                    return Err(pin_err(&tmp, e));
+                }
+            }
+        }
+        self.adopted_links = kept.len();
+        self.links.extend(kept);
+        let mut replaced = 0;
+        for (name, pinned, tmp) in staged {
+            let pin = self.pin_dir.join("links").join(name);
+            let old = pin.exists();
             if let Err(e) = std::fs::rename(&tmp, &pin) {
                 let _ = std::fs::remove_file(&tmp);
                 // Held, not pinned: attached while this agent runs, beside any older one.

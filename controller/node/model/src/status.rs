@@ -18,9 +18,9 @@ use crate::{Backend, Rejection, health::SkippedBackend};
 pub struct AgentStatus {
     /// The agent's version.
     pub version: String,
-    /// The node as the sync loop sees it (absent when it did not answer: see `error`).
+    /// The node as the sync loop sees it (all zero when it did not answer: see `error`).
     #[serde(flatten)]
-    pub node: Option<NodeStatus>,
+    pub node: NodeStatus,
     /// Set when the sync loop did not answer.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -176,13 +176,13 @@ mod tests {
     fn an_answer_reads_back_as_written_and_an_older_agents_answer_reads() {
         let st = AgentStatus {
             version: "1.2.3".into(),
-            node: Some(NodeStatus {
+            node: NodeStatus {
                 node: "n1".into(),
                 dataplane: "ebpf".into(),
                 ready: true,
                 frontends: 2,
                 ..Default::default()
-            }),
+            },
             heap: Some(HeapInfo::default()),
             ..Default::default()
         };
@@ -195,8 +195,10 @@ mod tests {
             r#"{"version":"0.9","node":"n1","dataplane":"userspace","ready":true}"#,
         )
         .unwrap();
-        let node = old.node.unwrap();
+        let node = &old.node;
         assert_eq!((node.dataplane.as_str(), node.ready), ("userspace", true));
         assert!(node.rejected.is_empty() && old.heap.is_none() && old.dns.is_none());
+        // A field of the wrong type is an error, not a silently empty table.
+        assert!(serde_json::from_str::<AgentStatus>(r#"{"ready":"yes"}"#).is_err());
     }
 }
