@@ -365,10 +365,29 @@ drain() {
 }
 # c1's second node (its first if it has one): name, netns, and its pod ranges' rules.
 dark_node() { cs_nodes c1 | awk 'NR == 2 || (NR == 1 && c == 0) { line = $0 } { c++ } END { print line }'; }
+# c1's web pods one per node again (a drain leaves them on one node), before a dark step, so
+# that each measures the same placement: a pod of a node that has two is deleted and its
+# replacement goes where the Deployment's anti-affinity prefers, a node without one.
+web_nodes() { kc c1 -n "$NS" get pods -l app=web --field-selector status.phase=Running -o jsonpath='{range .items[*]}{.spec.nodeName} {.metadata.name}{"\n"}{end}' | sort; }
+web_spread() { (($(web_nodes | awk '{print $1}' | sort -u | wc -l) >= $(wc -w <<<"$nodes_c1"))); }
+spread_web() {
+  local try pod n
+  for try in 1 2 3; do
+    web_spread && break
+    pod=$(web_nodes | awk 'seen[$1]++ { print $2; exit }')
+    say "   c1's web pods share a node: $pod deleted so its replacement spreads them again"
+    kc c1 -n "$NS" delete pod "$pod" --wait=false >/dev/null
+    until_ok 120 "c1's web rolled out again" kc c1 -n "$NS" rollout status deploy/web --timeout=2s || return 1
+    until_ok 30 "c1's old web pod gone" sh -c "! kubectl --context c1 -n $NS get pod $pod >/dev/null 2>&1" || return 1
+  done
+  web_spread || return 1
+  for n in $nodes_c1; do until_ok 60 "every probe request answered from $n through $vip" probe_once "$n" || return 1; done
+}
 blackhole() {
   local node pod ips ip rules=() ns
   node=$(dark_node | awk '{print $2}')
   pod=$(kc c1 -n "$NS" get pods -l app=web --field-selector "spec.nodeName=$node" -o jsonpath='{.items[0].metadata.name}')
+  [[ -n $pod ]] || pod=$(kc c1 -n "$NS" get pods -l app=web -o jsonpath='{.items[0].metadata.name}')
   ips=$(kc c1 -n "$NS" get pod "$pod" -o jsonpath='{range .status.podIPs[*]}{.ip}{"\n"}{end}')
   [[ -n $ips ]] || { fail "blackhole: no web pod on $node"; return 1; }
   for ip in $ips; do
@@ -498,9 +517,11 @@ for s in ${STEPS//,/ }; do
       step "$s" "$current_dp" measured drain ;;
     blackhole-ebpf|blackhole-userspace)
       [[ ${s#blackhole-} == "$current_dp" ]] || { fail "$s: the dataplane is $current_dp here (reorder --steps)"; continue; }
+      spread_web || fail "$s: c1's web pods could not be spread over its nodes"
       step "$s" "$current_dp" measured blackhole ;;
     node-dark-ebpf|node-dark-userspace)
       [[ ${s#node-dark-} == "$current_dp" ]] || { fail "$s: the dataplane is $current_dp here (reorder --steps)"; continue; }
+      spread_web || fail "$s: c1's web pods could not be spread over its nodes"
       step "$s" "$current_dp" measured node_dark ;;
     *) fail "unknown step $s" ;;
   esac
