@@ -25,8 +25,8 @@
 #                     and back once kubelet restarted them. Counted (userspace retries the next
 #                     cluster when every local backend refuses; eBPF cannot retry).
 #   blackhole-ebpf, blackhole-userspace
-#                     packets to one of c1's web pods (on c1's second node) dropped in every
-#                     node of the ClusterSet for 15 s, no reset (a backend gone dark: its slices
+#                     packets to one of c1's web pods (on c1's second node; the pods are spread
+#                     one per node first) dropped in every node of the ClusterSet for 15 s, no reset (a backend gone dark: its slices
 #                     still say ready, kubelet's probes come from its own node): each client
 #                     stops choosing it after one slow connect (eBPF: per client pod, at the
 #                     SYN's first retransmission; userspace: per node, at --connect-timeout-ms).
