@@ -787,14 +787,16 @@ fn tcp_loop(f: &Fixture, to: &str, count: u32) -> mcs_test_support::probe::Probe
     })
 }
 
-/// The backends of TCP frontend `vip` some pod skips now.
-fn failed_marks_for(
-    f: &Fixture,
-    lb: &SocketLb,
-    vip: &str,
-) -> Vec<mcs_model::health::SkippedBackend> {
-    let _ = f;
-    mcs_model::Dataplane::skipped(lb, &frontend(vip), 16)
+/// Whether a connection to `vip` gets `want` back within `secs` seconds (one probe after
+/// the other: a mark ends, a probe reaches the backend).
+fn answers_within(f: &Fixture, vip: &str, want: &str, secs: u64) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while std::time::Instant::now() < deadline {
+        if f.probe(&tcp(vip)).reply == want {
+            return true;
+        }
+    }
+    false
 }
 
 fn failed_marks(f: &Fixture) -> usize {
@@ -882,23 +884,16 @@ fn a_backend_that_refuses_costs_its_pod_one_failed_connect_then_others_serve() {
 
     // The dead backend comes back: once its mark ends a connect probes it, it answers, and
     // the mark is gone (polled within a bound: the mark lasts 1 s, doubling per failure).
-    if failed_marks_for(&f, &lb, "198.18.0.10:80").is_empty() {
+    if mcs_model::Dataplane::skipped(&lb, &frontend("198.18.0.10:80"), 16).is_empty() {
         // Step 1 may not have tried `dead` at all (a random pick); make it fail once now.
-        while tcp_loop(&f, "198.18.0.10:80", 1).failed == 0 {}
+        let r = tcp_loop(&f, "198.18.0.10:80", 40);
+        assert!(r.failed == 1, "{r:?}");
     }
     let marked = failed_marks(&f);
     mcs_test_support::socket_lb::tcp_backend(&f.ns, &dead.to_string());
     let back = format!("backend {} got hi", dead.port());
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(40);
-    let mut answered = false;
-    while std::time::Instant::now() < deadline {
-        if f.probe(&tcp("198.18.0.10:80")).reply == back {
-            answered = true;
-            break;
-        }
-    }
     assert!(
-        answered,
+        answers_within(&f, "198.18.0.10:80", &back, 40),
         "a backend that answers again gets connections again"
     );
     assert_eq!(
@@ -990,15 +985,10 @@ fn client_ip_affinity_returns_to_a_selected_backend_that_answers_again() {
     // the affinity's three hours.
     mcs_test_support::socket_lb::tcp_backend(&f.ns, &local.to_string());
     let back = format!("backend {} got hi", local.port());
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let mut answered = false;
-    while std::time::Instant::now() < deadline {
-        if f.probe(&tcp("198.18.0.13:80")).reply == back {
-            answered = true;
-            break;
-        }
-    }
-    assert!(answered, "affinity held the pod on the fallback backend");
+    assert!(
+        answers_within(&f, "198.18.0.13:80", &back, 20),
+        "affinity held the pod on the fallback backend"
+    );
     // And it stays there (affinity to the selected backend).
     for _ in 0..5 {
         assert_eq!(f.probe(&tcp("198.18.0.13:80")).reply, back);

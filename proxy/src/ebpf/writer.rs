@@ -127,9 +127,7 @@ impl SocketLb {
         let (new_selected, new_fallback) = (new.selected.len(), new.fallback.len());
         let old = self.programmed.insert((vip, l4), new).unwrap_or_default();
         if let Some(&svc_id) = self.svc_ids.get(&(vip, l4)) {
-            let not_selected: Vec<u32> =
-                old.ids().filter(|id| !selected_now.contains(id)).collect();
-            self.drop_members(svc_id, not_selected.into_iter());
+            self.drop_members(svc_id, old.ids().filter(|id| !selected_now.contains(id)));
         }
         for (i, slot) in old.numbered().map(|(slot, _)| slot).enumerate() {
             let stale = if i < old.selected.len() {
