@@ -12,6 +12,13 @@ bash scripts/setup.sh
 . scripts/env.sh
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 t0=$(date +%s)
+# Every binary the steps after the tests run, built by one command (the same packages each time,
+# so the same features: the second build is a no-op instead of a rebuild of shared crates).
+BINS=(-p mcs-agent -p mcs-bench -p mcs-controller -p mcs-ctl)
+# Free disk where the build goes, at the start and at the end (a full run needs tens of GiB:
+# target/, Go's caches, the clusters' nodes; the summary says what was left).
+disk_free() { df -h --output=avail . | tail -1 | tr -d ' '; }
+echo "disk: $(disk_free) free in $(pwd) before the build"
 
 step "format"
 cargo fmt --all -- --check
@@ -46,7 +53,7 @@ if ((bridged == 0)); then echo "bridged (br_netfilter) forwarder tests: ok"; els
 
 step "benchmark harness, smoke mode (proves every mode and workload runs; no speed asserted)"
 set +e
-cargo build --locked -q -p mcs-agent -p mcs-bench --bins &&
+cargo build --locked -q "${BINS[@]}" --bins &&
   target/debug/mcs-bench --smoke --no-install --out target/mcs-bench-smoke >target/mcs-bench-smoke.md
 smoke=$?
 set -e
@@ -88,7 +95,7 @@ trap 'bash scripts/clusterset-monitoring.sh stop >/dev/null 2>&1 || true; bash s
 # settings): the e2e crosses both node networks, in both families (--ip-family dual). Our image from the debug binaries built above,
 # by the release image's pipeline (deploy/image.sh,
 # which also runs them inside the image), imported into every node.
-cargo build --locked -q -p mcs-agent -p mcs-controller -p mcs-ctl --bins &&
+cargo build --locked -q "${BINS[@]}" --bins &&
   MCS_IMAGE_BIN_DIR=target/debug bash scripts/clusterset.sh up --cni mixed --nodes 2 --ip-family dual >target/clusterset-up.out
 up=$?
 # Bringing up two clusters on two shared cores once failed in CI with the controller's pods left
@@ -155,5 +162,6 @@ awk '/^test result:/ { for (i=1;i<=NF;i++) { if ($(i+1) ~ /^passed;?$/) p+=$i; i
 grep -E 'Passed \| ' target/conformance/suite.log 2>/dev/null | sed 's/^/conformance: /' || true
 cat target/conformance/summary.txt 2>/dev/null || true
 [[ -z ${up_note:-} ]] || echo "note: $up_note"
+echo "disk: $(disk_free) free at the end (target/ $(du -sh target 2>/dev/null | cut -f1))"
 echo "total wall time: $(( $(date +%s) - t0 ))s (after set-up)"
 exit "$status"
