@@ -241,6 +241,9 @@ import_versions() { # "cluster/ns/name=resourceVersion" of the suite's ServiceIm
     kc "$c" -n "$NS" get serviceimports -o jsonpath='{range .items[*]}'"$c"'/{.metadata.namespace}/{.metadata.name}={.metadata.resourceVersion}{"\n"}{end}'
   done | sort
 }
+import_ready() { # CLUSTER NAME: the suite's ServiceImport NAME in CLUSTER has Ready=True
+  [[ $(kc "$1" -n "$NS" get serviceimport "$2" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null) == True ]]
+}
 next_image() {
   local img="$STATE/images/mcs-agent-$NEXT_TAG.oci.tar"
   if [[ ! -f $img ]]; then
@@ -259,8 +262,10 @@ with_import_checks() {
   printf 'apiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceExport\nmetadata: {name: late-%s, namespace: %s}\n' "$t" "$NS" |
     kc c2 apply -f - >/dev/null
   "$@"
+  # Imported = its status written too (Ready): an import whose status write was still on its
+  # way when the next step took its resourceVersions looked rewritten by that step (CI once).
   for c in $clusters; do
-    until_ok 120 "$c imports late-$t, exported during the step" kc "$c" -n "$NS" get serviceimport "late-$t" || true
+    until_ok 120 "$c imports late-$t (status Ready), exported during the step" import_ready "$c" "late-$t" || true
   done
   after=$(import_versions | grep -v "/$NS/late-$t=")
   local changed
