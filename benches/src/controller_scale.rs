@@ -71,6 +71,10 @@ pub struct Report {
     /// CPU seconds of all API servers from the first write to convergence
     /// (`process_cpu_seconds_total`).
     pub apiserver_cpu_s: f64,
+    /// CPU seconds of all API servers per 1,000 endpoint changes (the one-at-a-time phase:
+    /// the bench's read and patch of the source slice and its watch of the other cluster's,
+    /// plus what the controllers read and write for each change).
+    pub apiserver_cpu_per_1000_changes_s: f64,
     /// Requests the API servers served from the first write to convergence, all clusters:
     /// (verb, resource, count, seconds spent), most time first.
     pub requests: Vec<(String, String, f64, f64)>,
@@ -628,6 +632,7 @@ pub fn run(p: Params) -> anyhow::Result<Report> {
             controller_cpu_s: 0.0,
             controller_cpu_per_1000_changes_s: 0.0,
             apiserver_cpu_s,
+            apiserver_cpu_per_1000_changes_s: 0.0,
             requests,
             unexported: idle,
             churn: None,
@@ -702,6 +707,7 @@ pub fn run(p: Params) -> anyhow::Result<Report> {
     // One at a time: an endpoint goes not ready in the exporting cluster; seen in another.
     let mut endpoint_ms = Vec::new();
     let cpu1 = cpu(&procs);
+    let load1 = rt.block_on(load(&clients))?;
     for j in 0..samples.min(exports) {
         let from = j % clients.len();
         let to = (from + 1) % clients.len();
@@ -763,6 +769,7 @@ pub fn run(p: Params) -> anyhow::Result<Report> {
         endpoint_ms.push(ms);
     }
     let changes_cpu = cpu(&procs) - cpu1;
+    let (changes_apiserver_cpu, _) = rt.block_on(load(&clients))?.since(&load1);
     // Changes to slices nobody exports, at the rate asked (bounded in count and time).
     let churn = if churn_per_s > 0 && idle > 0 && churn_secs > 0 {
         let total = churn_per_s * churn_secs as usize;
@@ -865,6 +872,11 @@ pub fn run(p: Params) -> anyhow::Result<Report> {
             changes_cpu / n_p as f64 * 1000.0
         },
         apiserver_cpu_s,
+        apiserver_cpu_per_1000_changes_s: if n_p == 0 {
+            0.0
+        } else {
+            changes_apiserver_cpu / n_p as f64 * 1000.0
+        },
         requests,
         unexported: idle,
         churn,
@@ -874,8 +886,8 @@ pub fn run(p: Params) -> anyhow::Result<Report> {
 /// The report as a markdown table row (with a header), and what loaded the API servers.
 pub fn markdown(r: &Report, command: &str) -> String {
     let mut out = String::from(
-        "| clusters | exports | controllers | written in | converged (every import and slice everywhere) | export → imported everywhere p50 / p99 | endpoint change → other cluster p50 / p99 | controller RSS | controller CPU (writes + converge) | controller CPU per 1,000 endpoint changes | API server CPU (writes + converge) |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| clusters | exports | controllers | written in | converged (every import and slice everywhere) | export → imported everywhere p50 / p99 | endpoint change → other cluster p50 / p99 | controller RSS | controller CPU (writes + converge) | controller CPU per 1,000 endpoint changes | API server CPU (writes + converge) | API server CPU per 1,000 endpoint changes |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let ms = |(p50, p99, n): (f64, f64, usize)| {
         if n == 0 {
@@ -885,7 +897,7 @@ pub fn markdown(r: &Report, command: &str) -> String {
         }
     };
     out.push_str(&format!(
-        "| {} | {} | {} | {:.1} s | {} | {} | {} | {} | {} | {} | {:.0} s |\n\n",
+        "| {} | {} | {} | {:.1} s | {} | {} | {} | {} | {} | {} | {:.0} s | {} |\n\n",
         r.clusters,
         r.exports,
         if r.controllers {
@@ -922,6 +934,11 @@ pub fn markdown(r: &Report, command: &str) -> String {
             "–".into()
         },
         r.apiserver_cpu_s,
+        if r.controllers {
+            format!("{:.1} s", r.apiserver_cpu_per_1000_changes_s)
+        } else {
+            "–".into()
+        },
     ));
     if r.unexported > 0 {
         out.push_str(&format!(

@@ -1,8 +1,21 @@
-//! Makes the local cluster hold what [`crate::desired`] says, writing only what differs
-//! (server-side apply, field manager [`FIELD_MANAGER`]): ServiceImports and their status, MCS
-//! EndpointSlices, ServiceExport conditions; and deleting the imports and slices of ours that
-//! are no longer wanted. Creations go before the slices that refer to them; deletions of
-//! slices before their import.
+//! Makes the local cluster hold what [`crate::desired`] says, writing only what differs (field
+//! manager [`FIELD_MANAGER`]): ServiceImports and their status, MCS EndpointSlices,
+//! ServiceExport conditions; and deleting the imports and slices of ours that are no longer
+//! wanted. Creations go before the slices that refer to them; deletions of slices before their
+//! import.
+//!
+//! Each write is the cheapest one for the API server that leaves the same object:
+//! - an import's spec, labels and annotations: a server-side apply, so that a label or
+//!   annotation no longer exported is removed while others' stay (apply removes only the
+//!   fields its manager applied before);
+//! - an import's and an export's status, which only this controller writes: a JSON merge
+//!   patch naming every field ([`import_status_patch`]: null removes one no longer wanted);
+//! - a new MCS slice: a create; a changed one: a JSON merge patch of everything we write of it
+//!   ([`slice_patch`]; its labels are the same four keys for its whole life, its lists are
+//!   replaced whole).
+//!
+//! No apply merge and no YAML parsing on the API server for the writes that are most of them
+//! (status, slices); see docs/performance.md for what it saves.
 //!
 //! A failed write is retried on its own ([`Backoff`]): not before 1 s, then 2, 4, … up to
 //! [`RETRY_MAX`], while the other objects are written as usual; it is forgotten once it
@@ -124,6 +137,46 @@ impl Written {
 
 fn apply() -> PatchParams {
     PatchParams::apply(FIELD_MANAGER).force()
+}
+
+/// A JSON merge patch (or a create) by [`FIELD_MANAGER`].
+fn merge() -> PatchParams {
+    PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    }
+}
+
+/// The merge patch that gives an import `si`'s status: every field of the status named, null
+/// where `si` has none, so that one we no longer want is removed (lists are replaced whole).
+pub fn import_status_patch(si: &ServiceImport) -> serde_json::Value {
+    let status = si.status.clone().unwrap_or_default();
+    let list = |v: serde_json::Value| match v {
+        serde_json::Value::Array(a) if a.is_empty() => serde_json::Value::Null,
+        v => v,
+    };
+    json!({
+        "status": {
+            "endpointSliceObjects": status.endpoint_slice_objects,
+            "clusters": list(json!(status.clusters)),
+            "conditions": list(json!(status.conditions)),
+        }
+    })
+}
+
+/// The merge patch that makes an MCS slice of ours hold `es`: its labels (always the same
+/// keys, so none is left behind), address type (immutable: a different one fails, as an apply
+/// did), endpoints and ports (replaced whole; null when `es` has none).
+pub fn slice_patch(es: &EndpointSlice) -> serde_json::Value {
+    let mut patch = json!({
+        "addressType": es.address_type,
+        "endpoints": es.endpoints,
+        "ports": es.ports,
+    });
+    if let Some(labels) = &es.metadata.labels {
+        patch["metadata"] = json!({ "labels": labels });
+    }
+    patch
 }
 
 /// Writes in flight at once (the API server handles them in parallel; one at a time, 1,000
@@ -292,13 +345,9 @@ pub async fn sync(
                 tracing::warn!(import = %format!("{ns}/{name}"), error = %e, "writing ServiceImport");
                 return (target, key, Outcome::Error);
             }
-            let status = json!({
-                "apiVersion": "multicluster.x-k8s.io/v1beta1",
-                "kind": "ServiceImport",
-                "status": si.status,
-            });
+            let status = import_status_patch(si);
             let outcome = match api
-                .patch_status(name, &apply(), &Patch::Apply(&status))
+                .patch_status(name, &merge(), &Patch::Merge(&status))
                 .await
             {
                 Ok(written) => {
@@ -331,10 +380,8 @@ pub async fn sync(
         let Some(es) = want.slices.get(sk).map(|w| w.object()) else {
             continue;
         };
-        if have_slices
-            .get(sk)
-            .is_some_and(|h| h.content == slice_content(&es))
-        {
+        let held = have_slices.get(sk);
+        if held.is_some_and(|h| h.content == slice_content(&es)) {
             continue;
         }
         let target = (SLICE, sk.clone());
@@ -344,9 +391,10 @@ pub async fn sync(
         let (ns, name) = sk;
         let api: Api<EndpointSlice> = Api::namespaced(client.clone(), ns);
         let svc = svc.clone();
+        let new = held.is_none();
         writes.push(async move {
-            let outcome = match api.patch(name, &apply(), &Patch::Apply(&es)).await {
-                Ok(_) => Outcome::Slice,
+            let outcome = match write_slice(&api, name, &es, new).await {
+                Ok(()) => Outcome::Slice,
                 Err(e) => {
                     tracing::warn!(slice = %format!("{ns}/{name}"), error = %e, "writing EndpointSlice");
                     Outcome::Error
@@ -454,6 +502,30 @@ pub async fn sync(
     pass.finish(looked_at)
 }
 
+/// Writes the MCS slice `name` as `es`: created when this cluster holds no such slice (`new`;
+/// if it exists after all, our store had not seen it yet, and it is patched), else patched.
+async fn write_slice(
+    api: &Api<EndpointSlice>,
+    name: &str,
+    es: &EndpointSlice,
+    new: bool,
+) -> Result<(), kube::Error> {
+    if new {
+        let post = kube::api::PostParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..Default::default()
+        };
+        match api.create(&post, es).await {
+            Ok(_) => return Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    api.patch(name, &merge(), &Patch::Merge(slice_patch(es)))
+        .await
+        .map(|_| ())
+}
+
 /// Ok(true): written; Ok(false): the export is gone; Err: failed (logged). Written in
 /// `version`, the one this cluster's exports are read in.
 async fn write_export_status(
@@ -463,13 +535,10 @@ async fn write_export_status(
     version: ExportVersion,
 ) -> Result<bool, ()> {
     let api: Api<WireExport> = Api::namespaced_with(client.clone(), &key.0, &version);
-    let body = json!({
-        "apiVersion": format!("multicluster.x-k8s.io/{}", version.0),
-        "kind": "ServiceExport",
-        "status": { "conditions": conds },
-    });
+    // Only this controller writes an export's status: the list is replaced whole.
+    let body = json!({ "status": { "conditions": conds } });
     match api
-        .patch_status(&key.1, &apply(), &Patch::Apply(&body))
+        .patch_status(&key.1, &merge(), &Patch::Merge(&body))
         .await
     {
         Ok(_) => Ok(true),
@@ -573,5 +642,94 @@ mod tests {
         assert_eq!(b.len(), 1);
         assert_eq!(b.due(t0 + RETRY_MAX).collect::<Vec<_>>(), [&web.1]);
         assert_eq!(b.due(t0).count(), 0);
+    }
+
+    fn keys(v: &serde_json::Value) -> Vec<String> {
+        let mut k: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+        k.sort();
+        k
+    }
+
+    #[test]
+    fn the_status_merge_patch_names_every_status_field_and_nulls_the_empty_ones() {
+        // Every field a status can hold, each set: the patch must name each one (a field added
+        // to the type later and not named here would never be removed by a merge patch).
+        let full = mcs_api::ServiceImportStatus {
+            endpoint_slice_objects: Some(mcs_api::EndpointSliceObjects::Present),
+            clusters: vec![mcs_api::ClusterStatus {
+                cluster: "c1".into(),
+            }],
+            conditions: vec![Condition {
+                type_: "Ready".into(),
+                status: "True".into(),
+                reason: "Ready".into(),
+                message: String::new(),
+                observed_generation: None,
+                last_transition_time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+                ),
+            }],
+        };
+        let mut si = ServiceImport::new("web", Default::default());
+        si.status = Some(full.clone());
+        let patch = import_status_patch(&si);
+        assert_eq!(keys(&patch), ["status"]);
+        assert_eq!(
+            keys(&patch["status"]),
+            keys(&serde_json::to_value(&full).unwrap())
+        );
+        assert_eq!(patch["status"]["clusters"][0]["cluster"], "c1");
+        assert_eq!(patch["status"]["endpointSliceObjects"], "Present");
+        // An import with nothing in its status: every field removed.
+        si.status = None;
+        let patch = import_status_patch(&si);
+        for k in keys(&serde_json::to_value(&full).unwrap()) {
+            assert!(patch["status"][&k].is_null(), "{k} is removed");
+            assert!(
+                patch["status"].as_object().unwrap().contains_key(&k),
+                "{k} is named"
+            );
+        }
+    }
+
+    #[test]
+    fn the_slice_merge_patch_carries_labels_type_endpoints_and_ports_and_nulls_missing_lists() {
+        use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort};
+        let mut es = EndpointSlice {
+            metadata: kube::api::ObjectMeta {
+                name: Some("web-c1-x".into()),
+                labels: Some([("a".to_string(), "b".to_string())].into()),
+                ..Default::default()
+            },
+            address_type: "IPv4".into(),
+            endpoints: Some(vec![Endpoint {
+                addresses: vec!["198.18.0.1".into()],
+                ..Default::default()
+            }]),
+            ports: Some(vec![EndpointPort {
+                port: Some(80),
+                ..Default::default()
+            }]),
+        };
+        let patch = slice_patch(&es);
+        assert_eq!(
+            keys(&patch),
+            ["addressType", "endpoints", "metadata", "ports"]
+        );
+        assert_eq!(
+            keys(&patch["metadata"]),
+            ["labels"],
+            "no name, no other metadata"
+        );
+        assert_eq!(patch["metadata"]["labels"]["a"], "b");
+        assert_eq!(patch["endpoints"][0]["addresses"][0], "198.18.0.1");
+        assert_eq!(patch["ports"][0]["port"], 80);
+        es.endpoints = None;
+        es.ports = None;
+        let patch = slice_patch(&es);
+        assert!(
+            patch["endpoints"].is_null() && patch.as_object().unwrap().contains_key("endpoints")
+        );
+        assert!(patch["ports"].is_null() && patch.as_object().unwrap().contains_key("ports"));
     }
 }
