@@ -124,15 +124,22 @@ fn start_dataplane(
                     .context("starting the userspace forwarder")?,
             ))
         };
+    // The socket LB's per-frontend skip counters join the metrics under the forwarder's names.
+    let with_metrics = |lb: SocketLb, registry: &mut prometheus_client::registry::Registry| {
+        registry
+            .sub_registry_with_prefix("mcs_proxy")
+            .register_collector(Box::new(lb.skip_metrics()));
+        AnyDataplane::Ebpf(Box::new(lb))
+    };
     Ok(match args.dataplane {
         DataplaneKind::Userspace => start_userspace(registry)?,
-        DataplaneKind::Ebpf => AnyDataplane::Ebpf(Box::new(start_ebpf(args)?)),
+        DataplaneKind::Ebpf => with_metrics(start_ebpf(args)?, registry),
         DataplaneKind::Auto => match start_ebpf(args) {
             Ok(lb) => {
                 tracing::info!(
                     "--dataplane auto: the kernel accepted the eBPF socket LB; using it"
                 );
-                AnyDataplane::Ebpf(Box::new(lb))
+                with_metrics(lb, registry)
             }
             Err(e) => {
                 tracing::warn!(error = %format!("{e:#}"), "--dataplane auto: eBPF socket LB unavailable; using the userspace forwarder");

@@ -160,6 +160,18 @@ fn when_every_local_backend_refuses_the_next_clusters_backends_take_the_connecti
             .contains("mcs_proxy_fallback_connections_total{frontend=\"198.18.100.10:80/TCP\"} 20"),
         "{metrics}"
     );
+    // Connections whose first choice was skipped are counted for the frontend (once both of
+    // c1's backends were marked, each connection's pick was one of them).
+    let skipped: u64 = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(
+                "mcs_proxy_skipped_connections_total{frontend=\"198.18.100.10:80/TCP\"} ",
+            )
+        })
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no skipped_connections series: {metrics}"));
+    assert!((1..=20).contains(&skipped), "{skipped} skipped of 20");
     // c1's backends were tried first, and once they refused, this node skipped them
     // (passive health): far fewer refused connects than the 20 connections (one each, and
     // one more per backend each time its skip ends while the 20 connections last: 1 s,

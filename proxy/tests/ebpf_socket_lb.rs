@@ -857,6 +857,42 @@ fn a_backend_that_refuses_costs_its_pod_one_failed_connect_then_others_serve() {
             })
             .collect();
     assert_eq!(skipped, BTreeSet::from([dead2, dead3]));
+    // Counted per frontend: every connection that succeeded went around both marks to the
+    // fallback backend (nothing else answers), and only those two frontends counted.
+    let counts: std::collections::BTreeMap<String, mcs_ebpf_common::SkipCounts> =
+        lb.skip_metrics().read().into_iter().collect();
+    let c = counts["198.18.0.11:80/TCP"];
+    assert_eq!(c.fallback, u64::from(r.ok), "{c:?} {r:?}");
+    assert!(c.skipped >= c.fallback && c.skipped <= 40, "{c:?}");
+    assert!(
+        counts
+            .keys()
+            .all(|k| k == "198.18.0.11:80/TCP" || k == "198.18.0.10:80/TCP"),
+        "{counts:?}"
+    );
+    assert_eq!(
+        counts.get("198.18.0.10:80/TCP").map_or(0, |c| c.fallback),
+        0
+    );
+    // The metrics a scrape gets, in the userspace forwarder's names and labels.
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry
+        .sub_registry_with_prefix("mcs_proxy")
+        .register_collector(Box::new(lb.skip_metrics()));
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    for line in [
+        format!(
+            "mcs_proxy_skipped_connections_total{{frontend=\"198.18.0.11:80/TCP\"}} {}",
+            c.skipped
+        ),
+        format!(
+            "mcs_proxy_fallback_connections_total{{frontend=\"198.18.0.11:80/TCP\"}} {}",
+            c.fallback
+        ),
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+    }
     let r = f.probe(&tcp("198.18.0.11:80"));
     assert_eq!(
         r.reply,
@@ -900,6 +936,14 @@ fn a_backend_that_refuses_costs_its_pod_one_failed_connect_then_others_serve() {
         failed_marks(&f),
         marked - 1,
         "a connect that succeeds ends the mark"
+    );
+    // A frontend that goes takes its counters with it.
+    lb.remove_service("198.18.0.11:80".parse().unwrap(), L4::Tcp);
+    assert!(
+        lb.skip_metrics()
+            .read()
+            .iter()
+            .all(|(k, _)| k != "198.18.0.11:80/TCP")
     );
 }
 

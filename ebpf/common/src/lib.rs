@@ -42,6 +42,14 @@
 //! connections to another backend until the mark ends ([`failed_for_ns`]: 1 s doubling to
 //! 30 s). An ended mark is lent to one connect as a probe; a connect that succeeds removes it.
 //! Keyed by the pod, so no pod can steer another pod's traffic by failing its own connects.
+//!
+//! # Skip counters (`MCS_SKIPS_V1`)
+//!
+//! Per frontend ([`FrontendKey`]), per CPU: connects whose first choice was skipped for a
+//! mark of the failed map and that another backend took ([`SkipCounts`]), and how many of
+//! those a fallback backend took. An LRU map of [`SKIPS_MAP_MAX_ENTRIES`]: a frontend's entry
+//! is made at its first skip (frontends are bounded by the services map, so no pod can flood
+//! it) and removed by the agent when the frontend leaves; the agent sums the CPUs at scrape.
 #![no_std]
 // `unsafe` is denied (workspace lint) and allowed only in the `pod` module below, which says why.
 
@@ -95,6 +103,10 @@ pub const NETNS_QUOTA_WINDOW_NS: u64 = 1_000_000_000;
 pub const FAILED_MAP: &str = "MCS_FAILED_V1";
 /// Entries of the failed-connect LRU map.
 pub const FAILED_MAP_MAX_ENTRIES: u32 = 65_536;
+/// Name of the per-frontend skip counters (LRU per-CPU hash: [`FrontendKey`] → [`SkipCounts`]).
+pub const SKIPS_MAP: &str = "MCS_SKIPS_V1";
+/// Entries of the skip counters map (frontends that skipped a backend).
+pub const SKIPS_MAP_MAX_ENTRIES: u32 = 16_384;
 /// How long a first failed connect keeps a backend skipped, in nanoseconds.
 pub const FAILED_FIRST_NS: u64 = 1_000_000_000;
 /// The longest a backend stays skipped after failures in a row, in nanoseconds.
@@ -119,7 +131,7 @@ pub const fn failed_for_ns(failures: u32) -> u64 {
 }
 
 /// Every map, for pinning and status.
-pub const ALL_MAPS: [&str; 12] = [
+pub const ALL_MAPS: [&str; 13] = [
     SVC4_MAP,
     BE4_MAP,
     SVC6_MAP,
@@ -132,6 +144,7 @@ pub const ALL_MAPS: [&str; 12] = [
     MEMBER_MAP,
     QUOTA_MAP,
     FAILED_MAP,
+    SKIPS_MAP,
 ];
 /// Entries of each reverse-NAT LRU map.
 pub const REVNAT_MAP_MAX_ENTRIES: u32 = 262_144;
@@ -288,6 +301,31 @@ pub struct FailedValue {
     pub failures: u32,
     /// 1 while the mark has ended and one connect probes the backend, else 0.
     pub probing: u32,
+}
+
+/// Key of the skip counters: a frontend (ClusterSetIP, port, protocol), either family.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FrontendKey {
+    /// ClusterSetIP, network byte order (IPv4 in word 0, rest 0).
+    pub addr: [u32; 4],
+    /// Port, network byte order.
+    pub port: u16,
+    /// `proto::TCP` or `proto::UDP`.
+    pub proto: u8,
+    /// 4 or 6.
+    pub family: u8,
+}
+
+/// Value of the skip counters (per CPU).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SkipCounts {
+    /// Connects whose first choice was skipped (a mark of the client pod) and that another
+    /// backend took.
+    pub skipped: u64,
+    /// Of those, the ones a fallback backend took (no selected one was left unmarked).
+    pub fallback: u64,
 }
 
 /// Value of the backends map, IPv4.
@@ -463,6 +501,8 @@ mod pod {
     unsafe impl aya::Pod for super::NetnsQuota {}
     unsafe impl aya::Pod for super::FailedKey {}
     unsafe impl aya::Pod for super::FailedValue {}
+    unsafe impl aya::Pod for super::FrontendKey {}
+    unsafe impl aya::Pod for super::SkipCounts {}
 }
 
 #[cfg(test)]
@@ -488,6 +528,8 @@ mod tests {
         assert_eq!(size_of::<AffinityValue>(), 8 + 4 + 2 + 2 + 16);
         assert_eq!(size_of::<FailedKey>(), 8 + 16 + 2 + 1 + 5);
         assert_eq!(size_of::<FailedValue>(), 8 + 4 + 4);
+        assert_eq!(size_of::<FrontendKey>(), 16 + 2 + 1 + 1);
+        assert_eq!(size_of::<SkipCounts>(), 8 + 8);
     }
 
     #[test]

@@ -34,7 +34,7 @@ use aya_ebpf::{
     },
     helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns},
     macros::{cgroup_sock_addr, map, sock_ops},
-    maps::{HashMap, LruHashMap},
+    maps::{HashMap, LruHashMap, LruPerCpuHashMap},
     programs::{SockAddrContext, SockOpsContext},
 };
 use mcs_ebpf_common::{
@@ -46,6 +46,7 @@ use mcs_ebpf_common::{
     FAILED_MAP_MAX_ENTRIES, FALLBACK_SLOT_BASE, FailedKey, FailedValue, MAX_BACKENDS_PER_SVC,
     PROBE_LEASE_NS, REPICKS_PER_STAGE, failed_for_ns,
 };
+use mcs_ebpf_common::{FrontendKey, SKIPS_MAP_MAX_ENTRIES, SkipCounts};
 use mcs_ebpf_common::{MAGLEV_MAP_MAX_ENTRIES, MAGLEV_TABLE_SIZE, MaglevKey, SVC_FLAG_MAGLEV};
 use mcs_ebpf_common::{
     MEMBER_MAP_MAX_ENTRIES, MemberKey, SIZED_MAP_FLAGS, UDP_STICKY_MAP_MAX_ENTRIES,
@@ -94,6 +95,33 @@ static MCS_NETNS_QUOTA_V1: LruHashMap<u64, NetnsQuota> =
 #[map(name = "MCS_FAILED_V1")]
 static MCS_FAILED_V1: LruHashMap<FailedKey, FailedValue> =
     LruHashMap::pinned(FAILED_MAP_MAX_ENTRIES, 0);
+
+#[map(name = "MCS_SKIPS_V1")]
+static MCS_SKIPS_V1: LruPerCpuHashMap<FrontendKey, SkipCounts> =
+    LruPerCpuHashMap::pinned(SKIPS_MAP_MAX_ENTRIES, 0);
+
+/// Counts a connect to the frontend `key` whose first choice was skipped, taken by a
+/// `fallback` backend or a selected one (per CPU: no atomics). Not inlined: the callers are
+/// near the verifier's stack limit.
+#[inline(never)]
+fn count_skip(key: &FrontendKey, fallback: bool) {
+    let add = u64::from(fallback);
+    match MCS_SKIPS_V1.get_ptr_mut(key) {
+        Some(c) => {
+            // SAFETY: a valid pointer into this CPU's value, used at once.
+            let c = unsafe { &mut *c };
+            c.skipped += 1;
+            c.fallback += add;
+        }
+        None => {
+            let first = SkipCounts {
+                skipped: 1,
+                fallback: add,
+            };
+            let _ = MCS_SKIPS_V1.insert(key, &first, 0);
+        }
+    }
+}
 
 /// Whether this socket's pod may create one more entry in the shared LRU maps now (see
 /// [`new_entry_allowed_in`]).
@@ -479,6 +507,13 @@ fn healthy4(ctx: &SockAddrContext, p: u8, vip: u32, port: u16, chosen: &mut (u32
         };
         let _ = MCS_AFFINITY_V1.insert(&akey, &v, 0);
     }
+    let fkey = FrontendKey {
+        addr: [vip, 0, 0, 0],
+        port,
+        proto: p,
+        family: 4,
+    };
+    count_skip(&fkey, !selected);
     *chosen = (addr, bport);
 }
 
@@ -526,6 +561,13 @@ fn healthy6(ctx: &SockAddrContext, p: u8, vip: &[u32; 4], port: u16, chosen: &mu
         };
         let _ = MCS_AFFINITY_V1.insert(&akey, &v, 0);
     }
+    let fkey = FrontendKey {
+        addr: *vip,
+        port,
+        proto: p,
+        family: 6,
+    };
+    count_skip(&fkey, !selected);
     *chosen = (addr, bport);
 }
 

@@ -27,7 +27,10 @@ use std::{
 };
 
 mod ids;
+mod skips;
 mod writer;
+
+pub use skips::SkipMetrics;
 
 use aya::{
     EbpfLoader,
@@ -41,7 +44,7 @@ use mcs_ebpf_common::{
     ALL_MAPS, BE4_MAP, BE6_MAP, Backend4, Backend6, MAX_BACKENDS_PER_SVC, SVC4_MAP, SVC6_MAP,
     Svc4Key, Svc6Key, SvcValue,
 };
-use mcs_ebpf_common::{FAILED_MAP, FALLBACK_SLOT_BASE, FailedKey, FailedValue};
+use mcs_ebpf_common::{FAILED_MAP, FALLBACK_SLOT_BASE, FailedKey, FailedValue, SKIPS_MAP};
 use mcs_ebpf_common::{
     MAGLEV_MAP, MAGLEV_MAP_MAX_ENTRIES, MAGLEV_TABLE_SIZE, MEMBER_MAP, MaglevKey, MemberKey,
     SIZED_MAP_FLAGS,
@@ -256,6 +259,8 @@ pub struct SocketLb {
     /// Passive health: backends client pods failed on lately (written by the kernel; read
     /// for `/status`).
     failed_map: HashMap<MapData, FailedKey, FailedValue>,
+    /// Per-frontend skip counters (the kernel counts; an entry goes with its frontend).
+    skips: skips::Counters,
     /// The kernel took the `sock_ops` program (passive health runs).
     passive_health: bool,
     /// The marks `/status` read last, and when (read at most once a second).
@@ -412,6 +417,11 @@ fn pin_err(path: &Path, e: impl std::fmt::Display) -> Error {
 }
 
 impl SocketLb {
+    /// The per-frontend skip counters as metrics, read from this socket LB's pins at scrape.
+    pub fn skip_metrics(&self) -> SkipMetrics {
+        SkipMetrics::new(&self.pin_dir)
+    }
+
     /// Loads the object with its maps pinned in `pin_dir` (adopting maps already pinned there)
     /// and reads back what they hold; new maps get the sizes for the default caps.
     pub fn open(pin_dir: &Path) -> Result<Self, Error> {
@@ -457,6 +467,10 @@ impl SocketLb {
             HashMap::try_from(take(&mut ebpf, MEMBER_MAP)?).map_err(map_err(MEMBER_MAP))?;
         let failed_map =
             HashMap::try_from(take(&mut ebpf, FAILED_MAP)?).map_err(map_err(FAILED_MAP))?;
+        let skips = skips::Counters(
+            aya::maps::PerCpuHashMap::try_from(take(&mut ebpf, SKIPS_MAP)?)
+                .map_err(map_err(SKIPS_MAP))?,
+        );
         // Each sized map: its name, the size asked, and what the kernel has (an adopted pin
         // keeps the size it was made with).
         let mut have: Vec<(&'static str, u32, u32, u32)> = Vec::new();
@@ -490,6 +504,7 @@ impl SocketLb {
             maglev_map,
             member_map,
             failed_map,
+            skips,
             passive_health: true,
             marks: std::sync::Mutex::new(None),
             maglev: false,

@@ -268,6 +268,8 @@ impl SocketLb {
     /// backends' references.
     pub fn remove_service(&mut self, vip: SocketAddr, l4: L4) {
         self.delete_slot(vip, l4, 0);
+        // Its skip counters go with it (a later frontend on the same address starts at 0).
+        self.skips.remove(vip, l4);
         let old = self.programmed.remove(&(vip, l4));
         if let (Some(&svc_id), Some(old)) = (self.svc_ids.get(&(vip, l4)), &old) {
             self.drop_members(svc_id, old.ids());

@@ -6,7 +6,8 @@
 //!
 //! By default each frontend has seven series (`connections`, `bytes_tx`, `bytes_rx`,
 //! `connect_failures`, summed over its backends, and `retries`, `refused`,
-//! `fallback_connections`), so a scrape grows with the imports and not with the endpoints:
+//! `fallback_connections`; and `skipped_connections` once it skipped a failed backend), so a
+//! scrape grows with the imports and not with the endpoints:
 //! at 100k frontends, 700k series (tested against that budget). Per backend the first four
 //! become one series each per backend of each frontend: at 1M endpoints, 4M series, more
 //! than a Prometheus should take from every node; for a look at one node's balance.
@@ -313,6 +314,9 @@ pub struct FrontendCells {
     /// `fallback_connections`: connections a fallback backend (another cluster's or zone's)
     /// took because every selected backend refused or is skipped after failed connects.
     pub fallbacks: Count,
+    /// `skipped_connections`: connections whose first choice was skipped, because a connect
+    /// to it failed lately, and that another backend took (written only when not zero).
+    pub skipped: Count,
 }
 
 /// Counters of a frontend.
@@ -451,6 +455,13 @@ const BACKEND_FAMILIES: [FamilyOf<BackendCells>; 4] = [
     }),
 ];
 
+/// The family of connections that skipped a backend after failed connects, per frontend (both
+/// dataplanes write it, only for frontends where it is not zero).
+pub const SKIPPED_CONNECTIONS: (&str, &str) = (
+    "skipped_connections",
+    "Connections whose first choice was skipped because a connect to it failed lately (on this node; per client pod with eBPF), taken by another backend",
+);
+
 /// The per-frontend counter families.
 const FRONTEND_FAMILIES: [FamilyOf<FrontendCells>; 3] = [
     ("retries", "Connections retried on another backend", |c| {
@@ -525,6 +536,18 @@ impl Collector for Store {
                 family
                     .encode_family(&labels)?
                     .encode_counter::<NoLabelSet, _, u64>(&count(&series.cells).get(), None)?;
+            }
+        }
+        // Only the frontends that skipped a backend (a scrape keeps its seven series per
+        // frontend on a node where nothing failed).
+        let (name, help) = SKIPPED_CONNECTIONS;
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for (frontend, series) in map.iter() {
+            let skipped = series.cells.skipped.get();
+            if skipped > 0 {
+                family
+                    .encode_family(&[("frontend", &**frontend)])?
+                    .encode_counter::<NoLabelSet, _, u64>(&skipped, None)?;
             }
         }
         Ok(())

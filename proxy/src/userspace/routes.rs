@@ -203,6 +203,10 @@ impl Route {
                 contains: |i| tried.contains(i),
             },
         )?;
+        if attempt == 0 && i != first {
+            // The policy's pick failed lately: another backend takes the connection.
+            self.frontend_counters.skipped.inc();
+        }
         Some((i, self.backends.addr(i)))
     }
 
@@ -450,9 +454,21 @@ mod tests {
                 .collect()
         };
         // Backend 0 dies: its first failure marks it (two of three selected stay).
+        assert_eq!(
+            route.frontend_counters.skipped.get(),
+            0,
+            "nothing skipped before"
+        );
         assert!(route.backends.connect_failed(0, 3));
         let picks = firsts(&route);
         assert!(picks.iter().all(|&i| i == 1 || i == 2), "{picks:?}");
+        // Each client whose first choice was backend 0 is counted once, the others not.
+        let was_first = clients
+            .iter()
+            .filter(|&&c| route.maglev().pick(flow_hash(c, false)) == Some(0))
+            .count() as u64;
+        assert!(was_first > 0);
+        assert_eq!(route.frontend_counters.skipped.get(), was_first);
         // Every attempt still covers every backend, the skipped one last.
         for &c in &clients[..20] {
             let mut tried = Tried::new();
