@@ -24,6 +24,28 @@ const WAIT: Duration = Duration::from_secs(20);
 
 use mcs_test_support::ports::unused_port_or_panic as free_port;
 
+/// An MCS EndpointSlice of ours as YAML: `ports` is the value of `ports:` (a flow list, or a
+/// block list starting with a newline), `endpoints` the lines of `endpoints:`, each ending in a
+/// newline.
+fn mcs_slice(
+    ns: &str,
+    name: &str,
+    service: &str,
+    cluster: &str,
+    ports: &str,
+    endpoints: &str,
+) -> String {
+    format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: {ns}\n  labels:\n    multicluster.kubernetes.io/service-name: {service}\n    multicluster.kubernetes.io/source-cluster: {cluster}\n    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane\naddressType: IPv4\nports: {ports}\nendpoints:\n{endpoints}"
+    )
+}
+
+/// One endpoint line of [`mcs_slice`]: `address`, an optional hostname, ready or not.
+fn endpoint(address: &str, hostname: Option<&str>, ready: bool) -> String {
+    let host = hostname.map_or(String::new(), |h| format!(" hostname: {h},"));
+    format!("  - {{ addresses: [\"{address}\"],{host} conditions: {{ ready: {ready} }} }}\n")
+}
+
 /// The ClusterSet of the test: `web` (ClusterSetIP, dual-stack, a named and an unnamed
 /// port), `db` (headless; c1's db-0 ready, db-1 not; cluster `eu.c2` has one ready endpoint
 /// without hostname) and `big` (headless, 100 ready endpoints: too many for a UDP answer).
@@ -35,6 +57,31 @@ fn write_objects(dir: &Path) {
             i + 2
         ));
     }
+    let db_c1 = mcs_slice(
+        "shop",
+        "db-c1",
+        "db",
+        "c1",
+        "[{ name: pg, protocol: TCP, port: 5432 }]",
+        &(endpoint("198.18.64.2", Some("db-0"), true)
+            + &endpoint("198.18.64.3", Some("db-1"), false)),
+    );
+    let db_c2 = mcs_slice(
+        "shop",
+        "db-c2",
+        "db",
+        "eu.c2",
+        "[{ name: pg, protocol: TCP, port: 15432 }]",
+        &endpoint("198.18.68.3", None, true),
+    );
+    let big_c1 = mcs_slice(
+        "shop",
+        "big-c1",
+        "big",
+        "c1",
+        "[{ name: tcp, protocol: TCP, port: 7000 }]",
+        &big,
+    );
     let text = format!(
         r#"apiVersion: multicluster.x-k8s.io/v1beta1
 kind: ServiceImport
@@ -63,48 +110,9 @@ spec:
   ports:
   - {{ name: tcp, protocol: TCP, port: 7000 }}
 ---
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: db-c1
-  namespace: shop
-  labels:
-    multicluster.kubernetes.io/service-name: db
-    multicluster.kubernetes.io/source-cluster: c1
-    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
-addressType: IPv4
-ports: [{{ name: pg, protocol: TCP, port: 5432 }}]
-endpoints:
-  - {{ addresses: ["198.18.64.2"], hostname: db-0, conditions: {{ ready: true }} }}
-  - {{ addresses: ["198.18.64.3"], hostname: db-1, conditions: {{ ready: false }} }}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: db-c2
-  namespace: shop
-  labels:
-    multicluster.kubernetes.io/service-name: db
-    multicluster.kubernetes.io/source-cluster: eu.c2
-    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
-addressType: IPv4
-ports: [{{ name: pg, protocol: TCP, port: 15432 }}]
-endpoints:
-  - {{ addresses: ["198.18.68.3"], conditions: {{ ready: true }} }}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: big-c1
-  namespace: shop
-  labels:
-    multicluster.kubernetes.io/service-name: big
-    multicluster.kubernetes.io/source-cluster: c1
-    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
-addressType: IPv4
-ports: [{{ name: tcp, protocol: TCP, port: 7000 }}]
-endpoints:
-{big}"#
+{db_c1}---
+{db_c2}---
+{big_c1}"#
     );
     std::fs::write(dir.join("objects.yaml"), text).unwrap();
 }
@@ -512,20 +520,16 @@ spec:
   ips: ["198.18.250.1"]
   ports: [{ name: http, protocol: TCP, port: 80 }]
 ---
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-c1
-  namespace: shop
-  labels:
-    multicluster.kubernetes.io/service-name: web
-    multicluster.kubernetes.io/source-cluster: c1
-    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
-addressType: IPv4
-ports: [{ name: http, protocol: TCP, port: 8080 }]
-endpoints:
-  - { addresses: ["198.18.64.10"], conditions: { ready: true } }
-"#,
+"#
+        .to_string()
+            + &mcs_slice(
+                "shop",
+                "web-c1",
+                "web",
+                "c1",
+                "[{ name: http, protocol: TCP, port: 8080 }]",
+                &endpoint("198.18.64.10", None, true),
+            ),
     )
     .unwrap();
     let agent = Agent::start(dir.path(), &[]);
@@ -684,26 +688,21 @@ fn dns_from_the_kube_source() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let ns = rt.block_on(api.fresh_namespace("dns"));
     let kubeconfig = api.kubeconfig(mcs_test_support::apiserver::User::Admin);
+    let pg_c2 = mcs_slice(
+        &ns,
+        "pg-c2",
+        "pg",
+        "c2",
+        "[{ name: pg, protocol: TCP, port: 5432 }]",
+        &endpoint("198.18.68.9", Some("pg-0"), true),
+    );
     let yaml = format!(
         r#"apiVersion: multicluster.x-k8s.io/v1beta1
 kind: ServiceImport
 metadata: {{ name: pg, namespace: {ns} }}
 spec: {{ type: Headless, ports: [{{ name: pg, protocol: TCP, port: 5432 }}] }}
 ---
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: pg-c2
-  namespace: {ns}
-  labels:
-    multicluster.kubernetes.io/service-name: pg
-    multicluster.kubernetes.io/source-cluster: c2
-    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
-addressType: IPv4
-ports: [{{ name: pg, protocol: TCP, port: 5432 }}]
-endpoints:
-  - {{ addresses: ["198.18.68.9"], hostname: pg-0, conditions: {{ ready: true }} }}
-"#
+{pg_c2}"#
     );
     kubectl_apply(&kubeconfig, &yaml);
     let kc = kubeconfig.display().to_string();
@@ -867,22 +866,14 @@ fn dig_against_the_agent_fed_by_the_api_server() {
     let kubeconfig = api.kubeconfig(mcs_test_support::apiserver::User::Admin);
     let apply = |yaml: &str| kubectl_apply(&kubeconfig, yaml);
     let db_slice = |ready_1: bool| {
-        format!(
-            r#"apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: db-c1
-  namespace: {ns}
-  labels:
-    multicluster.kubernetes.io/service-name: db
-    multicluster.kubernetes.io/source-cluster: c1
-    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
-addressType: IPv4
-ports: [{{ name: pg, protocol: TCP, port: 5432 }}]
-endpoints:
-  - {{ addresses: ["198.18.64.2"], hostname: db-0, conditions: {{ ready: true }} }}
-  - {{ addresses: ["198.18.64.3"], hostname: db-1, conditions: {{ ready: {ready_1} }} }}
-"#
+        mcs_slice(
+            &ns,
+            "db-c1",
+            "db",
+            "c1",
+            "[{ name: pg, protocol: TCP, port: 5432 }]",
+            &(endpoint("198.18.64.2", Some("db-0"), true)
+                + &endpoint("198.18.64.3", Some("db-1"), ready_1)),
         )
     };
     let mut big = String::new();
@@ -913,20 +904,16 @@ metadata: {{ name: big, namespace: {ns} }}
 spec: {{ type: Headless, ports: [{{ name: tcp, protocol: TCP, port: 7000 }}] }}
 ---
 {}---
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: big-c1
-  namespace: {ns}
-  labels:
-    multicluster.kubernetes.io/service-name: big
-    multicluster.kubernetes.io/source-cluster: c1
-    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
-addressType: IPv4
-ports: [{{ name: tcp, protocol: TCP, port: 7000 }}]
-endpoints:
-{big}"#,
-        db_slice(true)
+{}"#,
+        db_slice(true),
+        mcs_slice(
+            &ns,
+            "big-c1",
+            "big",
+            "c1",
+            "[{ name: tcp, protocol: TCP, port: 7000 }]",
+            &big
+        )
     ));
     let kc = kubeconfig.display().to_string();
     let agent = Agent::start_with(&["--source", "kube", "--kubeconfig", &kc], &[]);
@@ -1347,19 +1334,15 @@ spec:
   ips: ["198.18.100.20"]
   ports:
 {ports}---
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: big-c1
-  namespace: shop
-  labels:
-    multicluster.kubernetes.io/service-name: big
-    multicluster.kubernetes.io/source-cluster: c1
-    endpointslice.kubernetes.io/managed-by: mcs-controller.mcs-dataplane
-addressType: IPv4
-ports:
-{slice_ports}endpoints:
-{endpoints}"#
+{}"#,
+            mcs_slice(
+                "shop",
+                "big-c1",
+                "big",
+                "c1",
+                &format!("\n{}", slice_ports.trim_end()),
+                &endpoints
+            )
         ),
     )
     .unwrap();
