@@ -45,11 +45,11 @@
 //!
 //! # Skip counters (`MCS_SKIPS_V1`)
 //!
-//! Per frontend ([`FrontendKey`]), per CPU: connects whose first choice was skipped for a
-//! mark of the failed map and that another backend took ([`SkipCounts`]), and how many of
-//! those a fallback backend took. An LRU map of [`SKIPS_MAP_MAX_ENTRIES`]: a frontend's entry
-//! is made at its first skip (frontends are bounded by the services map, so no pod can flood
-//! it) and removed by the agent when the frontend leaves; the agent sums the CPUs at scrape.
+//! Per frontend ([`FrontendKey`]): connects whose first choice was skipped for a mark of the
+//! failed map and that another backend took ([`SkipCounts`]), and how many of those a
+//! fallback backend took, added atomically. An LRU map of [`SKIPS_MAP_MAX_ENTRIES`]: a
+//! frontend's entry is made at its first skip (frontends are bounded by the services map, so
+//! no pod can flood it) and removed by the agent when the frontend leaves.
 #![no_std]
 // `unsafe` is denied (workspace lint) and allowed only in the `pod` module below, which says why.
 
@@ -103,7 +103,7 @@ pub const NETNS_QUOTA_WINDOW_NS: u64 = 1_000_000_000;
 pub const FAILED_MAP: &str = "MCS_FAILED_V1";
 /// Entries of the failed-connect LRU map.
 pub const FAILED_MAP_MAX_ENTRIES: u32 = 65_536;
-/// Name of the per-frontend skip counters (LRU per-CPU hash: [`FrontendKey`] → [`SkipCounts`]).
+/// Name of the per-frontend skip counters (LRU hash: [`FrontendKey`] → [`SkipCounts`]).
 pub const SKIPS_MAP: &str = "MCS_SKIPS_V1";
 /// Entries of the skip counters map (frontends that skipped a backend).
 pub const SKIPS_MAP_MAX_ENTRIES: u32 = 16_384;
@@ -317,8 +317,8 @@ pub struct FrontendKey {
     pub family: u8,
 }
 
-/// Value of the skip counters (per CPU).
-#[repr(C)]
+/// Value of the skip counters (8-byte aligned: the kernel adds to them atomically).
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SkipCounts {
     /// Connects whose first choice was skipped (a mark of the client pod) and that another

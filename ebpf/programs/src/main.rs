@@ -20,6 +20,8 @@
 //! Anything that is not a frontend is left untouched. Every program returns 1 (proceed): the
 //! load balancer never refuses a syscall.
 #![no_std]
+// `atomic_xadd`: BPF's atomic add (the skip counters, shared by every CPU).
+#![feature(core_intrinsics)]
 #![no_main]
 // eBPF programs read the context and maps through raw pointers: the kernel verifier, not
 // rustc, checks those accesses. `unsafe` is confined to context access, helpers and map reads.
@@ -34,7 +36,7 @@ use aya_ebpf::{
     },
     helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns},
     macros::{cgroup_sock_addr, map, sock_ops},
-    maps::{HashMap, LruHashMap, LruPerCpuHashMap},
+    maps::{HashMap, LruHashMap},
     programs::{SockAddrContext, SockOpsContext},
 };
 use mcs_ebpf_common::{
@@ -97,26 +99,32 @@ static MCS_FAILED_V1: LruHashMap<FailedKey, FailedValue> =
     LruHashMap::pinned(FAILED_MAP_MAX_ENTRIES, 0);
 
 #[map(name = "MCS_SKIPS_V1")]
-static MCS_SKIPS_V1: LruPerCpuHashMap<FrontendKey, SkipCounts> =
-    LruPerCpuHashMap::pinned(SKIPS_MAP_MAX_ENTRIES, 0);
+static MCS_SKIPS_V1: LruHashMap<FrontendKey, SkipCounts> =
+    LruHashMap::pinned(SKIPS_MAP_MAX_ENTRIES, 0);
 
 /// Counts a connect to the frontend `key` whose first choice was skipped, taken by a
-/// `fallback` backend or a selected one (per CPU: no atomics). Not inlined: the callers are
-/// near the verifier's stack limit.
+/// `fallback` backend or a selected one (atomic adds: one entry for every CPU, skips are
+/// rare). Not inlined: the callers are near the verifier's stack limit.
 #[inline(never)]
 fn count_skip(key: &FrontendKey, fallback: bool) {
-    let add = u64::from(fallback);
+    use core::intrinsics::{AtomicOrdering::Relaxed, atomic_xadd};
     match MCS_SKIPS_V1.get_ptr_mut(key) {
         Some(c) => {
-            // SAFETY: a valid pointer into this CPU's value, used at once.
-            let c = unsafe { &mut *c };
-            c.skipped += 1;
-            c.fallback += add;
+            // SAFETY: a valid, 8-byte aligned pointer into the map's value, which lives as long
+            // as the program runs (an entry evicted meanwhile is freed after an RCU grace
+            // period); the adds are atomic (BPF's atomic add: the target has no `AtomicU64`
+            // read-modify-write), as other CPUs add to the same value.
+            unsafe {
+                atomic_xadd::<u64, u64, { Relaxed }>(&raw mut (*c).skipped, 1);
+                if fallback {
+                    atomic_xadd::<u64, u64, { Relaxed }>(&raw mut (*c).fallback, 1);
+                }
+            }
         }
         None => {
             let first = SkipCounts {
                 skipped: 1,
-                fallback: add,
+                fallback: u64::from(fallback),
             };
             let _ = MCS_SKIPS_V1.insert(key, &first, 0);
         }

@@ -468,8 +468,7 @@ impl SocketLb {
         let failed_map =
             HashMap::try_from(take(&mut ebpf, FAILED_MAP)?).map_err(map_err(FAILED_MAP))?;
         let skips = skips::Counters(
-            aya::maps::PerCpuHashMap::try_from(take(&mut ebpf, SKIPS_MAP)?)
-                .map_err(map_err(SKIPS_MAP))?,
+            HashMap::try_from(take(&mut ebpf, SKIPS_MAP)?).map_err(map_err(SKIPS_MAP))?,
         );
         // Each sized map: its name, the size asked, and what the kernel has (an adopted pin
         // keeps the size it was made with).

@@ -568,6 +568,11 @@ impl Dataplane for SocketLb {
                 tracing::info!(frontend = %vip, "removing a frontend left by the previous agent");
                 self.remove_service(vip, l4);
             }
+            // Skip counters of frontends that are gone (one made by a connect racing its
+            // frontend's removal outlives the removal).
+            let programmed = &self.programmed;
+            self.skips
+                .retain(|vip, l4| programmed.contains_key(&(vip, l4)));
         }
         Ok(())
     }

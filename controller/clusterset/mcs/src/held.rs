@@ -66,14 +66,21 @@ impl Fingerprint {
     }
 }
 
-/// What the writer compares of a slice of ours: labels, address type, endpoints, ports.
+/// The labels this controller writes on its slices (the same four keys for every slice).
+const SLICE_LABELS: [&str; 4] = [
+    mcs_api::LABEL_SERVICE_NAME,
+    mcs_api::LABEL_SOURCE_CLUSTER,
+    mcs_api::LABEL_MANAGED_BY,
+    mcs_api::LABEL_SOURCE_MANAGED_BY,
+];
+
+/// What the writer compares of a slice of ours: our labels (a label someone else added is not
+/// ours to remove, and a merge patch could not: comparing it would write the slice again at
+/// every pass), address type, endpoints, ports.
 pub fn slice_content(es: &EndpointSlice) -> Fingerprint {
-    Fingerprint::of(&(
-        &es.metadata.labels,
-        &es.address_type,
-        &es.endpoints,
-        &es.ports,
-    ))
+    let labels = es.metadata.labels.as_ref();
+    let ours: [Option<&String>; 4] = SLICE_LABELS.map(|k| labels.and_then(|l| l.get(k)));
+    Fingerprint::of(&(ours, &es.address_type, &es.endpoints, &es.ports))
 }
 
 /// What the writer compares of an import's spec write: the spec and the annotations.
@@ -298,6 +305,42 @@ mod tests {
     use mcs_api::{ClusterStatus, ServiceImportSpec, ServiceImportStatus};
 
     use super::*;
+
+    #[test]
+    fn a_slice_compares_by_our_labels_only() {
+        let mut es = EndpointSlice {
+            metadata: kube::api::ObjectMeta {
+                labels: Some(
+                    SLICE_LABELS
+                        .iter()
+                        .map(|k| (k.to_string(), "x".to_string()))
+                        .collect(),
+                ),
+                ..Default::default()
+            },
+            address_type: "IPv4".into(),
+            endpoints: None,
+            ports: None,
+        };
+        let ours = slice_content(&es);
+        // A label someone else added changes nothing the writer compares.
+        es.metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert("team".into(), "a".into());
+        assert_eq!(slice_content(&es), ours);
+        // One of ours that differs, or is gone, does.
+        let labels = es.metadata.labels.as_mut().unwrap();
+        labels.insert(mcs_api::LABEL_SOURCE_CLUSTER.into(), "y".into());
+        assert_ne!(slice_content(&es), ours);
+        es.metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .remove(mcs_api::LABEL_SOURCE_CLUSTER);
+        assert_ne!(slice_content(&es), ours);
+    }
 
     fn slice(addr: &str, ready: Option<bool>) -> EndpointSlice {
         EndpointSlice {

@@ -141,7 +141,10 @@ impl WantSlice {
                     })
                     .collect()
             }),
-            ports: Some(ports),
+            // None for none: the API server returns an empty list as null, and a slice held
+            // with null would never compare equal to one wanted with `[]` (written again at
+            // every pass of its service).
+            ports: (!ports.is_empty()).then_some(ports),
         }
     }
 }
