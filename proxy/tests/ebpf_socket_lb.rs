@@ -172,6 +172,36 @@ fn pinned_state_outlives_the_loader_is_adopted_and_uninstall_detaches() {
     let r = f.probe(&tcp("198.18.0.10:80"));
     assert_eq!(r.reply, format!("backend {} got hi", be.port()), "{r:?}");
 
+    // Skip counters the kernel left for both frontends and for one that was never programmed
+    // (a connect racing its frontend's removal): the first full diff keeps only .10's.
+    let skip_key = |vip: &str| {
+        let a: std::net::SocketAddrV4 = vip.parse().unwrap();
+        mcs_ebpf_common::FrontendKey {
+            addr: [u32::from_ne_bytes(a.ip().octets()), 0, 0, 0],
+            port: a.port().to_be(),
+            proto: mcs_ebpf_common::proto::TCP,
+            family: 4,
+        }
+    };
+    let open_skips = || {
+        let data =
+            aya::maps::MapData::from_pin(f.pins.path().join(mcs_ebpf_common::SKIPS_MAP)).unwrap();
+        aya::maps::HashMap::<_, mcs_ebpf_common::FrontendKey, mcs_ebpf_common::SkipCounts>::try_from(
+            aya::maps::Map::from_map_data(data).unwrap(),
+        )
+        .unwrap()
+    };
+    {
+        let mut skips = open_skips();
+        for vip in ["198.18.0.10:80", "198.18.0.11:80", "198.18.0.12:80"] {
+            let one = mcs_ebpf_common::SkipCounts {
+                skipped: 1,
+                fallback: 0,
+            };
+            skips.insert(skip_key(vip), one, 0).unwrap();
+        }
+    }
+
     // A new loader adopts maps and links; its first (full) diff drops what is gone.
     let mut lb = open_attached(&f);
     assert_eq!(lb.adopted_links(), mcs_proxy::ebpf::PROGRAMS.len());
@@ -184,6 +214,13 @@ fn pinned_state_outlives_the_loader_is_adopted_and_uninstall_detaches() {
         1,
         "the frontend missing from the full table stays"
     );
+    let left: Vec<String> = lb.skip_metrics().read().into_keys().collect();
+    assert_eq!(
+        left,
+        ["198.18.0.10:80/TCP"],
+        "skip counters of gone frontends stay"
+    );
+    assert!(open_skips().get(&skip_key("198.18.0.12:80"), 0).is_err());
     let r = f.probe(&tcp("198.18.0.10:80"));
     assert_eq!(r.reply, format!("backend {} got hi", be.port()));
     drop(lb);
