@@ -142,6 +142,14 @@ impl L4 {
         }
     }
 
+    /// As frontends are written (`198.18.0.10:80/TCP`).
+    fn name(self) -> &'static str {
+        match self {
+            Self::Tcp => "TCP",
+            Self::Udp => "UDP",
+        }
+    }
+
     fn from_number(n: u8) -> Option<Self> {
         match n {
             mcs_ebpf_common::proto::TCP => Some(Self::Tcp),
@@ -850,11 +858,7 @@ pub fn read_pinned(pin_dir: &Path) -> Result<Programmed, Error> {
     let mut selected: BTreeMap<String, u16> = BTreeMap::new();
     let mut record =
         |vip: SocketAddr, proto: u8, slot: u16, v: SvcValue, backend: Option<SocketAddr>| {
-            let name = match L4::from_number(proto) {
-                Some(L4::Tcp) => "TCP",
-                Some(L4::Udp) => "UDP",
-                None => "?",
-            };
+            let name = L4::from_number(proto).map_or("?", L4::name);
             let front = format!("{vip}/{name}");
             if slot == 0 {
                 selected.insert(front.clone(), v.count);

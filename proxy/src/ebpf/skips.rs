@@ -15,7 +15,7 @@ use std::{
 };
 
 use aya::maps::{HashMap, Map, MapData};
-use mcs_ebpf_common::{FrontendKey, SKIPS_MAP, SKIPS_MAP_MAX_ENTRIES, SkipCounts, proto};
+use mcs_ebpf_common::{FrontendKey, SKIPS_MAP, SKIPS_MAP_MAX_ENTRIES, SkipCounts};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, NoLabelSet},
@@ -85,7 +85,7 @@ fn vip(k: &FrontendKey) -> SocketAddr {
 
 /// The frontend label of a key, as `mcs_model::Frontend` prints it (`198.18.0.10:80/TCP`).
 fn label(k: &FrontendKey) -> String {
-    let p = if k.proto == proto::UDP { "UDP" } else { "TCP" };
+    let p = L4::from_number(k.proto).map_or("?", L4::name);
     format!("{}/{p}", vip(k))
 }
 

@@ -150,16 +150,16 @@ fn merge() -> PatchParams {
 /// The merge patch that gives an import `si`'s status: every field of the status named, null
 /// where `si` has none, so that one we no longer want is removed (lists are replaced whole).
 pub fn import_status_patch(si: &ServiceImport) -> serde_json::Value {
-    let status = si.status.clone().unwrap_or_default();
+    let status = si.status.as_ref();
     let list = |v: serde_json::Value| match v {
         serde_json::Value::Array(a) if a.is_empty() => serde_json::Value::Null,
         v => v,
     };
     json!({
         "status": {
-            "endpointSliceObjects": status.endpoint_slice_objects,
-            "clusters": list(json!(status.clusters)),
-            "conditions": list(json!(status.conditions)),
+            "endpointSliceObjects": status.and_then(|s| s.endpoint_slice_objects),
+            "clusters": list(json!(status.map_or(&[][..], |s| &s.clusters))),
+            "conditions": list(json!(status.map_or(&[][..], |s| &s.conditions))),
         }
     })
 }
