@@ -36,6 +36,15 @@
 #                     pods from reaching theirs) for 15 s: the probes on the other nodes lose
 #                     that node's web pod, the probe on it every backend but its own node's.
 #                     Counted.
+#   crd-upgrade       before it (not measured) c2 is put on upstream v0.4.1's CRDs (v1alpha1
+#                     only; ours deleted, c2's exports made again in v1alpha1). Under load: ours
+#                     applied over them, c2's exports written again and storedVersions trimmed,
+#                     v1alpha1 no longer served (c1's controller moves to v1beta1), an export
+#                     made in v1beta1 imported, ours applied again. 0 failed required, and c1's
+#                     ServiceImports and slices of c2's endpoints not written (resourceVersions).
+#   crd-not-served    c2 serves ServiceExport in no version for 20 s: c1's controller counts
+#                     it failing (its imports ClustersReachable=False), keeps its exports and
+#                     endpoints (no import deleted, slices unchanged); 0 failed required.
 #   soak              (with --soak MINUTES, after the steps) churn under load: an export made
 #                     and an older one deleted every 2 s (in c1 and c2 by turns), c2's web
 #                     scaled 2 <-> 3 (endpoints coming and going in the ClusterSet), c2's API
@@ -56,7 +65,7 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/clusterset-lib.sh"
 need_clusterset lifecycle
 
-STEPS=upgrade-ebpf,rollback-ebpf,agents-deleted,drain-ebpf,blackhole-ebpf,node-dark-ebpf,to-userspace,upgrade-userspace,rollback-userspace,drain-userspace,blackhole-userspace,node-dark-userspace,to-ebpf
+STEPS=upgrade-ebpf,rollback-ebpf,agents-deleted,drain-ebpf,blackhole-ebpf,node-dark-ebpf,to-userspace,upgrade-userspace,rollback-userspace,drain-userspace,blackhole-userspace,node-dark-userspace,to-ebpf,crd-upgrade,crd-not-served
 RATE=50
 SOAK=0
 while (($#)); do
@@ -76,6 +85,7 @@ TABLE="$STATE/lifecycle/table.md"
 NEXT_TAG=lifecycle-next
 mkdir -p "$RUN"
 failures=0
+c2_crds_changed=0 # c2's MCS CRDs are not ours as installed (put back on exit)
 say() { printf '\033[1mlifecycle:\033[0m %s\n' "$*"; }
 fail() { printf 'lifecycle: FAILED: %s\n' "$*" >&2; failures=$((failures + 1)); }
 clusters=$(kubectl config get-contexts -o name | grep -E '^c[0-9]+$' | sort -V)
@@ -114,6 +124,7 @@ cleanup() {
   local rc=$?
   jobs -p | xargs -r kill 2>/dev/null || true
   lights_on
+  if ((c2_crds_changed)); then ours_in_c2 || echo "lifecycle: c2's MCS CRDs could not be made ours again (kubectl apply --server-side -k deploy/crds)" >&2; fi
   for c in $clusters; do
     kc "$c" delete namespace "$NS" --wait=false >/dev/null 2>&1 || true
     kc "$c" uncordon --all >/dev/null 2>&1 || true
@@ -420,6 +431,132 @@ node_dark() {
   lights_on
 }
 
+# --- c2's MCS CRDs from upstream v0.4 (v1alpha1 only) to ours, under load ------------------------
+EXPORTS_CRD=serviceexports.multicluster.x-k8s.io
+IMPORTS_CRD=serviceimports.multicluster.x-k8s.io
+UPSTREAM_V1ALPHA1_ONLY=v0.4.1
+ours_in_c2() { # c2's MCS CRDs exactly ours again, both versions served (also at exit)
+  kc c2 apply --server-side --force-conflicts -f deploy/crds/multicluster.x-k8s.io_serviceexports.yaml \
+    -f deploy/crds/multicluster.x-k8s.io_serviceimports.yaml >/dev/null &&
+    kc c2 wait --for condition=Established --timeout=60s crd "$EXPORTS_CRD" "$IMPORTS_CRD" >/dev/null
+}
+# SERIES's value at CLUSTER's leading controller (its /metrics through the API server's proxy).
+controller_metric() {
+  local p
+  for p in $(kc "$1" -n mcs-system get pods -l app.kubernetes.io/name=mcs-controller -o jsonpath='{.items[*].metadata.name}'); do
+    kc "$1" get --raw "/api/v1/namespaces/mcs-system/pods/$p:9465/proxy/metrics" 2>/dev/null |
+      awk -v s="$2" '$1 == "mcs_controller_leader" && $2 == 1 { lead = 1 } $1 == s { v = $2 } END { if (lead) print v }'
+  done | head -1
+}
+c1_reads_c2_in() { [[ $(controller_metric c1 "mcs_controller_member_export_version{cluster=\"c2\",version=\"$1\"}") == 1 ]]; }
+c1_counts_c2() { [[ $(controller_metric c1 'mcs_controller_member_up{cluster="c2"}') == "$1" ]]; }
+# "name=resourceVersion" of c1's MCS EndpointSlices of c2's endpoints in the suite's namespace.
+c2_slices_in_c1() {
+  kc c1 -n "$NS" get endpointslices -l multicluster.kubernetes.io/source-cluster=c2 \
+    -o jsonpath='{range .items[*]}{.metadata.name}={.metadata.resourceVersion}{"\n"}{end}' | sort
+}
+c1_has_c2_web() {
+  [[ -n $(kc c1 -n "$NS" get endpointslices -l multicluster.kubernetes.io/source-cluster=c2,multicluster.kubernetes.io/service-name=web \
+    -o jsonpath='{.items[*].endpoints[*].addresses[0]}') ]]
+}
+c1_imports() { # "ns/name=resourceVersion" of c1's ServiceImports in the suite's namespace
+  kc c1 -n "$NS" get serviceimports -o jsonpath='{range .items[*]}{.metadata.namespace}/{.metadata.name}={.metadata.resourceVersion}{"\n"}{end}' | sort
+}
+# Before crd-upgrade (not measured): c2 as a cluster on upstream v0.4's CRDs. Its MCS CRDs are
+# deleted (its ServiceExports and ServiceImports with them: c1 drops c2's part of every
+# import), upstream v0.4.1's installed (v1alpha1 served and stored), and c2's exports of the
+# suite made again in v1alpha1; ready when c1's controller reads c2 in v1alpha1 and imports
+# every one of them with c2's endpoints.
+c2_on_v1alpha1_crds() {
+  local dir names n
+  dir=$(cd "${TMPDIR:-/tmp}" && go mod download -json "sigs.k8s.io/mcs-api@$UPSTREAM_V1ALPHA1_ONLY" |
+    python3 -c 'import json, sys; print(json.load(sys.stdin).get("Dir", ""))')/config/crd
+  [[ -d $dir ]] || { fail "crd-upgrade: upstream $UPSTREAM_V1ALPHA1_ONLY's CRDs not found (go mod download sigs.k8s.io/mcs-api@$UPSTREAM_V1ALPHA1_ONLY)"; return 1; }
+  names=$(kc c2 -n "$NS" get serviceexports -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}')
+  say "   before it: c2's MCS CRDs replaced by upstream $UPSTREAM_V1ALPHA1_ONLY's (v1alpha1 only); its exports ($(tr '\n' ' ' <<<"$names")) made again in v1alpha1"
+  c2_crds_changed=1
+  kc c2 delete crd "$EXPORTS_CRD" "$IMPORTS_CRD" --timeout=120s >/dev/null || return 1
+  until_ok 60 "c1 without c2's endpoints once c2's exports are gone" sh -c "[ -z \"\$(kubectl --context c1 -n $NS get endpointslices -l multicluster.kubernetes.io/source-cluster=c2 -o name)\" ]" || return 1
+  kc c2 apply -f "$dir" >/dev/null || return 1
+  kc c2 wait --for condition=Established --timeout=60s crd "$EXPORTS_CRD" "$IMPORTS_CRD" >/dev/null || return 1
+  for n in $names; do
+    printf 'apiVersion: multicluster.x-k8s.io/v1alpha1\nkind: ServiceExport\nmetadata: {name: %s, namespace: %s}\n' "$n" "$NS" |
+      kc c2 apply -f - >/dev/null || return 1
+  done
+  until_ok 120 "c1's controller reads c2's ServiceExports in v1alpha1" c1_reads_c2_in v1alpha1 || return 1
+  until_ok 120 "c1 imports c2's web endpoints again" c1_has_c2_web || return 1
+  for n in $names; do until_ok 120 "c1 imports $n from c2 (status Ready)" import_ready c1 "$n" || return 1; done
+  for n in $nodes_c1; do until_ok 60 "every probe request answered from $n through $vip" probe_once "$n" || return 1; done
+}
+# crd-upgrade, under load: ours applied over v0.4's in c2 (v1beta1 stored), its exports written
+# again and storedVersions trimmed (a storage-version migration), then v1alpha1 no longer
+# served (c1's controller moves to v1beta1), an export made in v1beta1 imported by c1, and ours
+# applied again (both served). c1's imports and its slices of c2's endpoints are never written.
+crd_upgrade() {
+  local before_imports before_slices key t=$((++late_exports))
+  before_imports=$(c1_imports); before_slices=$(c2_slices_in_c1)
+  ours_in_c2 || { fail "crd-upgrade: our CRDs not applied in c2"; return 1; }
+  for key in $(kc c2 get serviceexports.v1beta1.multicluster.x-k8s.io -A -o jsonpath='{range .items[*]}{.metadata.namespace}/{.metadata.name}{"\n"}{end}'); do
+    until_ok 30 "c2's ServiceExport $key written again (stored in v1beta1)" sh -c \
+      "kubectl --context c2 -n ${key%/*} get serviceexports.v1beta1.multicluster.x-k8s.io ${key#*/} -o json | kubectl --context c2 replace -f -" || return 1
+  done
+  # c2 held no ServiceImport stored in v1alpha1: its controller writes v1beta1, not served before.
+  for key in "$EXPORTS_CRD" "$IMPORTS_CRD"; do
+    kc c2 patch crd "$key" --subresource=status --type=merge -p '{"status":{"storedVersions":["v1beta1"]}}' >/dev/null ||
+      { fail "crd-upgrade: storedVersions of $key"; return 1; }
+  done
+  local alpha
+  alpha=$(kc c2 get crd "$EXPORTS_CRD" -o json | python3 -c 'import json, sys; print([v["name"] for v in json.load(sys.stdin)["spec"]["versions"]].index("v1alpha1"))')
+  kc c2 patch crd "$EXPORTS_CRD" --type=json -p "[{\"op\": \"replace\", \"path\": \"/spec/versions/$alpha/served\", \"value\": false}]" >/dev/null || return 1
+  until_ok 120 "c1's controller reads c2's ServiceExports in v1beta1" c1_reads_c2_in v1beta1 || return 1
+  kc c2 -n "$NS" create service clusterip "late-$t" --tcp=80:8080 >/dev/null
+  printf 'apiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceExport\nmetadata: {name: late-%s, namespace: %s}\n' "$t" "$NS" |
+    kc c2 apply -f - >/dev/null
+  until_ok 120 "c1 imports late-$t, exported in v1beta1 after v1alpha1 stopped being served" import_ready c1 "late-$t" || return 1
+  ours_in_c2 || { fail "crd-upgrade: our CRDs not applied again in c2"; return 1; }
+  until_ok 120 "c2's controller imports web in c2 again (its CRDs serve v1beta1)" import_ready c2 web || return 1
+  c2_crds_changed=0
+  local imports slices
+  imports=$(comm -3 <(echo "$before_imports") <(c1_imports | grep -v "^$NS/late-$t=") | tr -s '\t\n' '  ')
+  slices=$(comm -3 <(echo "$before_slices") <(c2_slices_in_c1 | grep -v "^late-$t-") | tr -s '\t\n' '  ')
+  [[ -z $imports ]] || fail "crd-upgrade: c1's ServiceImports written (before and after): $imports"
+  [[ -z $slices ]] || fail "crd-upgrade: c1's slices of c2's endpoints written (before and after): $slices"
+  [[ -n $imports$slices ]] ||
+    say "   c1's $(wc -l <<<"$before_imports") ServiceImport(s) and $(wc -l <<<"$before_slices") slice(s) of c2's endpoints untouched; late-$t imported"
+}
+# crd-not-served, under load: c2 serves ServiceExport in no version for 20 s (a CRD briefly
+# not served, as in a botched upgrade). c1's controller counts c2 as failing and keeps its
+# last-known exports and endpoints (its slices of them untouched; the imports say
+# ClustersReachable=False meanwhile, a status write), and reads c2 again once it is served
+# (at its watch's next retry, at most --watch-retry-max-ms later).
+web_reach_is() {
+  [[ $(kc c1 -n "$NS" get serviceimport web -o jsonpath='{.status.conditions[?(@.type=="ClustersReachable")].status}') == "$1" ]]
+}
+crd_not_served() {
+  local before_slices uids_before i
+  before_slices=$(c2_slices_in_c1)
+  uids_before=$(kc c1 -n "$NS" get serviceimports -o jsonpath='{range .items[*]}{.metadata.name}={.metadata.uid}{"\n"}{end}' | sort)
+  c2_crds_changed=1
+  kc c2 patch crd "$EXPORTS_CRD" --type=json -p '[{"op": "replace", "path": "/spec/versions/0/served", "value": false}, {"op": "replace", "path": "/spec/versions/1/served", "value": false}]' >/dev/null || return 1
+  local t0=$SECONDS
+  until_ok 60 "c1's controller counts c2 as failing (no ServiceExport version served)" c1_counts_c2 0 || true
+  until_ok 60 "c1's import web says ClustersReachable=False (c2 failing past the controller's grace)" web_reach_is False || true
+  local left=$((20 - (SECONDS - t0)))
+  ((left <= 0)) || sleep "$left"
+  ours_in_c2 || { fail "crd-not-served: our CRDs not applied again in c2"; return 1; }
+  c2_crds_changed=0
+  until_ok 120 "c1's controller counts c2 as up again" c1_counts_c2 1 || return 1
+  until_ok 60 "c1's import web says ClustersReachable=True again" web_reach_is True || return 1
+  for i in $(sed 's/=.*//' <<<"$uids_before"); do until_ok 60 "c1's $i Ready again" import_ready c1 "$i" || return 1; done
+  local imports slices
+  imports=$(comm -3 <(echo "$uids_before") <(kc c1 -n "$NS" get serviceimports -o jsonpath='{range .items[*]}{.metadata.name}={.metadata.uid}{"\n"}{end}' | sort) | tr -s '\t\n' '  ')
+  slices=$(comm -3 <(echo "$before_slices") <(c2_slices_in_c1) | tr -s '\t\n' '  ')
+  [[ -z $imports ]] || fail "crd-not-served: c1's ServiceImports deleted or made again (before and after): $imports"
+  [[ -z $slices ]] || fail "crd-not-served: c1's slices of c2's endpoints written (before and after): $slices"
+  [[ -n $imports$slices ]] ||
+    say "   c1's $(wc -l <<<"$uids_before") ServiceImport(s) kept (same uids) and its $(wc -l <<<"$before_slices") slice(s) of c2's endpoints untouched"
+}
+
 # The RSS (KiB) of every agent and controller process on this machine (the nodes share it):
 # "<cluster>/<node>/<agent|controller>/<pid> <rss>" per line, the node from its cgroup path.
 rss_sample() {
@@ -528,6 +665,10 @@ for s in ${STEPS//,/ }; do
       [[ ${s#node-dark-} == "$current_dp" ]] || { fail "$s: the dataplane is $current_dp here (reorder --steps)"; continue; }
       spread_web || fail "$s: c1's web pods could not be spread over its nodes"
       step "$s" "$current_dp" measured node_dark ;;
+    crd-upgrade)
+      c2_on_v1alpha1_crds || { fail "$s: c2 could not be put on upstream $UPSTREAM_V1ALPHA1_ONLY's CRDs"; continue; }
+      step "$s" "$current_dp" "$([[ $current_dp == ebpf ]] && echo zero || echo tcp-zero)" crd_upgrade ;;
+    crd-not-served) step "$s" "$current_dp" "$([[ $current_dp == ebpf ]] && echo zero || echo tcp-zero)" crd_not_served ;;
     *) fail "unknown step $s" ;;
   esac
 done

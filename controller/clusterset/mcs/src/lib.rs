@@ -114,6 +114,12 @@ struct ClusterKindLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClusterVersionLabel {
+    cluster: String,
+    version: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabel {
     kind: &'static str,
 }
@@ -131,6 +137,7 @@ pub struct Metrics {
     slices: Gauge,
     member_up: Family<ClusterLabel, Gauge>,
     member_unauthorized: Family<ClusterLabel, Gauge>,
+    member_export_version: Family<ClusterVersionLabel, Gauge>,
     exports_over_budget: Family<ClusterLabel, Gauge>,
     member_events: Family<ClusterKindLabel, Counter>,
     member_objects: Family<ClusterKindLabel, Gauge>,
@@ -177,6 +184,7 @@ impl Metrics {
             member_objects: Family::default(),
             member_exports_held_back: Family::default(),
             member_unauthorized: Family::default(),
+            member_export_version: Family::default(),
             exports_over_budget: Family::default(),
             leader: Gauge::default(),
             last_pass: Gauge::default(),
@@ -231,6 +239,11 @@ impl Metrics {
             "member_unauthorized",
             "1 while the member cluster refuses our credentials (401/403), 0 otherwise",
             m.member_unauthorized.clone(),
+        );
+        r.register(
+            "member_export_version",
+            "1 for the ServiceExport version the member is read in (v1beta1, or v1alpha1 where only that is served), 0 for the other: a member mid CRD upgrade shows which one",
+            m.member_export_version.clone(),
         );
         r.register(
             "exports_over_budget",

@@ -519,12 +519,14 @@ const QUIET_PROBE: Duration = Duration::from_secs(5);
 /// Keeps a member's ServiceExports in its store, read in the version the member serves:
 /// asked of it first (v1beta1 when discovery fails: the list then says what is wrong, with
 /// its status code), again whenever that version is no longer served (`404`, as when its
-/// CRDs are replaced), and every [`REDISCOVER`] while it is read in v1alpha1 (its CRDs may
+/// CRDs are replaced: read at once in the other version when discovery names it, else asked
+/// again after a backoff step), and every [`REDISCOVER`] while it is read in v1alpha1 (its CRDs may
 /// have been upgraded). Until it serves one, the watcher fails as any other does: the member
 /// is not up, and its last known exports stay until the member timeout; they are never
 /// taken for "no exports".
 async fn watch_exports(client: Client, ctx: Ctx) {
     let mut retry = WatchRetry::new(ctx.retry_max);
+    let mut switched_at_once = false;
     loop {
         let version = export_version(&client, &ctx.member.id).await;
         let before = std::mem::replace(
@@ -570,14 +572,24 @@ async fn watch_exports(client: Client, ctx: Ctx) {
         match ended {
             Ended::Stream => return,
             Ended::Upgraded => continue,
-            Ended::NotServed => {}
+            // A version that was read until now: its end may switch at once again.
+            Ended::NotServed { listed } => switched_at_once &= !listed,
         }
         tracing::warn!(cluster = %ctx.member.id, version = version.0, "the member no longer serves ServiceExports in {}; asking which version it serves (its last known exports stay)", version.0);
-        // Discovery may still name the old version for a moment: ask again after a
-        // backoff step, which only a watch that lasted resets.
         if watched.elapsed() > Duration::from_secs(60) {
             retry.reset();
         }
+        // A CRD upgrade that stops serving this version serves the other already: read at
+        // once, before the member has failed long enough to mark its imports unreachable.
+        // Once per backoff step or version read, so discovery that flips between versions
+        // cannot spin.
+        if !switched_at_once && export_version(&client, &ctx.member.id).await != version {
+            switched_at_once = true;
+            continue;
+        }
+        switched_at_once = false;
+        // Discovery may still name the old version for a moment, or none: ask again after a
+        // backoff step, which only a watch that lasted resets.
         tokio::time::sleep(retry.next().unwrap_or(ctx.retry_max)).await;
     }
 }
@@ -601,8 +613,9 @@ async fn export_version(client: &Client, id: &str) -> ExportVersion {
 pub(crate) enum Ended {
     /// The stream ended (the process stops).
     Stream,
-    /// The version watched is not served (`404 Not Found`), with `until_not_served`.
-    NotServed,
+    /// The version watched is not served (`404 Not Found`), with `until_not_served`;
+    /// `listed`: it was listed before that.
+    NotServed { listed: bool },
     /// The member serves the version we prefer now (not [`watch`]'s own answer).
     Upgraded,
 }
@@ -684,7 +697,7 @@ where
                     };
                     if not_served {
                         ctx.wake.notify_one();
-                        return Ended::NotServed;
+                        return Ended::NotServed { listed };
                     }
                 }
                 probe_at = Some(tokio::time::Instant::now() + f.delay + f.delay.max(QUIET_PROBE));

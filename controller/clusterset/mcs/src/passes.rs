@@ -15,7 +15,7 @@ use mcs_runtime::http::Health;
 use tokio::sync::{Notify, watch};
 
 use crate::{
-    ClusterKindLabel, ClusterLabel, Config, KindLabel, Metrics,
+    ClusterKindLabel, ClusterLabel, ClusterVersionLabel, Config, KindLabel, Metrics,
     desired::{Computed, MemberView, Policy, Reach, Reconciler, Snapshot},
     lease, members,
     members::{Local, Member, MemberState},
@@ -231,6 +231,15 @@ impl Controller {
             m.member_unauthorized
                 .get_or_create(&cluster)
                 .set(i64::from(refused));
+            let read_in = member.export_version().0;
+            for version in mcs_runtime::discovery::MCS_VERSIONS {
+                m.member_export_version
+                    .get_or_create(&ClusterVersionLabel {
+                        cluster: member.id.clone(),
+                        version,
+                    })
+                    .set(i64::from(read_in == version));
+            }
             m.exports_over_budget
                 .get_or_create(&cluster)
                 .set(member.budget.over_count() as i64);

@@ -75,7 +75,18 @@ fn a_member_on_v1alpha1_crds_is_read_and_its_crd_upgrade_never_deletes_or_rewrit
     let (kc, rt) = (&set.kubeconfig, &set.rt);
     let (k1, k2) = (&set.clients[0], &set.clients[1]);
     rt.block_on(async {
-        let _ctl1 = start_controller("c1", kc);
+        let (_ctl1, port) = start_controller_with_metrics("c1", kc);
+        // The version c2's exports are read in, as its metric says (1 for that one).
+        let read_in = |version: &str| {
+            scrape(port).and_then(|t| {
+                metric(
+                    &t,
+                    &format!(
+                        "mcs_controller_member_export_version{{cluster=\"c2\",version=\"{version}\"}}"
+                    ),
+                )
+            }) == Some(1.0)
+        };
 
         // c2 serves ServiceExport in v1alpha1 only: web is exported there and imported in c1.
         service_with_endpoint(k2, NS, "web", "198.18.2.2").await;
@@ -88,6 +99,10 @@ fn a_member_on_v1alpha1_crds_is_read_and_its_crd_upgrade_never_deletes_or_rewrit
             .await
             .unwrap();
         let before = imported(k1, "web").await;
+        until("c2 read in v1alpha1, by its metric", || async {
+            read_in("v1alpha1").then_some(())
+        })
+        .await;
 
         // c2's CRDs replaced in place by ours: v1alpha1 and v1beta1 served, v1beta1 stored.
         apiserver::apply_crds(
@@ -142,6 +157,10 @@ fn a_member_on_v1alpha1_crds_is_read_and_its_crd_upgrade_never_deletes_or_rewrit
         service_with_endpoint(k2, NS, "cart", "198.18.2.3").await;
         create(k2, NS, export("cart")).await;
         imported(k1, "cart").await;
+        assert!(
+            read_in("v1beta1") && !read_in("v1alpha1"),
+            "c2 read in v1beta1 now, by its metric"
+        );
         // And web's import and slices in c1 were neither deleted nor written meanwhile.
         let after = imported(k1, "web").await;
         assert_eq!(

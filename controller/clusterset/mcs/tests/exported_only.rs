@@ -42,13 +42,7 @@ fn a_member_s_unexported_services_and_their_slices_are_never_read() {
         service_with_endpoint(k2, NS, "web", "198.18.2.2").await;
         create(k2, NS, export("web")).await;
 
-        let port = free_port();
-        let metrics = format!("127.0.0.1:{port}");
-        let _ctl1 = start_controller_with(
-            "c1",
-            kc,
-            &["--no-leader-election", "--metrics-addr", &metrics],
-        );
+        let (_ctl1, port) = start_controller_with_metrics("c1", kc);
         let _ctl2 = start_controller("c2", kc);
 
         // Imported into c1 with c2's endpoint.

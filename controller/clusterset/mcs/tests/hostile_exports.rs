@@ -56,8 +56,8 @@ fn hostile_exports_are_refused_alone_and_nothing_is_retried_forever() {
     let set = ClusterSet::start(&["c1", &c2_id], false);
     let (kc, rt, ns) = (&set.kubeconfig, &set.rt, NS);
     let (k1, k2) = (&set.clients[0], &set.clients[1]);
-    let (port1, port2) = (free_port(), free_port());
-    let (metrics1, metrics2) = (format!("127.0.0.1:{port1}"), format!("127.0.0.1:{port2}"));
+    let port1 = free_port();
+    let metrics1 = format!("127.0.0.1:{port1}");
     // c1's controller exports slices no selector computed (its copies say so); c2's, as by
     // default, withholds them.
     let _ctl1 = start_controller_with(
@@ -70,11 +70,7 @@ fn hostile_exports_are_refused_alone_and_nothing_is_retried_forever() {
             "--export-selectorless-slices",
         ],
     );
-    let _ctl2 = start_controller_with(
-        &c2_id,
-        kc,
-        &["--no-leader-election", "--metrics-addr", &metrics2],
-    );
+    let (_ctl2, port2) = start_controller_with_metrics(&c2_id, kc);
     rt.block_on(async {
         // c1: an export with more labels than a ServiceImport can carry (256 within the
         // schema's bounds, 67 KB in all; a key no label may have is refused by the schema

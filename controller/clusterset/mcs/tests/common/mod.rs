@@ -66,6 +66,18 @@ pub fn start_controller(id: &str, kubeconfig: &PathBuf) -> Controller {
     start_controller_with(id, kubeconfig, &["--no-leader-election"])
 }
 
+/// The controller of cluster `id`, a single replica, and the loopback port of its metrics.
+pub fn start_controller_with_metrics(id: &str, kubeconfig: &PathBuf) -> (Controller, u16) {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let ctl = start_controller_with(
+        id,
+        kubeconfig,
+        &["--no-leader-election", "--metrics-addr", &addr],
+    );
+    (ctl, port)
+}
+
 /// The controller of cluster `id` with `extra` arguments (metrics on a random loopback port
 /// unless they say `--metrics-addr`; watch retries capped at 500 ms unless they say
 /// `--watch-retry-max-ms`). Its log goes to the test's stderr with
