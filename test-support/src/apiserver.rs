@@ -750,6 +750,32 @@ pub async fn wait_established(
     }
 }
 
+/// Marks `version` of the CRD `name` served or not (as a release that drops a version does).
+pub async fn set_served(
+    crds: &Api<CustomResourceDefinition>,
+    name: &str,
+    version: &str,
+    served: bool,
+) -> anyhow::Result<()> {
+    let crd = crds.get(name).await?;
+    let i = crd
+        .spec
+        .versions
+        .iter()
+        .position(|v| v.name == version)
+        .with_context(|| format!("CRD {name} has no version {version}"))?;
+    let patch = serde_json::json!([
+        { "op": "replace", "path": format!("/spec/versions/{i}/served"), "value": served }
+    ]);
+    crds.patch(
+        name,
+        &PatchParams::default(),
+        &Patch::Json::<()>(serde_json::from_value(patch)?),
+    )
+    .await?;
+    Ok(())
+}
+
 /// `kube-apiserver`/`kubectl` from `MCS_KUBE_BIN_DIR`, else from PATH.
 pub fn find_kube_binary(name: &str) -> Option<PathBuf> {
     if let Some(dir) = std::env::var_os("MCS_KUBE_BIN_DIR") {

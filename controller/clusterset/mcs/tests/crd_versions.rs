@@ -132,25 +132,9 @@ fn a_member_on_v1alpha1_crds_is_read_and_its_crd_upgrade_never_deletes_or_rewrit
         .unwrap();
         // Then v1alpha1 no longer served (as a release that drops it): the controller's
         // v1alpha1 watch ends with 404 and it reads v1beta1 from then on.
-        let crd = crds.get(EXPORTS_CRD).await.unwrap();
-        let alpha = crd
-            .spec
-            .versions
-            .iter()
-            .position(|v| v.name == "v1alpha1")
+        apiserver::set_served(&crds, EXPORTS_CRD, "v1alpha1", false)
+            .await
             .unwrap();
-        crds.patch(
-            EXPORTS_CRD,
-            &PatchParams::default(),
-            &Patch::Json::<()>(
-                serde_json::from_value(serde_json::json!([
-                    { "op": "replace", "path": format!("/spec/versions/{alpha}/served"), "value": false }
-                ]))
-                .unwrap(),
-            ),
-        )
-        .await
-        .unwrap();
 
         // An export made now, in v1beta1 only, is imported: the controller went through the
         // upgrade and reads the new version.

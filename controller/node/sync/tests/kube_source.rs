@@ -646,7 +646,8 @@ async fn a_410_gone_relist_drops_what_vanished_while_the_watch_was_down() {
 
 /// A cluster whose MCS controller installed only `v1alpha1` ServiceImports (the CRD shape of
 /// Submariner Lighthouse and the AWS Cloud Map controller): the source discovers the version,
-/// watches it, and becomes ready.
+/// watches it, and becomes ready; its CRD then upgraded in place and v1alpha1 no longer
+/// served, it watches v1beta1 and loses nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_v1alpha1_only_cluster_is_served() {
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -707,7 +708,7 @@ async fn a_v1alpha1_only_cluster_is_served() {
         mcs_sync::source::kube::discover_import_version(&client).await,
         Ok("v1alpha1")
     );
-    let run = run_kube_source(client, Some("c1"));
+    let run = run_kube_source(client.clone(), Some("c1"));
     let f = fe("198.18.58.10", 80, Protocol::Tcp);
     run.dataplane
         .wait_for("the v1alpha1 import programmed", WAIT, |s| {
@@ -720,6 +721,46 @@ async fn a_v1alpha1_only_cluster_is_served() {
         assert!(tokio::time::Instant::now() < deadline, "never ready");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+
+    // The CRD upgraded in place to ours (v1beta1 stored), then v1alpha1 no longer served:
+    // the source watches v1beta1 from then on, keeps web programmed (not even written
+    // again) and programs an import made in v1beta1.
+    let web_upserts = run.dataplane.upserts_of(&f);
+    apiserver::apply_crds(api.kubeconfig(User::Admin), apiserver::project_crds())
+        .await
+        .unwrap();
+    apiserver::set_served(&crds, name, "v1alpha1", false)
+        .await
+        .unwrap();
+    Api::<ServiceImport>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &import(&ns, "cart", "198.18.58.11"))
+        .await
+        .unwrap();
+    Api::<EndpointSlice>::namespaced(client.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &slice(&ns, "cart", "c1", &[("198.18.59.3", true)]),
+        )
+        .await
+        .unwrap();
+    let cart = fe("198.18.58.11", 80, Protocol::Tcp);
+    run.dataplane
+        .wait_for(
+            "the v1beta1 import programmed after v1alpha1 stopped being served",
+            WAIT,
+            |s| common::selected_in(s, &cart) == ["198.18.59.3:8080@c1"],
+        )
+        .await;
+    assert_eq!(
+        run.dataplane.selected(&f),
+        ["198.18.59.2:8080@c1"],
+        "web kept across the CRD upgrade"
+    );
+    assert_eq!(
+        run.dataplane.upserts_of(&f),
+        web_upserts,
+        "web not programmed again by the switch to v1beta1"
+    );
     drop(api);
 }
 

@@ -13,6 +13,10 @@
 //! the agent reads it, else the other one it reads (`v1beta1`, `v1alpha1`), so a cluster whose
 //! MCS controller installed only `v1alpha1` CRDs (Submariner Lighthouse, the AWS Cloud Map
 //! controller) is served as well. Until the group is served at all, discovery is retried.
+//! When the version watched answers `404` (a CRD upgrade stopped serving it), discovery is
+//! asked again and the other version, if served, is watched from then on; its first list
+//! counts as a re-list, so the table keeps every import meanwhile and reprograms nothing
+//! unchanged.
 //!
 //! After a re-list (apiserver restart, `410 Gone`), objects that vanished meanwhile are sent
 //! as deletions and everything else as upserts; the index ignores upserts that change nothing,
@@ -33,7 +37,10 @@ use std::{
 };
 
 use futures::{StreamExt as _, stream::BoxStream};
-use kube::{Api, Client, Resource, ResourceExt as _, runtime::watcher};
+use kube::{
+    Api, Client, Resource, ResourceExt as _,
+    runtime::{utils::Backoff as _, watcher},
+};
 use mcs_api::{ClusterProperty, LABEL_SERVICE_NAME, v1alpha1};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
@@ -112,35 +119,69 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
     let delete_import = |ns, name| Some(SourceEvent::DeleteImport(ns, name));
     let (import_client, import_tx, import_remaining) =
         (client.clone(), tx.clone(), remaining.clone());
+    // One bookkeeping across versions: the new version's first list is a re-list (what it
+    // lacks is deleted, the rest upserted; unchanged imports reprogram nothing).
     let imports = async move {
-        if version == "v1alpha1" {
-            watch(
-                watcher(
-                    Api::<v1alpha1::ServiceImport>::all(import_client),
-                    import_list_config(),
+        let mut state = Relister::default();
+        let mut version = version;
+        let mut switches = WatchRetry::new(retry_max);
+        loop {
+            let lists = state.lists;
+            let switch = Some((&import_client, version));
+            let (kept, end) = if version == "v1alpha1" {
+                watch(
+                    state,
+                    watcher(
+                        Api::<v1alpha1::ServiceImport>::all(import_client.clone()),
+                        import_list_config(),
+                    )
+                    .boxed(),
+                    retry_max,
+                    import_tx.clone(),
+                    import_remaining.clone(),
+                    |si| Some(SourceEvent::Import(convert::import(&si.to_v1beta1()))),
+                    delete_import,
+                    switch,
                 )
-                .boxed(),
-                retry_max,
-                import_tx,
-                import_remaining,
-                |si| Some(SourceEvent::Import(convert::import(&si.to_v1beta1()))),
-                delete_import,
-            )
-            .await;
-        } else {
-            watch(
-                watcher(
-                    Api::<convert::LeanImport>::all(import_client),
-                    import_list_config(),
+                .await
+            } else {
+                watch(
+                    state,
+                    watcher(
+                        Api::<convert::LeanImport>::all(import_client.clone()),
+                        import_list_config(),
+                    )
+                    .boxed(),
+                    retry_max,
+                    import_tx.clone(),
+                    import_remaining.clone(),
+                    |si| Some(SourceEvent::Import(convert::lean_import(&si))),
+                    delete_import,
+                    switch,
                 )
-                .boxed(),
-                retry_max,
-                import_tx,
-                import_remaining,
-                |si| Some(SourceEvent::Import(convert::lean_import(&si))),
-                delete_import,
-            )
-            .await;
+                .await
+            };
+            state = kept;
+            let Ended::OtherVersion(next) = end else {
+                return;
+            };
+            tracing::warn!(
+                from = version,
+                to = next,
+                "ServiceImports are no longer served in {MCS_GROUP}/{version}; watching {next} (the table stays meanwhile)"
+            );
+            // A version that was listed switches at once; switches without a list in
+            // between (discovery that flips) wait a backoff step each.
+            if state.lists == lists {
+                let delay = switches.next().unwrap_or(retry_max);
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = import_tx.closed() => return,
+                }
+            } else {
+                switches.reset();
+            }
+            version = next;
         }
     };
     // The ServiceImports' list (the longer one at scale) starts now; the EndpointSlices' first
@@ -180,17 +221,20 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
             .boxed()
         };
         watch(
+            Relister::default(),
             stream,
             retry_max,
             slice_tx,
             slice_remaining,
             |es| Some(SourceEvent::Slice(convert::slice(es))),
             |ns, name| Some(SourceEvent::DeleteSlice(ns, name)),
+            None,
         )
         .await;
     };
     if watch_cluster_id {
         let props = watch(
+            Relister::default(),
             watcher(
                 Api::<ClusterProperty>::all(client),
                 import_list_config()
@@ -208,6 +252,7 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
                 );
                 None
             },
+            None,
         );
         tokio::join!(imports, slices, props);
     } else {
@@ -328,19 +373,35 @@ impl Relister {
     }
 }
 
+/// Why [`watch`] returned.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    /// The receiver went away.
+    Closed,
+    /// The version watched answers `404 Not Found` and discovery names this one.
+    OtherVersion(&'static str),
+}
+
+/// Sends what `stream`'s events change (upserts, deletions, `Synced` once every watcher
+/// listed) until the receiver goes away, keeping its bookkeeping in `state`, which it gives
+/// back. With `switch` (the client and the MCS version watched), a `404` makes it ask
+/// discovery, and it returns when another version is served.
+#[allow(clippy::too_many_arguments)]
 async fn watch<K>(
+    mut state: Relister,
     stream: BoxStream<'static, watcher::Result<watcher::Event<K>>>,
     retry_max: Duration,
     tx: mpsc::Sender<SourceEvent>,
     remaining: Arc<AtomicUsize>,
     upsert: impl Fn(K) -> Option<SourceEvent>,
     delete: impl Fn(String, String) -> Option<SourceEvent>,
-) where
+    switch: Option<(&Client, &'static str)>,
+) -> (Relister, Ended)
+where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
     K::DynamicType: Default,
 {
     let kind = K::kind(&K::DynamicType::default()).to_string();
-    let mut state = Relister::default();
     let mut stream = ListWatch::new(stream, retry_max);
     let send = |ev: Option<SourceEvent>| {
         let tx = tx.clone();
@@ -365,6 +426,13 @@ async fn watch<K>(
                     retry_ms = f.delay.as_millis() as u64,
                     "watch failed; retrying"
                 );
+                if let Some((client, watched)) = switch
+                    && f.code() == Some(404)
+                    && let Ok(served) = mcs_runtime::discovery::mcs_version(client, &kind).await
+                    && served != watched
+                {
+                    return (state, Ended::OtherVersion(served));
+                }
                 continue;
             }
         };
@@ -396,9 +464,10 @@ async fn watch<K>(
             Step::Nothing => true,
         };
         if !ok {
-            return;
+            return (state, Ended::Closed);
         }
     }
+    (state, Ended::Closed)
 }
 
 #[cfg(test)]
