@@ -473,7 +473,7 @@ fn non_empty(s: &str) -> Result<String, String> {
 
 fn parse_cluster_id(s: &str) -> Result<String, String> {
     let id = non_empty(s)?;
-    if mcs_runtime::cluster_id::valid(&id) {
+    if mcs_model::validate::cluster_id(&id) {
         Ok(id)
     } else {
         Err(format!(

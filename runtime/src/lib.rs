@@ -11,11 +11,9 @@
 //! - [`open_files`]: the open-files limit, raised as far as it may go.
 //! - [`signals`]: a clean stop on SIGTERM or SIGINT.
 //! - [`logging`]: the tracing subscriber.
-//! - [`cluster_id`]: what a cluster id may be.
 #![forbid(unsafe_code)]
 
 pub mod client;
-pub mod cluster_id;
 pub mod discovery;
 pub mod http;
 pub mod logging;

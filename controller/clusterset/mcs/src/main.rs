@@ -184,7 +184,7 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         Some(c) => c,
         None => cluster_id_from_property().await?,
     };
-    if !mcs_runtime::cluster_id::valid(&cluster_id) {
+    if !mcs_model::validate::cluster_id(&cluster_id) {
         bail!(
             "cluster id {cluster_id:?} is not a cluster id (lowercase DNS labels joined by dots, \
              at most 63 bytes)"
@@ -207,7 +207,7 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     let mut members = Vec::new();
     for ctx in &kc.contexts {
         let id = ctx.name.clone();
-        if !mcs_runtime::cluster_id::valid(&id) {
+        if !mcs_model::validate::cluster_id(&id) {
             bail!(
                 "context {id:?} of {} is not a cluster id (lowercase DNS labels joined by dots, at \
                  most 63 bytes): name each context by its cluster's id",
@@ -302,7 +302,7 @@ async fn run(mut args: RunArgs) -> anyhow::Result<()> {
 mod tests {
     #[test]
     fn cluster_ids_fit_a_label_value() {
-        use mcs_runtime::cluster_id::valid as ok;
+        use mcs_model::validate::cluster_id as ok;
         assert!(ok("c1") && ok("east.prod") && ok(&"c".repeat(63)));
         let dot_at_40 = format!("{}.{}", "a".repeat(39), "b".repeat(10));
         assert!(ok(&dot_at_40));

@@ -847,6 +847,13 @@ fn endpoint(
     })
 }
 
+/// Whether `id` can be a cluster id: lowercase DNS labels (RFC 1123) joined by dots, at most
+/// 63 bytes in all, so that it is a valid label value (`multicluster.kubernetes.io/source-cluster`
+/// on every MCS EndpointSlice) and a DNS name part.
+pub fn cluster_id(id: &str) -> bool {
+    id.len() <= 63 && id.split('.').all(dns_label)
+}
+
 /// Whether `s` is a DNS label as Kubernetes allows hostnames (RFC 1123: 1–63 lowercase
 /// letters, digits and dashes, not starting or ending with a dash). Anything else is not
 /// published as a name (the endpoint gets its dashed-address name instead).
@@ -856,4 +863,17 @@ pub fn dns_label(s: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !s.starts_with('-')
         && !s.ends_with('-')
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_cluster_id_is_dns_labels_joined_by_dots_within_63_bytes() {
+        for ok in ["c1", "east-1", "a.b", &"a".repeat(63)] {
+            assert!(super::cluster_id(ok), "{ok}");
+        }
+        for bad in ["", "C1", "a..b", "a.", "-a", "a_b", &"a".repeat(64), "a b"] {
+            assert!(!super::cluster_id(bad), "{bad}");
+        }
+    }
 }
