@@ -448,6 +448,14 @@ controller_metric() {
       awk -v s="$2" '$1 == "mcs_controller_leader" && $2 == 1 { lead = 1 } $1 == s { v = $2 } END { if (lead) print v }'
   done | head -1
 }
+unserve() { # unserve CRD VERSION...: those versions of c2's CRD no longer served
+  local crd=$1 patch; shift
+  patch=$(kc c2 get crd "$crd" -o json | python3 -c '
+import json, sys
+names = [v["name"] for v in json.load(sys.stdin)["spec"]["versions"]]
+print(json.dumps([{"op": "replace", "path": f"/spec/versions/{names.index(v)}/served", "value": False} for v in sys.argv[1:]]))' "$@") &&
+    kc c2 patch crd "$crd" --type=json -p "$patch" >/dev/null
+}
 c1_reads_c2_in() { [[ $(controller_metric c1 "mcs_controller_member_export_version{cluster=\"c2\",version=\"$1\"}") == 1 ]]; }
 c1_counts_c2() { [[ $(controller_metric c1 'mcs_controller_member_up{cluster="c2"}') == "$1" ]]; }
 # "name=resourceVersion" of c1's MCS EndpointSlices of c2's endpoints in the suite's namespace.
@@ -458,6 +466,9 @@ c2_slices_in_c1() {
 c1_has_c2_web() {
   [[ -n $(kc c1 -n "$NS" get endpointslices -l multicluster.kubernetes.io/source-cluster=c2,multicluster.kubernetes.io/service-name=web \
     -o jsonpath='{.items[*].endpoints[*].addresses[0]}') ]]
+}
+c2_ours_again() { # after a CRD step that failed halfway: c2's CRDs ours before the next step
+  if ((c2_crds_changed)); then ours_in_c2 && c2_crds_changed=0 || fail "c2's MCS CRDs could not be made ours again"; fi
 }
 c1_imports() { # "ns/name=resourceVersion" of c1's ServiceImports in the suite's namespace
   kc c1 -n "$NS" get serviceimports -o jsonpath='{range .items[*]}{.metadata.namespace}/{.metadata.name}={.metadata.resourceVersion}{"\n"}{end}' | sort
@@ -476,7 +487,7 @@ c2_on_v1alpha1_crds() {
   say "   before it: c2's MCS CRDs replaced by upstream $UPSTREAM_V1ALPHA1_ONLY's (v1alpha1 only); its exports ($(tr '\n' ' ' <<<"$names")) made again in v1alpha1"
   c2_crds_changed=1
   kc c2 delete crd "$EXPORTS_CRD" "$IMPORTS_CRD" --timeout=120s >/dev/null || return 1
-  until_ok 60 "c1 without c2's endpoints once c2's exports are gone" sh -c "[ -z \"\$(kubectl --context c1 -n $NS get endpointslices -l multicluster.kubernetes.io/source-cluster=c2 -o name)\" ]" || return 1
+  until_ok 60 "c1 without c2's endpoints once c2's exports are gone" sh -c "out=\$(kubectl --context c1 -n $NS get endpointslices -l multicluster.kubernetes.io/source-cluster=c2 -o name) && [ -z \"\$out\" ]" || return 1
   kc c2 apply -f "$dir" >/dev/null || return 1
   kc c2 wait --for condition=Established --timeout=60s crd "$EXPORTS_CRD" "$IMPORTS_CRD" >/dev/null || return 1
   for n in $names; do
@@ -496,7 +507,10 @@ crd_upgrade() {
   local before_imports before_slices key t=$((++late_exports))
   before_imports=$(c1_imports); before_slices=$(c2_slices_in_c1)
   ours_in_c2 || { fail "crd-upgrade: our CRDs not applied in c2"; return 1; }
-  for key in $(kc c2 get serviceexports.v1beta1.multicluster.x-k8s.io -A -o jsonpath='{range .items[*]}{.metadata.namespace}/{.metadata.name}{"\n"}{end}'); do
+  local keys
+  keys=$(kc c2 get serviceexports.v1beta1.multicluster.x-k8s.io -A -o jsonpath='{range .items[*]}{.metadata.namespace}/{.metadata.name}{"\n"}{end}') ||
+    { fail "crd-upgrade: c2's ServiceExports not listed for the migration"; return 1; }
+  for key in $keys; do
     until_ok 30 "c2's ServiceExport $key written again (stored in v1beta1)" sh -c \
       "kubectl --context c2 -n ${key%/*} get serviceexports.v1beta1.multicluster.x-k8s.io ${key#*/} -o json | kubectl --context c2 replace -f -" || return 1
   done
@@ -505,9 +519,7 @@ crd_upgrade() {
     kc c2 patch crd "$key" --subresource=status --type=merge -p '{"status":{"storedVersions":["v1beta1"]}}' >/dev/null ||
       { fail "crd-upgrade: storedVersions of $key"; return 1; }
   done
-  local alpha
-  alpha=$(kc c2 get crd "$EXPORTS_CRD" -o json | python3 -c 'import json, sys; print([v["name"] for v in json.load(sys.stdin)["spec"]["versions"]].index("v1alpha1"))')
-  kc c2 patch crd "$EXPORTS_CRD" --type=json -p "[{\"op\": \"replace\", \"path\": \"/spec/versions/$alpha/served\", \"value\": false}]" >/dev/null || return 1
+  unserve "$EXPORTS_CRD" v1alpha1 || return 1
   until_ok 120 "c1's controller reads c2's ServiceExports in v1beta1" c1_reads_c2_in v1beta1 || return 1
   kc c2 -n "$NS" create service clusterip "late-$t" --tcp=80:8080 >/dev/null
   printf 'apiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceExport\nmetadata: {name: late-%s, namespace: %s}\n' "$t" "$NS" |
@@ -537,7 +549,7 @@ crd_not_served() {
   before_slices=$(c2_slices_in_c1)
   uids_before=$(kc c1 -n "$NS" get serviceimports -o jsonpath='{range .items[*]}{.metadata.name}={.metadata.uid}{"\n"}{end}' | sort)
   c2_crds_changed=1
-  kc c2 patch crd "$EXPORTS_CRD" --type=json -p '[{"op": "replace", "path": "/spec/versions/0/served", "value": false}, {"op": "replace", "path": "/spec/versions/1/served", "value": false}]' >/dev/null || return 1
+  unserve "$EXPORTS_CRD" v1alpha1 v1beta1 || return 1
   local t0=$SECONDS
   until_ok 60 "c1's controller counts c2 as failing (no ServiceExport version served)" c1_counts_c2 0 || true
   until_ok 60 "c1's import web says ClustersReachable=False (c2 failing past the controller's grace)" web_reach_is False || true
@@ -666,9 +678,12 @@ for s in ${STEPS//,/ }; do
       spread_web || fail "$s: c1's web pods could not be spread over its nodes"
       step "$s" "$current_dp" measured node_dark ;;
     crd-upgrade)
-      c2_on_v1alpha1_crds || { fail "$s: c2 could not be put on upstream $UPSTREAM_V1ALPHA1_ONLY's CRDs"; continue; }
-      step "$s" "$current_dp" "$([[ $current_dp == ebpf ]] && echo zero || echo tcp-zero)" crd_upgrade ;;
-    crd-not-served) step "$s" "$current_dp" "$([[ $current_dp == ebpf ]] && echo zero || echo tcp-zero)" crd_not_served ;;
+      c2_on_v1alpha1_crds || { fail "$s: c2 could not be put on upstream $UPSTREAM_V1ALPHA1_ONLY's CRDs"; c2_ours_again; continue; }
+      step "$s" "$current_dp" "$([[ $current_dp == ebpf ]] && echo zero || echo tcp-zero)" crd_upgrade
+      c2_ours_again ;;
+    crd-not-served)
+      step "$s" "$current_dp" "$([[ $current_dp == ebpf ]] && echo zero || echo tcp-zero)" crd_not_served
+      c2_ours_again ;;
     *) fail "unknown step $s" ;;
   esac
 done

@@ -242,7 +242,7 @@ impl Metrics {
         );
         r.register(
             "member_export_version",
-            "1 for the ServiceExport version the member is read in (v1beta1, or v1alpha1 where only that is served), 0 for the other: a member mid CRD upgrade shows which one",
+            "1 for the ServiceExport version the member is asked in (v1beta1, or v1alpha1 where only that is served; v1beta1 while discovery fails), 0 for the other: a member mid CRD upgrade shows which one (member_up says whether it answers)",
             m.member_export_version.clone(),
         );
         r.register(

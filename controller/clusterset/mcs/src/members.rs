@@ -572,8 +572,8 @@ async fn watch_exports(client: Client, ctx: Ctx) {
         match ended {
             Ended::Stream => return,
             Ended::Upgraded => continue,
-            // A version that was read until now: its end may switch at once again.
-            Ended::NotServed { listed } => switched_at_once &= !listed,
+            // A version read for a while: its end may switch at once again.
+            Ended::NotServed => switched_at_once &= watched.elapsed() < QUIET_PROBE,
         }
         tracing::warn!(cluster = %ctx.member.id, version = version.0, "the member no longer serves ServiceExports in {}; asking which version it serves (its last known exports stay)", version.0);
         if watched.elapsed() > Duration::from_secs(60) {
@@ -581,8 +581,9 @@ async fn watch_exports(client: Client, ctx: Ctx) {
         }
         // A CRD upgrade that stops serving this version serves the other already: read at
         // once, before the member has failed long enough to mark its imports unreachable.
-        // Once per backoff step or version read, so discovery that flips between versions
-        // cannot spin.
+        // Once per backoff step or version read for at least [`QUIET_PROBE`], so a member
+        // whose discovery flips between versions that each list and then answer 404 costs
+        // at most a list every few seconds.
         if !switched_at_once && export_version(&client, &ctx.member.id).await != version {
             switched_at_once = true;
             continue;
@@ -613,9 +614,8 @@ async fn export_version(client: &Client, id: &str) -> ExportVersion {
 pub(crate) enum Ended {
     /// The stream ended (the process stops).
     Stream,
-    /// The version watched is not served (`404 Not Found`), with `until_not_served`;
-    /// `listed`: it was listed before that.
-    NotServed { listed: bool },
+    /// The version watched is not served (`404 Not Found`), with `until_not_served`.
+    NotServed,
     /// The member serves the version we prefer now (not [`watch`]'s own answer).
     Upgraded,
 }
@@ -697,7 +697,7 @@ where
                     };
                     if not_served {
                         ctx.wake.notify_one();
-                        return Ended::NotServed { listed };
+                        return Ended::NotServed;
                     }
                 }
                 probe_at = Some(tokio::time::Instant::now() + f.delay + f.delay.max(QUIET_PROBE));

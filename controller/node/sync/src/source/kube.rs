@@ -126,7 +126,7 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
         let mut version = version;
         let mut switches = WatchRetry::new(retry_max);
         loop {
-            let lists = state.lists;
+            let started = tokio::time::Instant::now();
             let switch = Some((&import_client, version));
             let (kept, end) = if version == "v1alpha1" {
                 watch(
@@ -170,9 +170,10 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>, options: Options
                 to = next,
                 "ServiceImports are no longer served in {MCS_GROUP}/{version}; watching {next} (the table stays meanwhile)"
             );
-            // A version that was listed switches at once; switches without a list in
-            // between (discovery that flips) wait a backoff step each.
-            if state.lists == lists {
+            // A version watched for a while switches at once; quicker ends (discovery that
+            // flips between versions that each list and then answer 404) wait a backoff
+            // step each.
+            if started.elapsed() < SWITCH_AT_ONCE_AFTER {
                 let delay = switches.next().unwrap_or(retry_max);
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
@@ -372,6 +373,10 @@ impl Relister {
         }
     }
 }
+
+/// How long a ServiceImport version must have been watched for its end (404, another version
+/// served) to switch at once.
+const SWITCH_AT_ONCE_AFTER: Duration = Duration::from_secs(5);
 
 /// Why [`watch`] returned.
 #[derive(Debug, PartialEq, Eq)]
