@@ -4,7 +4,8 @@
 # first connection a c1 pod makes through the ClusterSetIP of its import (controller + agent
 # + socket LB; no DNS on the path), with N other exports present.
 #
-#   bash scripts/clusterset-latency.sh [--others N] [--samples M]    # defaults 1000 and 20
+#   bash scripts/clusterset-latency.sh [--others N] [--samples M] [--unexported U]
+#                                             # defaults 1000, 20 and 0
 #
 # How it measures, per sample: c2 has a Service `sJ` (selecting a running web pod) not yet
 # exported; c1's client pod waits for a file naming sJ's ClusterSetIP (a hostPath volume),
@@ -17,6 +18,14 @@
 # sample and as p50 / p99 / max, with the time to the import alone ("import in c1"). A
 # sample that does not connect within 60 s, or whose reply is not c2's, fails the script.
 #
+# With --unexported U, each cluster first gets U Services nobody exports, each with an
+# EndpointSlice of one ready endpoint (c2's select the web pod, c1's the client pod), as a
+# real member runs thousands: the samples are then taken with them present, and it prints
+# every controller's RSS before and after them and how many objects c1's leading controller
+# received from c2's watches meanwhile (`mcs_controller_member_watch_objects_total`): their
+# EndpointSlices must not reach it (fewer than 1 % of U, or the script fails), their
+# Services do (watched whole, only exported ones kept).
+#
 # Everything it creates (two namespaces per cluster, the hostPath directory, the host's
 # watch) is removed on exit.
 set -euo pipefail
@@ -24,15 +33,18 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/clusterset-lib.sh"
 OTHERS=1000
 SAMPLES=20
+UNEXPORTED=0
 while (($#)); do
   case $1 in
     --others) OTHERS=$2; shift 2 ;;
     --samples) SAMPLES=$2; shift 2 ;;
+    --unexported) UNEXPORTED=$2; shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "latency: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-[[ $OTHERS =~ ^[0-9]+$ && $SAMPLES =~ ^[1-9][0-9]*$ ]] || { echo "latency: --others N (≥ 0) and --samples M (≥ 1)" >&2; exit 2; }
+[[ $OTHERS =~ ^[0-9]+$ && $SAMPLES =~ ^[1-9][0-9]*$ && $UNEXPORTED =~ ^[0-9]+$ ]] ||
+  { echo "latency: --others N (≥ 0), --samples M (≥ 1), --unexported U (≥ 0)" >&2; exit 2; }
 need_clusterset latency
 stamp=$(date +%s)
 NS="lat-$stamp"
@@ -116,6 +128,42 @@ until_ok 60 "client pod Ready in c1" kc c1 -n "$NS" wait --for=condition=Ready p
 until_ok 60 "s$((SAMPLES - 1))'s EndpointSlice ready in c2" sh -c \
   "kubectl --context c2 -n $NS get endpointslices -l kubernetes.io/service-name=s$((SAMPLES - 1)) -o jsonpath='{.items[*].endpoints[*].conditions.ready}' | grep -q true"
 
+if ((UNEXPORTED > 0)); then
+  received() { controller_metric c1 "mcs_controller_member_watch_objects_total{cluster=\"c2\",kind=\"$1\"}"; }
+  controllers_rss() { rss_sample | awk '$1 ~ /\/controller\// { sub(/\/[0-9]+$/, "", $1); printf "%s %d MiB; ", $1, $2 / 1024 }'; }
+  rss_before=$(controllers_rss)
+  slices_before=$(received EndpointSlice) services_before=$(received Service)
+  say "$UNEXPORTED Services nobody exports in each cluster ($NS), each with an EndpointSlice of one ready endpoint"
+  t=$SECONDS
+  for c in c1 c2; do
+    if [[ $c == c2 ]]; then sel=web; else sel=client; kc c1 -n "$NS" label pod client app=client --overwrite >/dev/null; fi
+    for ((i = 0; i < UNEXPORTED; i++)); do
+      printf -- '---\napiVersion: v1\nkind: Service\nmetadata: {name: u%d, namespace: %s}\nspec: {selector: {app: %s}, ports: [{name: http, port: 80, targetPort: 8080}]}\n' "$i" "$NS" "$sel"
+    done | kc "$c" create -f - >/dev/null
+  done
+  slices_of() { kc "$1" -n "$NS" get endpointslices -o name | grep -c . || true; }
+  # Every Service's slice written by the EndpointSlice controller (c2 also holds the samples').
+  for c in c1 c2; do
+    want=$UNEXPORTED; [[ $c == c2 ]] && want=$((UNEXPORTED + SAMPLES))
+    deadline=$((SECONDS + 900))
+    until (($(slices_of "$c") >= want)); do
+      ((SECONDS > deadline)) && die "$c holds $(slices_of "$c") of $want EndpointSlices after 900 s"
+      sleep 2
+    done
+  done
+  say "   every slice written $((SECONDS - t)) s after the first Service"
+  slices_after=$(received EndpointSlice) services_after=$(received Service)
+  for v in "$slices_before" "$slices_after" "$services_before" "$services_after"; do
+    [[ $v =~ ^[0-9]+$ ]] || die "no mcs_controller_member_watch_objects_total from c1's leading controller"
+  done
+  rss_after=$(controllers_rss)
+  say "   c1's leading controller received from c2's watches meanwhile: $((slices_after - slices_before)) EndpointSlices, $((services_after - services_before)) Services"
+  say "   controllers' RSS before: $rss_before"
+  say "   controllers' RSS after:  $rss_after"
+  (((slices_after - slices_before) * 100 < UNEXPORTED)) ||
+    die "c1's controller received $((slices_after - slices_before)) EndpointSlices of Services nobody exports"
+fi
+
 # The host's watch of c1's imports: a file per import with its ClusterSetIP (written whole,
 # then renamed), and when it was seen.
 kc c1 -n "$NS" get serviceimports --watch -o jsonpath='{.metadata.name} {.spec.ips[0]}{"\n"}' 2>/dev/null |
@@ -168,4 +216,4 @@ pct() { # pct P values...: the P-th percentile (nearest rank)
   printf '%s\n' "$@" | sort -n | awk -v p="$p" '{v[NR]=$1} END {i=int((NR-1)*p/100+0.5)+1; print v[i]}'
 }
 say "export in c2 → import in c1: p50 $(pct 50 "${imports[@]}") ms, p99 $(pct 99 "${imports[@]}") ms, max $(pct 100 "${imports[@]}") ms"
-say "export in c2 → first connection from a c1 pod by ClusterSetIP: p50 $(pct 50 "${exports[@]}") ms, p99 $(pct 99 "${exports[@]}") ms, max $(pct 100 "${exports[@]}") ms ($SAMPLES samples, $OTHERS other exports)"
+say "export in c2 → first connection from a c1 pod by ClusterSetIP: p50 $(pct 50 "${exports[@]}") ms, p99 $(pct 99 "${exports[@]}") ms, max $(pct 100 "${exports[@]}") ms ($SAMPLES samples, $OTHERS other exports, $UNEXPORTED unexported Services per cluster)"

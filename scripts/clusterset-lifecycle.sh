@@ -440,14 +440,6 @@ ours_in_c2() { # c2's MCS CRDs exactly ours again, both versions served (also at
     -f deploy/crds/multicluster.x-k8s.io_serviceimports.yaml >/dev/null &&
     kc c2 wait --for condition=Established --timeout=60s crd "$EXPORTS_CRD" "$IMPORTS_CRD" >/dev/null
 }
-# SERIES's value at CLUSTER's leading controller (its /metrics through the API server's proxy).
-controller_metric() {
-  local p
-  for p in $(kc "$1" -n mcs-system get pods -l app.kubernetes.io/name=mcs-controller -o jsonpath='{.items[*].metadata.name}'); do
-    kc "$1" get --raw "/api/v1/namespaces/mcs-system/pods/$p:9465/proxy/metrics" 2>/dev/null |
-      awk -v s="$2" '$1 == "mcs_controller_leader" && $2 == 1 { lead = 1 } $1 == s { v = $2 } END { if (lead) print v }'
-  done | head -1
-}
 unserve() { # unserve CRD VERSION...: those versions of c2's CRD no longer served
   local crd=$1 patch; shift
   patch=$(kc c2 get crd "$crd" -o json | python3 -c '
@@ -569,21 +561,6 @@ crd_not_served() {
     say "   c1's $(wc -l <<<"$uids_before") ServiceImport(s) kept (same uids) and its $(wc -l <<<"$before_slices") slice(s) of c2's endpoints untouched"
 }
 
-# The RSS (KiB) of every agent and controller process on this machine (the nodes share it):
-# "<cluster>/<node>/<agent|controller>/<pid> <rss>" per line, the node from its cgroup path.
-rss_sample() {
-  local pid what where rss
-  for pid in $(pgrep -f -- '(^|/)mcs-(agent|controller) run' || true); do
-    case $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) in
-      *mcs-agent\ run*) what=agent ;;
-      *mcs-controller\ run*) what=controller ;;
-      *) continue ;;
-    esac
-    where=$(awk 'match($0, /mcs-c[0-9]+\/c[0-9]+-node[0-9]*/) {print substr($0, RSTART + 4, RLENGTH - 4); exit}' "/proc/$pid/cgroup" 2>/dev/null || true)
-    rss=$(awk '/^VmRSS:/ {print $2}' "/proc/$pid/status" 2>/dev/null || true)
-    [[ -n $where && -n $rss ]] && echo "$where/$what/$pid $rss"
-  done
-}
 soak() {
   # The API server restart at a quarter, the warm-up sample at half (after the agents' and
   # controllers' re-lists), the last at the end: growth between the two is steady churn's.
