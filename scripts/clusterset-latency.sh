@@ -18,8 +18,8 @@
 # sample and as p50 / p99 / max, with the time to the import alone ("import in c1"). A
 # sample that does not connect within 60 s, or whose reply is not c2's, fails the script.
 #
-# With --unexported U, each cluster first gets U Services nobody exports, each with an
-# EndpointSlice of one ready endpoint (c2's select the web pod, c1's the client pod), as a
+# With --unexported U, each cluster first gets U Services nobody exports (headless: the test
+# clusters' service range holds 4,096 addresses), each with an EndpointSlice of one ready endpoint (c2's select the web pod, c1's the client pod), as a
 # real member runs thousands: the samples are then taken with them present, and it prints
 # every controller's RSS before and after them and how many objects c1's leading controller
 # received from c2's watches meanwhile (`mcs_controller_member_watch_objects_total`): their
@@ -138,7 +138,7 @@ if ((UNEXPORTED > 0)); then
   for c in c1 c2; do
     if [[ $c == c2 ]]; then sel=web; else sel=client; kc c1 -n "$NS" label pod client app=client --overwrite >/dev/null; fi
     for ((i = 0; i < UNEXPORTED; i++)); do
-      printf -- '---\napiVersion: v1\nkind: Service\nmetadata: {name: u%d, namespace: %s}\nspec: {selector: {app: %s}, ports: [{name: http, port: 80, targetPort: 8080}]}\n' "$i" "$NS" "$sel"
+      printf -- '---\napiVersion: v1\nkind: Service\nmetadata: {name: u%d, namespace: %s}\nspec: {clusterIP: None, selector: {app: %s}, ports: [{name: http, port: 80, targetPort: 8080}]}\n' "$i" "$NS" "$sel"
     done | kc "$c" create -f - >/dev/null
   done
   slices_of() { kc "$1" -n "$NS" get endpointslices -o name | grep -c . || true; }
