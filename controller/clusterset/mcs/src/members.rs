@@ -464,9 +464,10 @@ impl MemberReads for Reads {
             watch(
                 "Service",
                 Api::<Service>::all(client),
-                // From the API server's cache: the watch goes on from the list's version,
-                // so whatever an older cache missed comes as an event.
-                watcher::Config::default().any_semantic(),
+                // In pages of 500 (every Service of the member: its memory stays a page),
+                // so from etcd (kube-rs sends `resourceVersion=0` only without a page
+                // size); listed once, then watched.
+                watcher::Config::default(),
                 ctx,
                 sink,
                 |svc| shape(&svc),
@@ -488,8 +489,7 @@ impl MemberReads for Reads {
             watch(
                 "EndpointSlice",
                 Api::<EndpointSlice>::all(client),
-                // As the Services' (the list is the slices of the selected names only).
-                watcher::Config::default().labels(&selector).any_semantic(),
+                slices_from_cache(&selector),
                 ctx,
                 sink,
                 lean_member_slice,
@@ -510,6 +510,20 @@ impl MemberReads for Reads {
     fn forget(&self, stopped: &dyn Fn(&str) -> bool) {
         self.ctx.member.forget(stopped);
     }
+}
+
+/// The list+watch of one slice watch's names: its list from the API server's watch cache
+/// (`resourceVersion=0`), whole. A consistent list would have etcd read every EndpointSlice
+/// of the member to filter them by label, at each new exported name (real ClusterSet, 1,000
+/// other exports: export → import p50 / p99 319 / 559 ms so, 217 / 260 ms from the
+/// cache); the cache filters in memory, and the watch goes on from
+/// the list's version, so whatever an older cache missed comes as an event. kube-rs sends
+/// `resourceVersion=0` only when no page size is set; a list of one watch's names is at
+/// most [`crate::selection::MAX_NAMES_PER_WATCH`] Services' slices.
+fn slices_from_cache(selector: &str) -> watcher::Config {
+    let mut config = watcher::Config::default().labels(selector).any_semantic();
+    config.page_size = None;
+    config
 }
 
 /// How long a watcher stays quiet after its retry before it is asked whether the member
