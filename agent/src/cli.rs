@@ -162,14 +162,22 @@ pub struct RunArgs {
     pub owner_daemonset: Option<String>,
     /// Userspace dataplane, at a stop that is not an uninstall: how long the forwarder waits
     /// for the node's next agent to listen on every frontend before closing its own sockets
-    /// (its listeners share each address by SO_REUSEPORT, so new connections go to the next
-    /// agent and none is refused); the interception is kept for it. Default: 30 when the
+    /// (the forwarder's listeners share each address by SO_REUSEPORT, so new connections go to
+    /// the next agent and none is refused); the interception is kept for it. Default: 30 when the
     /// agent's DaemonSet (`--owner-daemonset`) rolls with maxSurge, as the chart's userspace
     /// DaemonSet does, so the next pod starts first; else 0 (close at once; a DaemonSet
     /// without surge starts the next pod only after this one is gone, and the interception
     /// is removed at stop).
     #[arg(long, env = "MCS_HANDOVER_WAIT_S", value_name = "SECONDS")]
     pub handover_wait_s: Option<u64>,
+    /// A Unix socket path where the node's running agent hands its listening sockets
+    /// (metrics, DNS) to the next one: at start this agent takes them from the agent
+    /// serving the path (the same sockets: no query or connection is refused while both
+    /// run), binds the rest, then serves the path itself (mode 0600). Without it every
+    /// address is bound afresh and waits while another process holds it. Its directory must
+    /// be reachable only by the agent's pods (the chart mounts a host directory).
+    #[arg(long, env = "MCS_HANDOVER_SOCKET", value_name = "PATH")]
+    pub handover_socket: Option<std::path::PathBuf>,
     /// The namespace of `--owner-daemonset`.
     #[arg(long, env = "POD_NAMESPACE")]
     pub owner_namespace: Option<String>,

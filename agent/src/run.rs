@@ -15,6 +15,7 @@ use mcs_proxy::{
         nft::{InterceptConfig, Interception},
     },
 };
+use mcs_runtime::handover::Sockets;
 use mcs_sync::{
     SyncConfig, SyncLoop,
     events::EventSink,
@@ -33,12 +34,19 @@ use crate::{
 /// metrics port started, the sync loop run until SIGTERM or SIGINT, then each part stopped.
 pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let prepared = prepare(&args.source, Some(&args.node_name)).await?;
+    // The node's running agent's sockets, if one serves the handover path.
+    let sockets = Arc::new(match args.handover_socket.clone() {
+        Some(path) => tokio::task::spawn_blocking(move || Sockets::inherit(&path))
+            .await
+            .context("taking the running agent's sockets")?,
+        None => Sockets::default(),
+    });
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(Metrics::new(&mut registry));
     let dataplane = start_dataplane(&args, &mut registry)?;
     let health = Health::default();
     let zone = Arc::new(mcs_model::dns::Zone::new());
-    let dns = start_dns(&args, &zone, &mut registry, &health).await?;
+    let dns = start_dns(&args, &zone, &mut registry, &health, &sockets).await?;
     // `/status`: answered by the sync loop between batches, plus the DNS listener's answers.
     let (status_tx, status_rx) = mpsc::channel(8);
     let status = crate::node_status::handler(
@@ -50,10 +58,22 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         Arc::new(registry),
         health.clone(),
         Some(status),
+        &sockets,
     )
     .await
     .with_context(|| format!("binding the metrics address {}", args.metrics_addr))?;
     tracing::info!(%addr, "serving /metrics, /healthz, /readyz, /status");
+    sockets.close_unused();
+    let handover = args
+        .handover_socket
+        .as_deref()
+        .and_then(|path| match sockets.serve(path) {
+            Ok(serving) => Some(serving),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot serve the handover path: the node's next agent will bind afresh, and wait until this one stops");
+                None
+            }
+        });
     let owner = watch_owner(prepared.client.as_ref(), &args);
     let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
     let events = prepared
@@ -97,6 +117,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         dns.shutdown().await;
     }
     stop_dataplane(sync_loop.into_dataplane(), &args, owner.as_ref()).await;
+    drop(handover);
     tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
 }
@@ -158,6 +179,7 @@ async fn start_dns(
     zone: &Arc<mcs_model::dns::Zone>,
     registry: &mut prometheus_client::registry::Registry,
     health: &Health,
+    sockets: &Sockets,
 ) -> anyhow::Result<Option<mcs_dns::server::DnsServer>> {
     let dns_addrs = args.dns.addresses();
     if dns_addrs.is_empty() {
@@ -179,7 +201,8 @@ async fn start_dns(
         ),
     };
     let server =
-        mcs_dns::server::DnsServer::start(zone.clone(), &config, registry, health.clone()).await?;
+        mcs_dns::server::DnsServer::start(zone.clone(), &config, registry, health.clone(), sockets)
+            .await?;
     tracing::info!(addrs = ?server.addrs, ttl = config.ttl, rate_limit = config.rate_limit, tcp_connections = config.tcp.connections, tcp_connections_per_client = config.tcp.per_client, fd_limit, "serving clusterset.local DNS (UDP and TCP)");
     Ok(Some(server))
 }

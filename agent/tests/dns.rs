@@ -160,9 +160,54 @@ impl Agent {
         Self::start_under(cmd, &["--source", &source], extra)
     }
 
-    fn start_under(mut cmd: Command, source: &[&str], extra: &[&str]) -> Self {
-        let (dns_port, metrics) = (free_port(), free_port());
-        let dns: SocketAddr = format!("127.0.0.1:{dns_port}").parse().unwrap();
+    fn start_under(cmd: Command, source: &[&str], extra: &[&str]) -> Self {
+        let dns: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let agent = Self::spawn_on(cmd, source, extra, dns, free_port());
+        let deadline = Instant::now() + WAIT;
+        while agent.http("/readyz").is_none_or(|(code, _)| code != 200) {
+            assert!(Instant::now() < deadline, "the agent never became ready");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        agent
+    }
+
+    /// The node's next agent beside `running`, on its DNS and metrics addresses (which
+    /// `running` answers too, so readiness is read from the next one's log).
+    fn start_next(dir: &Path, running: &Self, extra: &[&str]) -> Self {
+        let source = format!("file:{}", dir.display());
+        let agent = Self::spawn_on(
+            Command::new(env!("CARGO_BIN_EXE_mcs-agent")),
+            &["--source", &source],
+            extra,
+            running.dns,
+            running.metrics,
+        );
+        let deadline = Instant::now() + WAIT;
+        while !agent
+            .logged()
+            .contains("first full table programmed; ready")
+        {
+            assert!(
+                Instant::now() < deadline && agent.child_alive(),
+                "the next agent never became ready: {}",
+                agent.logged()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        agent
+    }
+
+    fn logged(&self) -> String {
+        std::fs::read_to_string(self.log.path()).unwrap_or_default()
+    }
+
+    fn spawn_on(
+        mut cmd: Command,
+        source: &[&str],
+        extra: &[&str],
+        dns: SocketAddr,
+        metrics: u16,
+    ) -> Self {
         let log = tempfile::NamedTempFile::new().unwrap();
         let child = cmd
             .env("MCS_CLUSTERSET_IP_CIDR", mcs_test_support::CLUSTERSET_CIDRS)
@@ -179,18 +224,12 @@ impl Agent {
             .stderr(log.reopen().unwrap())
             .spawn()
             .unwrap();
-        let agent = Self {
+        Self {
             child,
             dns,
             metrics,
             log,
-        };
-        let deadline = Instant::now() + WAIT;
-        while agent.http("/readyz").is_none_or(|(code, _)| code != 200) {
-            assert!(Instant::now() < deadline, "the agent never became ready");
-            std::thread::sleep(Duration::from_millis(50));
         }
-        agent
     }
 
     /// A counter or gauge of `/metrics` (the first series whose line starts with `series`).
@@ -1468,4 +1507,177 @@ spec:
     drop((idle, mine));
     assert_eq!(agent.http("/healthz").map(|(c, _)| c), Some(200));
     assert!(agent.child_alive());
+}
+
+/// A process of the host network binding `addr` with `SO_REUSEADDR` and `SO_REUSEPORT`, as
+/// the intruder of issue 52 did: `Err(EADDRINUSE)` when the address is the agent's alone.
+fn bind_with_reuse(
+    ty: nix::sys::socket::SockType,
+    addr: SocketAddr,
+) -> Result<std::os::fd::OwnedFd, nix::Error> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockaddrStorage, bind, setsockopt, sockopt};
+    let fd = nix::sys::socket::socket(AddressFamily::Inet, ty, SockFlag::SOCK_CLOEXEC, None)?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    setsockopt(&fd, sockopt::ReusePort, &true)?;
+    bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrStorage::from(addr),
+    )?;
+    Ok(fd)
+}
+
+/// No other process may join the agent's metrics and DNS sockets.
+fn assert_no_other_process_binds(agent: &Agent) {
+    use nix::sys::socket::SockType;
+    let metrics = SocketAddr::from(([127, 0, 0, 1], agent.metrics));
+    for (what, ty, addr) in [
+        ("metrics", SockType::Stream, metrics),
+        ("DNS over TCP", SockType::Stream, agent.dns),
+        ("DNS over UDP", SockType::Datagram, agent.dns),
+    ] {
+        assert_eq!(
+            bind_with_reuse(ty, addr).err(),
+            Some(nix::Error::EADDRINUSE),
+            "another process could bind the {what} address {addr}"
+        );
+    }
+}
+
+/// Issue 52, item 5: the sockets were `SO_REUSEPORT`, so any process of the host network
+/// with the agent's user id joined them and took a share of the queries and `/status`
+/// answers (7 of 20 `/status`, 15 of 30 DNS answers were measured forged). They are the
+/// agent's alone now: a process binding their addresses with both reuse options is refused.
+#[test]
+fn no_other_process_can_bind_the_dns_or_metrics_addresses() {
+    let dir = tempfile::tempdir().unwrap();
+    write_objects(dir.path());
+    let agent = Agent::start(dir.path(), &[]);
+    assert_no_other_process_binds(&agent);
+    for _ in 0..30 {
+        assert_eq!(
+            ask(agent.dns, "web.shop.svc.clusterset.local.", RecordType::A),
+            ["198.18.100.10"]
+        );
+    }
+}
+
+/// One query for `web`'s A record over UDP or TCP, never panicking: its answer's addresses,
+/// or what went wrong.
+fn try_ask(to: SocketAddr, over_tcp: bool) -> Result<Vec<String>, String> {
+    let q = query("web.shop.svc.clusterset.local.", RecordType::A, None);
+    let body = q.to_vec().map_err(|e| e.to_string())?;
+    let answer = if over_tcp {
+        let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(5))
+            .map_err(|e| format!("connect: {e}"))?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| e.to_string())?;
+        s.write_all(&(body.len() as u16).to_be_bytes())
+            .map_err(|e| format!("write: {e}"))?;
+        s.write_all(&body).map_err(|e| format!("write: {e}"))?;
+        let mut len = [0u8; 2];
+        s.read_exact(&mut len).map_err(|e| format!("read: {e}"))?;
+        let mut buf = vec![0u8; usize::from(u16::from_be_bytes(len))];
+        s.read_exact(&mut buf).map_err(|e| format!("read: {e}"))?;
+        buf
+    } else {
+        let s = UdpSocket::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| e.to_string())?;
+        s.send_to(&body, to).map_err(|e| format!("send: {e}"))?;
+        let mut buf = vec![0u8; 65_535];
+        let (n, _) = s.recv_from(&mut buf).map_err(|e| format!("recv: {e}"))?;
+        buf.truncate(n);
+        buf
+    };
+    let m = Message::from_vec(&answer).map_err(|e| e.to_string())?;
+    if m.metadata.id != q.metadata.id || m.metadata.response_code != ResponseCode::NoError {
+        return Err(format!(
+            "id {} rcode {:?}",
+            m.metadata.id, m.metadata.response_code
+        ));
+    }
+    Ok(rdatas(&m))
+}
+
+/// Issue 52, item 5: an upgrade without `SO_REUSEPORT`. The node's next agent takes the
+/// running one's DNS and metrics sockets over `--handover-socket` (the same sockets), reads
+/// the DNS ones only once it is ready itself, and serves them alone when the old one stops.
+/// Under a client's steady queries over UDP and TCP, none fails or is answered SERVFAIL; and
+/// at no point may another process bind the addresses.
+#[test]
+fn the_next_agent_takes_the_dns_and_metrics_sockets_and_no_query_fails() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    write_objects(dir.path());
+    let handover = tempfile::tempdir().unwrap();
+    let path = handover.path().join("agent.sock");
+    let path = path.to_str().unwrap();
+    let extra = ["--handover-socket", path, "--dns-rate-limit", "0"];
+    let mut old = Agent::start(dir.path(), &extra);
+    let (stop, done) = (AtomicBool::new(false), AtomicUsize::new(0));
+    let to = old.dns;
+    let (tried, failed, next) = std::thread::scope(|s| {
+        let load = s.spawn(|| {
+            let (mut tried, mut failed) = (0usize, Vec::new());
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !stop.load(Ordering::Acquire) && tried < 20_000 && Instant::now() < deadline {
+                let over_tcp = tried % 2 == 1;
+                match try_ask(to, over_tcp) {
+                    Ok(a) if a == ["198.18.100.10"] => {}
+                    other => failed.push(format!("#{tried} (tcp: {over_tcp}): {other:?}")),
+                }
+                tried += 1;
+                done.store(tried, Ordering::Release);
+            }
+            (tried, failed)
+        });
+        let progress = |n: usize| {
+            let from = done.load(Ordering::Acquire);
+            let deadline = Instant::now() + WAIT;
+            while done.load(Ordering::Acquire) < from + n && !load.is_finished() {
+                assert!(Instant::now() < deadline, "the queries stopped");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        };
+        progress(200);
+        let next = Agent::start_next(dir.path(), &old, &extra);
+        assert!(
+            next.logged()
+                .contains("took the listening sockets of the node's running agent"),
+            "{}",
+            next.logged()
+        );
+        assert_no_other_process_binds(&next);
+        progress(200);
+        // The old agent is stopped, as the DaemonSet does once the next pod is ready.
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(old.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        assert!(old.child.wait().unwrap().success());
+        assert!(
+            old.logged()
+                .contains("handed this agent's sockets to the node's next agent"),
+            "{}",
+            old.logged()
+        );
+        progress(400);
+        stop.store(true, Ordering::Release);
+        let (tried, failed) = load.join().unwrap();
+        (tried, failed, next)
+    });
+    assert!(
+        failed.is_empty(),
+        "{} of {tried} queries failed across the handover: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+    // The next agent alone answers now, on the same addresses, and still alone.
+    assert_eq!(next.http("/readyz").map(|(c, _)| c), Some(200));
+    assert!(next.metric("mcs_dns_queries_total{qtype=\"A\",rcode=\"NOERROR\"}") >= 400.0);
+    assert_no_other_process_binds(&next);
+    // The path leads to the next agent now.
+    assert!(std::os::unix::net::UnixStream::connect(path).is_ok());
+    eprintln!("{tried} queries across the handover (UDP and TCP), none failed");
 }

@@ -26,21 +26,38 @@ use tokio::{
     sync::{Semaphore, oneshot},
 };
 
+use crate::handover::Sockets;
+
 /// Shared health state.
 #[derive(Clone, Debug, Default)]
 pub struct Health {
     ready: Arc<AtomicBool>,
+    became_ready: Arc<tokio::sync::Notify>,
 }
 
 impl Health {
     /// Ready: the first full table has been programmed.
     pub fn set_ready(&self) {
         self.ready.store(true, Ordering::Release);
+        self.became_ready.notify_waiters();
     }
 
     /// Whether ready.
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::Acquire)
+    }
+
+    /// Returns once ready.
+    pub async fn wait_ready(&self) {
+        loop {
+            let notified = self.became_ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_ready() {
+                return;
+            }
+            notified.await;
+        }
     }
 }
 
@@ -347,28 +364,15 @@ fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
-/// A TCP listener on `addr` with SO_REUSEADDR and SO_REUSEPORT: the next agent of a node
-/// (a DaemonSet rolling with maxSurge, host network) binds the same port while this one
-/// still serves, and takes over its connections when it closes.
-pub fn listen_shared(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    let s = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    s.set_reuseaddr(true)?;
-    s.set_reuseport(true)?;
-    s.bind(addr)?;
-    s.listen(1024)
-}
-
 /// How long [`bind_patiently`] retries an address in use.
 pub const BIND_PATIENCE: Duration = Duration::from_secs(120);
 
 /// `bind()` again every second while it fails with "address in use", at most
-/// [`BIND_PATIENCE`]: the node's previous agent of a version before SO_REUSEPORT holds
-/// the port until it exits, which a DaemonSet rolling with maxSurge makes it do once this
-/// one's pod is ready (its readiness probe reaches the old agent on the shared port).
+/// [`BIND_PATIENCE`]: the node's previous agent holds the port until it exits when it could
+/// not hand its sockets over (a version before the handover, which shared the port by
+/// `SO_REUSEPORT`; or one that did not answer at the handover path). A DaemonSet rolling
+/// with maxSurge makes it exit once this one's pod is ready (its readiness probe reaches the
+/// old agent on the port).
 pub async fn bind_patiently<T>(
     what: &str,
     addr: SocketAddr,
@@ -380,7 +384,7 @@ pub async fn bind_patiently<T>(
         match bind() {
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && t0.elapsed() < BIND_PATIENCE => {
                 if !warned {
-                    tracing::warn!(%addr, what, error = %e, "address in use (the node's previous agent, of a version that does not share it?); trying again every second for up to {} s", BIND_PATIENCE.as_secs());
+                    tracing::warn!(%addr, what, error = %e, "address in use (by the node's previous agent, which did not hand it over? or by another process); trying again every second for up to {} s", BIND_PATIENCE.as_secs());
                     warned = true;
                 }
                 tokio::time::sleep(Duration::from_secs(1)).await;
@@ -396,24 +400,29 @@ pub async fn bind_patiently<T>(
     }
 }
 
-/// Binds `addr` ([`listen_shared`], [`bind_patiently`]) and serves in a background task;
-/// returns the bound address.
+/// Binds `addr` (`SO_REUSEADDR`, never `SO_REUSEPORT`: no other process may share it;
+/// [`bind_patiently`]) and serves in a background task; returns the bound address.
 pub async fn spawn(
     addr: SocketAddr,
     registry: Arc<Registry>,
     health: Health,
 ) -> std::io::Result<SocketAddr> {
-    spawn_with_status(addr, registry, health, None).await
+    spawn_with_status(addr, registry, health, None, &Sockets::default()).await
 }
 
-/// [`spawn`], also answering `/status` with `status`.
+/// [`spawn`], also answering `/status` with `status`; the listener is the one `sockets`
+/// inherited from the node's running agent, if any.
 pub async fn spawn_with_status(
     addr: SocketAddr,
     registry: Arc<Registry>,
     health: Health,
     status: Option<StatusFn>,
+    sockets: &Sockets,
 ) -> std::io::Result<SocketAddr> {
-    let listener = bind_patiently("metrics", addr, || listen_shared(addr)).await?;
+    let listener = bind_patiently("metrics", addr, || {
+        TcpListener::from_std(sockets.tcp_listener(addr, 1024)?)
+    })
+    .await?;
     let local = listener.local_addr()?;
     tokio::spawn(serve(listener, registry, health, status));
     Ok(local)

@@ -5,6 +5,7 @@
 //!
 //! - [`client`]: Kubernetes clients whose connections send at once (`TCP_NODELAY`).
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`handover`]: the listening sockets, handed from a node's running agent to its next one.
 //! - [`retry`]: the retry delays of a failed watch.
 //! - [`discovery`]: which version of an MCS kind a cluster serves and we read.
 //! - [`watch`]: the list+watch driver: backoff that only a completed list or a watch event resets.
@@ -15,6 +16,7 @@
 
 pub mod client;
 pub mod discovery;
+pub mod handover;
 pub mod http;
 pub mod logging;
 pub mod open_files;

@@ -28,7 +28,6 @@ use std::{
 use crate::{Answerer, Budget};
 use anyhow::Context as _;
 use hickory_server::{
-    Server,
     net::{
         NetError,
         runtime::{Time, TokioTime},
@@ -421,20 +420,20 @@ const UDP_RECV_BUFFER: usize = 4 << 20;
 
 /// A UDP socket on `addr` with a receive buffer of [`UDP_RECV_BUFFER`]: forced past
 /// `net.core.rmem_max` with CAP_NET_ADMIN (as the DaemonSet runs), else as large as that
-/// limit allows (logged when it is smaller).
-fn bind_udp(addr: SocketAddr) -> std::io::Result<tokio::net::UdpSocket> {
+/// limit allows (logged when it is smaller). Neither `SO_REUSEADDR` nor `SO_REUSEPORT`:
+/// with either, another process of the host network could bind the address too and take
+/// queries (UDP's `SO_REUSEADDR` does not even ask for the same user). The node's next agent
+/// takes this very socket instead ([`mcs_runtime::handover`]).
+fn bind_udp(addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
     use nix::sys::socket::{
         AddressFamily, SockFlag, SockType, SockaddrStorage, bind, setsockopt, socket, sockopt,
     };
-    // SO_REUSEPORT (as the TCP listener): the next agent of the node binds beside this one.
     let family = if addr.is_ipv4() {
         AddressFamily::Inet
     } else {
         AddressFamily::Inet6
     };
     let fd = socket(family, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)?;
-    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
-    setsockopt(&fd, sockopt::ReusePort, &true)?;
     bind(
         std::os::fd::AsRawFd::as_raw_fd(&fd),
         &SockaddrStorage::from(addr),
@@ -452,23 +451,7 @@ fn bind_udp(addr: SocketAddr) -> std::io::Result<tokio::net::UdpSocket> {
             "the DNS UDP receive buffer is smaller than asked ({UDP_RECV_BUFFER} bytes): without CAP_NET_ADMIN it is capped by net.core.rmem_max; bursts of queries may be dropped by the kernel"
         );
     }
-    std_socket.set_nonblocking(true)?;
-    tokio::net::UdpSocket::from_std(std_socket)
-}
-
-/// The handler, shared by hickory-server's UDP sockets and our TCP listeners.
-#[derive(Clone)]
-struct Shared(Arc<Handler>);
-
-#[async_trait::async_trait]
-impl RequestHandler for Shared {
-    async fn handle_request<R: ResponseHandler, T: Time>(
-        &self,
-        request: &Request,
-        response: R,
-    ) -> ResponseInfo {
-        self.0.handle_request::<R, T>(request, response).await
-    }
+    Ok(std_socket)
 }
 
 /// Where a TCP connection's responses go: encoded (at most one DNS message, 64 KiB) and kept
@@ -489,13 +472,30 @@ impl ResponseHandler for Collected {
             impl Iterator<Item = &'a Record> + Send + 'a,
         >,
     ) -> Result<ResponseInfo, NetError> {
-        let mut bytes = Vec::with_capacity(512);
-        let mut encoder = BinEncoder::new(&mut bytes);
-        encoder.set_max_size(u16::MAX);
-        let info = response.destructive_emit(&mut encoder)?;
+        let (info, bytes) = encode(response, u16::MAX)?;
         self.0.lock().unwrap_or_else(|p| p.into_inner()).push(bytes);
         Ok(info)
     }
+}
+
+/// `response` on the wire, within `max_size` bytes (records that do not fit are left out,
+/// with TC set).
+fn encode<'a>(
+    response: MessageResponse<
+        '_,
+        'a,
+        impl Iterator<Item = &'a Record> + Send + 'a,
+        impl Iterator<Item = &'a Record> + Send + 'a,
+        impl Iterator<Item = &'a Record> + Send + 'a,
+        impl Iterator<Item = &'a Record> + Send + 'a,
+    >,
+    max_size: u16,
+) -> Result<(ResponseInfo, Vec<u8>), hickory_server::proto::ProtoError> {
+    let mut bytes = Vec::with_capacity(512);
+    let mut encoder = BinEncoder::new(&mut bytes);
+    encoder.set_max_size(max_size);
+    let info = response.destructive_emit(&mut encoder)?;
+    Ok((info, bytes))
 }
 
 /// Open TCP connections, in total and per client.
@@ -549,18 +549,183 @@ impl Drop for TcpPermit {
     }
 }
 
+/// Most tasks reading one UDP socket: each answers the query it read before it reads the
+/// next, so a stop (the node's next agent takes over the socket) loses none it read.
+const UDP_READERS: usize = 4;
+
+/// The largest query read over UDP (a longer datagram is cut, and answered FORMERR).
+const UDP_QUERY_BYTES: usize = 4096;
+
+/// Where a UDP query's answer goes: sent at once to the client, from the socket it came on,
+/// cut to `max_size` (records that do not fit are left out, with TC set).
+#[derive(Clone)]
+struct UdpReply {
+    socket: Arc<tokio::net::UdpSocket>,
+    to: SocketAddr,
+    /// The query's id, for a SERVFAIL when the answer cannot be encoded.
+    id: u16,
+    /// 512 without EDNS (RFC 1035 4.2.1), else the client's payload size within 512 and
+    /// [`MAX_UDP_PAYLOAD`] (as the answer's budget).
+    max_size: u16,
+}
+
+#[async_trait::async_trait]
+impl ResponseHandler for UdpReply {
+    async fn send_response<'a>(
+        &mut self,
+        response: MessageResponse<
+            '_,
+            'a,
+            impl Iterator<Item = &'a Record> + Send + 'a,
+            impl Iterator<Item = &'a Record> + Send + 'a,
+            impl Iterator<Item = &'a Record> + Send + 'a,
+            impl Iterator<Item = &'a Record> + Send + 'a,
+        >,
+    ) -> Result<ResponseInfo, NetError> {
+        let (info, bytes) = match encode(response, self.max_size) {
+            Ok(encoded) => encoded,
+            Err(e) => {
+                tracing::warn!(error = %e, "DNS over UDP: an answer could not be encoded; SERVFAIL");
+                let mut m = Message::new(self.id, MessageType::Response, OpCode::Query);
+                m.metadata.response_code = ResponseCode::ServFail;
+                let bytes = m.to_vec()?;
+                let info = ResponseInfo::from(Header {
+                    metadata: m.metadata,
+                    counts: Default::default(),
+                });
+                (info, bytes)
+            }
+        };
+        // A send that fails (the client's port is gone, a full buffer) is the client's loss,
+        // as for any UDP server.
+        let _ = self.socket.send_to(&bytes, self.to).await;
+        Ok(info)
+    }
+}
+
+/// What a query message is: a query to answer, a FORMERR to send (it had a header, but
+/// is no query we can read), or nothing to send (a response: never answered, no reflection).
+enum Parsed {
+    Query(Box<Request>),
+    FormErr(Vec<u8>),
+    Drop,
+}
+
+fn parse(message: Vec<u8>, peer: SocketAddr, protocol: Protocol) -> Parsed {
+    let id = (message.len() >= 12).then(|| u16::from_be_bytes([message[0], message[1]]));
+    match Request::from_bytes(message, peer, protocol) {
+        Ok(r) if r.metadata.message_type == MessageType::Query => Parsed::Query(Box::new(r)),
+        Ok(_) => Parsed::Drop,
+        Err(_) => {
+            let Some(id) = id else {
+                return Parsed::Drop;
+            };
+            let mut m = Message::new(id, MessageType::Response, OpCode::Query);
+            m.metadata.response_code = ResponseCode::FormErr;
+            m.to_vec().map_or(Parsed::Drop, Parsed::FormErr)
+        }
+    }
+}
+
+/// Returns at a stop (or when the server is gone).
+async fn until_stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await.map(|_| ());
+}
+
+/// Reads queries from `socket` and answers each before reading the next, until `stop`
+/// (then the query in hand is answered, and the rest stay in the socket for whoever else
+/// holds it: the node's next agent). With `after_ready`, reading starts once the agent is
+/// ready (an inherited socket, which the running agent answers meanwhile).
+async fn serve_udp(
+    socket: Arc<tokio::net::UdpSocket>,
+    handler: Arc<Handler>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    after_ready: bool,
+) {
+    if after_ready {
+        tokio::select! {
+            () = handler.health.wait_ready() => {}
+            () = until_stopped(&mut stop) => return,
+        }
+    }
+    let mut buf = vec![0u8; UDP_QUERY_BYTES];
+    let mut last_warning: Option<Instant> = None;
+    loop {
+        let (n, peer) = tokio::select! {
+            biased;
+            () = until_stopped(&mut stop) => return,
+            read = socket.recv_from(&mut buf) => match read {
+                Ok(read) => read,
+                Err(e) => {
+                    if last_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                        tracing::warn!(error = %e, "DNS over UDP: receive failed");
+                        last_warning = Some(Instant::now());
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        // Nothing can be sent back to port 0 (or to an unspecified address).
+        if peer.port() == 0 || peer.ip().is_unspecified() {
+            continue;
+        }
+        let started = Instant::now();
+        match parse(buf[..n].to_vec(), peer, Protocol::Udp) {
+            Parsed::Query(request) => {
+                let reply = UdpReply {
+                    socket: socket.clone(),
+                    to: peer,
+                    id: request.metadata.id,
+                    max_size: request
+                        .edns
+                        .as_ref()
+                        .map_or(512, |e| e.max_payload().clamp(512, MAX_UDP_PAYLOAD)),
+                };
+                handler
+                    .handle_request::<_, TokioTime>(&request, reply)
+                    .await;
+            }
+            Parsed::FormErr(bytes) => {
+                let _ = socket.send_to(&bytes, peer).await;
+                handler.count(None, ResponseCode::FormErr, started);
+            }
+            Parsed::Drop => {}
+        }
+    }
+}
+
 /// Accepts DNS-over-TCP connections on `listener` within the caps; each connection runs in
 /// a task of this one's (they end with it).
 async fn serve_tcp(
     listener: tokio::net::TcpListener,
     handler: Arc<Handler>,
     table: Arc<TcpConnections>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    after_ready: bool,
 ) {
+    if after_ready {
+        tokio::select! {
+            () = handler.health.wait_ready() => {}
+            () = until_stopped(&mut stop) => return,
+        }
+    }
     let mut connections = tokio::task::JoinSet::new();
     let mut last_warning: Option<Instant> = None;
     loop {
         while connections.try_join_next().is_some() {}
-        let (stream, peer) = match listener.accept().await {
+        let accepted = tokio::select! {
+            biased;
+            () = until_stopped(&mut stop) => {
+                // No more connections from here (the listener stays open while the node's
+                // next agent holds it); those open end after the query in hand.
+                drop(listener);
+                while connections.join_next().await.is_some() {}
+                return;
+            }
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
             Err(e) => {
                 // EMFILE/ENFILE (no descriptor left), ECONNABORTED, ...: the listener stays;
@@ -577,9 +742,10 @@ async fn serve_tcp(
             Ok(permit) => {
                 let handler = handler.clone();
                 let limits = table.limits;
+                let stop = stop.clone();
                 connections.spawn(async move {
                     let _permit = permit;
-                    tcp_connection(stream, peer, &handler, limits).await;
+                    tcp_connection(stream, peer, &handler, limits, stop).await;
                 });
             }
             Err(cap) => {
@@ -602,14 +768,35 @@ async fn tcp_connection(
     peer: SocketAddr,
     handler: &Handler,
     limits: TcpLimits,
+    mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     use tokio::{
         io::{AsyncReadExt as _, AsyncWriteExt as _},
         time::timeout_at,
     };
     let end = tokio::time::Instant::now() + limits.lifetime;
+    let mut answered = 0usize;
     loop {
         let idle_end = (tokio::time::Instant::now() + limits.idle).min(end);
+        let mut len = [0u8; 2];
+        // At a stop, a connection waiting for its next query ends (a client sees EOF between
+        // answers, and asks again on a new connection, as RFC 7766 expects of it); one in
+        // the middle of a query, or not yet past its first (the client sent it, or is about
+        // to), is answered first.
+        let first = tokio::select! {
+            biased;
+            () = until_stopped(&mut stop), if answered > 0 => return,
+            first = timeout_at(idle_end, stream.peek(&mut len[..1])) => first,
+        };
+        match first {
+            Ok(Ok(n)) if n > 0 => {}
+            // EOF, or an error.
+            Ok(_) => return,
+            Err(_) => {
+                handler.metrics.tcp_closed_idle.inc();
+                return;
+            }
+        }
         // Whether `buf` was filled before `idle_end` (a timeout is counted).
         let mut fill =
             async |buf: &mut [u8]| match timeout_at(idle_end, stream.read_exact(buf)).await {
@@ -619,7 +806,6 @@ async fn tcp_connection(
                     false
                 }
             };
-        let mut len = [0u8; 2];
         if !fill(&mut len).await {
             return;
         }
@@ -627,25 +813,18 @@ async fn tcp_connection(
         if !fill(&mut message).await {
             return;
         }
-        let id = (message.len() >= 12).then(|| u16::from_be_bytes([message[0], message[1]]));
-        let request = match Request::from_bytes(message, peer, Protocol::Tcp) {
-            Ok(r) if r.metadata.message_type == MessageType::Query => r,
+        let started = Instant::now();
+        let request = match parse(message, peer, Protocol::Tcp) {
+            Parsed::Query(r) => r,
             // A response: never answered (no reflection); the connection ends.
-            Ok(_) => return,
-            // Not a query we can read: FORMERR when it had a header (as over UDP), and the
-            // connection ends (its framing cannot be trusted any more).
-            Err(_) => {
-                let started = Instant::now();
-                if let Some(id) = id {
-                    let mut m = Message::new(id, MessageType::Response, OpCode::Query);
-                    m.metadata.response_code = ResponseCode::FormErr;
-                    if let Ok(bytes) = m.to_vec()
-                        && let Ok(n) = u16::try_from(bytes.len())
-                    {
-                        let mut framed = n.to_be_bytes().to_vec();
-                        framed.extend_from_slice(&bytes);
-                        let _ = timeout_at(end, stream.write_all(&framed)).await;
-                    }
+            Parsed::Drop => return,
+            // Not a query we can read: FORMERR (as over UDP), and the connection ends (its
+            // framing cannot be trusted any more).
+            Parsed::FormErr(bytes) => {
+                if let Ok(n) = u16::try_from(bytes.len()) {
+                    let mut framed = n.to_be_bytes().to_vec();
+                    framed.extend_from_slice(&bytes);
+                    let _ = timeout_at(end, stream.write_all(&framed)).await;
                 }
                 handler.count(None, ResponseCode::FormErr, started);
                 return;
@@ -668,13 +847,16 @@ async fn tcp_connection(
                 _ => return,
             }
         }
+        answered += 1;
     }
 }
 
 /// A running DNS server (stopped when dropped or by [`DnsServer::shutdown`]).
 pub struct DnsServer {
-    server: Server<Shared>,
-    tcp: Vec<tokio::task::JoinHandle<()>>,
+    /// Told `true` at a stop.
+    stop: tokio::sync::watch::Sender<bool>,
+    /// The UDP readers and TCP listeners.
+    tasks: Vec<tokio::task::JoinHandle<()>>,
     /// The bound addresses (UDP and TCP alike), for logs and tests.
     pub addrs: Vec<SocketAddr>,
 }
@@ -687,15 +869,23 @@ impl std::fmt::Debug for DnsServer {
     }
 }
 
+/// How long a stop waits for the queries in hand (a TCP client in the middle of sending
+/// one may take its idle limit) before the rest are cut.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
 impl DnsServer {
-    /// Binds every address (UDP and TCP; port 0 picks one, the same for both) and serves
-    /// `zone`. Must run inside the tokio runtime.
+    /// Binds every address (UDP and TCP; port 0 picks one, the same for both), or takes
+    /// the socket `sockets` inherited from the node's running agent, and serves `zone`.
+    /// An inherited socket is read from when the agent is ready (the running agent answers
+    /// it meanwhile; this one would answer SERVFAIL). Must run inside the tokio runtime.
     pub async fn start(
         zone: Arc<mcs_model::dns::Zone>,
         config: &DnsConfig,
         registry: &mut Registry,
         health: Health,
+        sockets: &mcs_runtime::handover::Sockets,
     ) -> anyhow::Result<Self> {
+        use mcs_runtime::handover::Kind;
         let handler = Arc::new(Handler {
             answerer: Answerer::new(zone, config.ttl),
             health,
@@ -709,45 +899,73 @@ impl DnsServer {
             limits: config.tcp,
             open: Mutex::new((0, HashMap::new())),
         });
-        let mut server = Server::new(Shared(handler.clone()));
+        let (stop, stopped) = tokio::sync::watch::channel(false);
         let mut addrs = Vec::new();
-        let mut tcp = Vec::new();
+        let mut tasks = Vec::new();
         for addr in &config.listen {
-            // Shared (SO_REUSEPORT), so the next agent of the node binds beside this one.
+            let tcp_inherited = sockets.inherits(Kind::TcpListener, *addr);
+            // Not shared with any other process: the next agent of the node takes these
+            // sockets from this one (`sockets`).
             let listener = mcs_runtime::http::bind_patiently("DNS (TCP)", *addr, || {
-                mcs_runtime::http::listen_shared(*addr)
+                tokio::net::TcpListener::from_std(sockets.tcp_listener(*addr, 1024)?)
             })
             .await
             .with_context(|| format!("binding the DNS address {addr} (TCP)"))?;
             let bound = listener.local_addr()?;
-            let udp = mcs_runtime::http::bind_patiently("DNS (UDP)", bound, || bind_udp(bound))
-                .await
-                .with_context(|| format!("binding the DNS address {bound} (UDP)"))?;
-            tcp.push(tokio::spawn(serve_tcp(
+            let udp_inherited = sockets.inherits(Kind::Udp, bound);
+            let udp = mcs_runtime::http::bind_patiently("DNS (UDP)", bound, || {
+                tokio::net::UdpSocket::from_std(sockets.udp(bound, bind_udp)?)
+            })
+            .await
+            .with_context(|| format!("binding the DNS address {bound} (UDP)"))?;
+            tasks.push(tokio::spawn(serve_tcp(
                 listener,
                 handler.clone(),
                 table.clone(),
+                stopped.clone(),
+                tcp_inherited,
             )));
-            server.register_socket(udp);
+            let udp = Arc::new(udp);
+            for _ in 0..UDP_READERS {
+                tasks.push(tokio::spawn(serve_udp(
+                    udp.clone(),
+                    handler.clone(),
+                    stopped.clone(),
+                    udp_inherited,
+                )));
+            }
             addrs.push(bound);
         }
-        Ok(Self { server, tcp, addrs })
+        Ok(Self { stop, tasks, addrs })
     }
 
-    /// Stops serving and waits for the tasks.
+    /// Stops reading queries, answers those in hand (for at most [`STOP_GRACE`]) and
+    /// returns. The sockets close with this agent's copies: what waits in them is for
+    /// whoever else holds them (the node's next agent).
     pub async fn shutdown(mut self) {
-        for t in &self.tcp {
-            t.abort();
-        }
-        if let Err(e) = self.server.shutdown_gracefully().await {
-            tracing::debug!(error = %e, "DNS server shutdown");
+        let _ = self.stop.send(true);
+        let tasks = std::mem::take(&mut self.tasks);
+        let aborts: Vec<_> = tasks.iter().map(|t| t.abort_handle()).collect();
+        let all_done = async {
+            for t in tasks {
+                let _ = t.await;
+            }
+        };
+        if tokio::time::timeout(STOP_GRACE, all_done).await.is_err() {
+            tracing::warn!(
+                grace_s = STOP_GRACE.as_secs(),
+                "DNS: queries still in hand at the end of the stop's grace are cut"
+            );
+            for a in aborts {
+                a.abort();
+            }
         }
     }
 }
 
 impl Drop for DnsServer {
     fn drop(&mut self) {
-        for t in &self.tcp {
+        for t in &self.tasks {
             t.abort();
         }
     }
