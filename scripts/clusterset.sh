@@ -722,7 +722,7 @@ install_chart() {
       --set controller.enabled=true --set clusterId="c$i" \
       --set "clustersetIPCIDRs={$CLUSTERSET_CIDR$(dual && echo ",$CLUSTERSET_CIDR6")}" --set dataplane="$dp" \
       --set cgroupRoot="/sys/fs/cgroup/unified/mcs-c$i" --set bpfPinDir="/sys/fs/bpf/mcs-clusterset-c$i" \
-      --set nodeSubdirectories=true \
+      --set nodeSubdirectories=true --set handoverDir="$STATE/handover/c$i" \
       --set image.pullPolicy=Never --set dns.clusterIP="$(svc_ip "$i" 11)" \
       --set controller.replicas="$replicas" >/dev/null
   done

@@ -266,7 +266,7 @@ fn the_apiserver_accepts_crds_base_and_chart() {
     let out = k(&["apply", "--dry-run=server", "-f", "-"], Some(&custom));
     assert!(out.contains("(server dry run)"), "{out}");
 
-    // Several nodes on one kernel: each agent mounts its node's subdirectory of both host
+    // Several nodes on one kernel: each agent mounts its node's subdirectory of the host
     // directories; off by default (a real node has its kernel to itself).
     let mounts = |yaml: &str| {
         objects(yaml)
@@ -277,7 +277,7 @@ fn the_apiserver_accepts_crds_base_and_chart() {
     };
     let shared = helm_template(&["--set", "nodeSubdirectories=true"]);
     for m in mounts(&shared).as_array().unwrap() {
-        let per_node = ["bpffs", "cgroup2"].contains(&m["name"].as_str().unwrap());
+        let per_node = ["bpffs", "cgroup2", "handover"].contains(&m["name"].as_str().unwrap());
         assert_eq!(
             m.get("subPathExpr").and_then(|v| v.as_str()),
             per_node.then_some("$(NODE_NAME)"),
