@@ -46,34 +46,29 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let dataplane = start_dataplane(&args, &mut registry)?;
     let health = Health::default();
     let zone = Arc::new(mcs_model::dns::Zone::new());
-    let dns = start_dns(&args, &zone, &mut registry, &health, &sockets).await?;
+    let dns = prepare_dns(&args, &zone, &mut registry, &health);
+    let with_dns = dns.is_some();
     // `/status`: answered by the sync loop between batches, plus the DNS listener's answers.
     let (status_tx, status_rx) = mpsc::channel(8);
-    let status = crate::node_status::handler(
-        status_tx,
-        dns.as_ref().map(|d| d.addrs.clone()).unwrap_or_default(),
-    );
-    let addr = http::spawn_with_status(
-        args.metrics_addr,
-        Arc::new(registry),
-        health.clone(),
-        Some(status),
-        &sockets,
-    )
-    .await
-    .with_context(|| format!("binding the metrics address {}", args.metrics_addr))?;
-    tracing::info!(%addr, "serving /metrics, /healthz, /readyz, /status");
-    sockets.close_unused();
-    let handover = args
-        .handover_socket
-        .as_deref()
-        .and_then(|path| match sockets.serve(path) {
-            Ok(serving) => Some(serving),
-            Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "cannot serve the handover path: the node's next agent will bind afresh, and wait until this one stops");
-                None
-            }
-        });
+    let status = crate::node_status::handler(status_tx, args.dns.addresses());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stop_tx = Arc::new(stop_tx);
+    // The DNS and metrics sockets are bound (or taken from the node's running agent) beside
+    // the sync loop, so an address another process holds keeps neither the table nor the
+    // forwarder waiting.
+    let listeners = tokio::spawn(serve_listeners(
+        Listeners {
+            dns,
+            metrics_addr: args.metrics_addr,
+            registry: Arc::new(registry),
+            health: health.clone(),
+            status,
+            sockets,
+            handover: args.handover_socket.clone(),
+        },
+        stop_tx.clone(),
+        stop_rx.clone(),
+    ));
     let owner = watch_owner(prepared.client.as_ref(), &args);
     let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
     let events = prepared
@@ -98,11 +93,10 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         health.clone(),
         events,
     );
-    if dns.is_some() {
+    if with_dns {
         sync_loop = sync_loop.with_dns_zone(zone);
     }
     let sync_loop = sync_loop.with_status_requests(status_rx);
-    let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         mcs_runtime::signals::shutdown().await;
         tracing::info!("shutting down");
@@ -113,13 +107,87 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
     tracing::info!(source = ?args.source.source, dataplane = ?args.dataplane, "mcs-agent running");
     let sync_loop = sync_loop.run(rx, stop_rx).await;
+    let listened = listeners
+        .await
+        .context("the DNS and metrics listeners' task")?;
+    stop_dataplane(sync_loop.into_dataplane(), &args, owner.as_ref()).await;
+    listened?;
+    tracing::info!("stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What [`serve_listeners`] binds and serves.
+struct Listeners {
+    dns: Option<mcs_dns::server::Unbound>,
+    metrics_addr: std::net::SocketAddr,
+    registry: Arc<prometheus_client::registry::Registry>,
+    health: Health,
+    status: mcs_sync::http::StatusFn,
+    sockets: Arc<Sockets>,
+    handover: Option<std::path::PathBuf>,
+}
+
+/// Binds (or takes from the node's running agent) the DNS and metrics sockets and serves
+/// them, then the handover path; at a stop, stops DNS (the queries in hand answered) and
+/// lets the sockets go. A socket that cannot be had stops the agent (the error is returned).
+async fn serve_listeners(
+    l: Listeners,
+    stop_tx: Arc<watch::Sender<bool>>,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    // Each waits only for its own addresses.
+    let dns = async {
+        match l.dns {
+            Some(unbound) => {
+                let server = unbound.bind(&l.sockets).await?;
+                tracing::info!(addrs = ?server.addrs, "serving clusterset.local DNS (UDP and TCP)");
+                anyhow::Ok(Some(server))
+            }
+            None => Ok(None),
+        }
+    };
+    let metrics = async {
+        let addr = http::spawn_with_status(
+            l.metrics_addr,
+            l.registry,
+            l.health,
+            Some(l.status),
+            &l.sockets,
+        )
+        .await
+        .with_context(|| format!("binding the metrics address {}", l.metrics_addr))?;
+        tracing::info!(%addr, "serving /metrics, /healthz, /readyz, /status");
+        anyhow::Ok(())
+    };
+    let bound = async { tokio::try_join!(dns, metrics).map(|(dns, ())| dns) };
+    let dns = tokio::select! {
+        bound = bound => match bound {
+            Ok(dns) => dns,
+            Err(e) => {
+                tracing::error!(error = %format!("{e:#}"), "stopping: a listening socket could not be had");
+                let _ = stop_tx.send(true);
+                return Err(e);
+            }
+        },
+        _ = stop.wait_for(|s| *s) => return Ok(()),
+    };
+    l.sockets.close_unused();
+    let handover = l.handover.as_deref().and_then(|path| match l.sockets.serve(path) {
+        Ok(serving) => Some(serving),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot serve the handover path: the node's next agent will bind afresh, and wait until this one stops");
+            None
+        }
+    });
+    let _ = stop.wait_for(|s| *s).await;
     if let Some(dns) = dns {
         dns.shutdown().await;
     }
-    stop_dataplane(sync_loop.into_dataplane(), &args, owner.as_ref()).await;
+    // Nothing more to hand over: the sockets this agent no longer serves are let go now,
+    // not at its exit (a next agent that could not take them binds them afresh).
     drop(handover);
-    tracing::info!("stopped");
-    Ok(ExitCode::SUCCESS)
+    l.sockets.let_go();
+    Ok(())
 }
 
 /// The dataplane `--dataplane` asks for (`auto`: eBPF when the kernel takes it, else the
@@ -172,18 +240,18 @@ fn start_dataplane(
     })
 }
 
-/// The `clusterset.local` DNS server on `--dns-listen` addresses (none: no DNS), its TCP
-/// limits fitted to the open-files limit.
-async fn start_dns(
+/// The `clusterset.local` DNS server of `--dns-listen` addresses (none: no DNS), its TCP
+/// limits fitted to the open-files limit, its metrics in `registry`; bound by
+/// [`serve_listeners`].
+fn prepare_dns(
     args: &RunArgs,
     zone: &Arc<mcs_model::dns::Zone>,
     registry: &mut prometheus_client::registry::Registry,
     health: &Health,
-    sockets: &Sockets,
-) -> anyhow::Result<Option<mcs_dns::server::DnsServer>> {
+) -> Option<mcs_dns::server::Unbound> {
     let dns_addrs = args.dns.addresses();
     if dns_addrs.is_empty() {
-        return Ok(None);
+        return None;
     }
     let fd_limit = mcs_dns::server::raise_fd_limit();
     let config = mcs_dns::server::DnsConfig {
@@ -200,11 +268,13 @@ async fn start_dns(
             fd_limit,
         ),
     };
-    let server =
-        mcs_dns::server::DnsServer::start(zone.clone(), &config, registry, health.clone(), sockets)
-            .await?;
-    tracing::info!(addrs = ?server.addrs, ttl = config.ttl, rate_limit = config.rate_limit, tcp_connections = config.tcp.connections, tcp_connections_per_client = config.tcp.per_client, fd_limit, "serving clusterset.local DNS (UDP and TCP)");
-    Ok(Some(server))
+    tracing::info!(addrs = ?config.listen, ttl = config.ttl, rate_limit = config.rate_limit, tcp_connections = config.tcp.connections, tcp_connections_per_client = config.tcp.per_client, fd_limit, "clusterset.local DNS (UDP and TCP)");
+    Some(mcs_dns::server::DnsServer::prepare(
+        zone.clone(),
+        &config,
+        registry,
+        health.clone(),
+    ))
 }
 
 /// Uninstall or restart: told by whether the agent's own DaemonSet is deleted

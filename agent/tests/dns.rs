@@ -1681,3 +1681,58 @@ fn the_next_agent_takes_the_dns_and_metrics_sockets_and_no_query_fails() {
     assert!(std::os::unix::net::UnixStream::connect(path).is_ok());
     eprintln!("{tried} queries across the handover (UDP and TCP), none failed");
 }
+
+/// The previous release of the agent shared its sockets by `SO_REUSEPORT` and hands nothing
+/// over; an address held by it (or by any other process) keeps only its own listener
+/// waiting, not the table: the next agent programs its first table while DNS waits, and
+/// answers DNS within a second of the address being free.
+#[test]
+fn an_address_held_by_another_process_keeps_only_its_listener_waiting() {
+    use nix::sys::socket::SockType;
+    let dir = tempfile::tempdir().unwrap();
+    write_objects(dir.path());
+    let dns: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    // As the previous release held them.
+    let held = [
+        bind_with_reuse(SockType::Stream, dns).unwrap(),
+        bind_with_reuse(SockType::Datagram, dns).unwrap(),
+    ];
+    nix::sys::socket::listen(&held[0], nix::sys::socket::Backlog::new(16).unwrap()).unwrap();
+    let source = format!("file:{}", dir.path().display());
+    let agent = Agent::spawn_on(
+        Command::new(env!("CARGO_BIN_EXE_mcs-agent")),
+        &["--source", &source],
+        &[],
+        dns,
+        free_port(),
+    );
+    let deadline = Instant::now() + WAIT;
+    while !agent
+        .logged()
+        .contains("first full table programmed; ready")
+    {
+        assert!(
+            Instant::now() < deadline && agent.child_alive(),
+            "the table waited for the DNS address: {}",
+            agent.logged()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        agent.logged().contains("address in use"),
+        "{}",
+        agent.logged()
+    );
+    assert_eq!(agent.http("/readyz").map(|(c, _)| c), Some(200));
+    drop(held);
+    let deadline = Instant::now() + WAIT;
+    while !agent.logged().contains("serving clusterset.local DNS") {
+        assert!(Instant::now() < deadline, "{}", agent.logged());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        ask(agent.dns, "web.shop.svc.clusterset.local.", RecordType::A),
+        ["198.18.100.10"]
+    );
+    assert_no_other_process_binds(&agent);
+}

@@ -46,8 +46,9 @@ use rustix::net::{
 /// How long one exchange (every socket, both ways) may take before it is given up.
 pub const EXCHANGE_DEADLINE: Duration = Duration::from_secs(5);
 
-/// Most sockets taken in one exchange (more: the rest are refused, and bound afresh).
-pub const MAX_SOCKETS: usize = 65_536;
+/// Most sockets taken in one exchange (more: the rest are refused, and bound afresh). An
+/// agent hands over its metrics socket and two per DNS address.
+pub const MAX_SOCKETS: usize = 1024;
 
 /// How often a serving agent checks that the path still leads to it or to a live successor
 /// (a successor that took the path and died leaves a socket nobody answers).
@@ -57,6 +58,10 @@ const PATH_CHECK: Duration = Duration::from_secs(5);
 const SOCKET: u8 = b's';
 /// The last message of an exchange.
 const END: u8 = b'e';
+/// What a next agent asks first: every socket.
+const ASK: u8 = b'h';
+/// What an agent checking the path asks: nothing (answered by closing).
+const PROBE: u8 = b'p';
 
 /// What a socket is, as far as the handover goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -171,6 +176,13 @@ impl Sockets {
         n
     }
 
+    /// Lets every held socket go: this agent hands nothing over any more (its copies in
+    /// use close with their servers).
+    pub fn let_go(&self) {
+        lock(&self.held).clear();
+        lock(&self.inherited).clear();
+    }
+
     fn take(&self, kind: Kind, addr: SocketAddr) -> Option<OwnedFd> {
         lock(&self.inherited).remove(&(kind, addr))
     }
@@ -235,7 +247,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Returns it and its inode.
 fn take_path(path: &Path) -> io::Result<(tokio::net::UnixListener, u64)> {
     let mut beside = path.as_os_str().to_owned();
-    beside.push(format!(".{}.new", std::process::id()));
+    // Unique even between two agents that are both pid 1 of their containers.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    beside.push(format!(".{}.{nanos}.new", std::process::id()));
     let beside = PathBuf::from(beside);
     let _ = std::fs::remove_file(&beside);
     let listener = std::os::unix::net::UnixListener::bind(&beside)?;
@@ -272,7 +288,8 @@ async fn serve_loop(
                     })
                     .await;
                     match done {
-                        Ok(Ok((n, pid))) => tracing::info!(sockets = n, pid, "handed this agent's sockets to the node's next agent; both serve them until this one stops"),
+                        Ok(Ok(None)) => {}
+                        Ok(Ok(Some((n, pid)))) => tracing::info!(sockets = n, pid, "handed this agent's sockets to the node's next agent; both serve them until this one stops"),
                         Ok(Err(e)) => tracing::warn!(error = %e, "a handover of this agent's sockets failed (the next agent binds afresh)"),
                         Err(e) => tracing::warn!(error = %e, "the handover task failed"),
                     }
@@ -284,7 +301,8 @@ async fn serve_loop(
             },
             _ = check.tick() => {
                 let ours = std::fs::metadata(&path).is_ok_and(|m| m.ino() == inode.load(Ordering::Relaxed));
-                let dead = !ours && UnixStream::connect(&path).is_err_and(|e| {
+                // A probe, not an exchange: the successor sends nothing back.
+                let dead = !ours && connect(&path).and_then(|s| send(&s, PROBE, None)).is_err_and(|e| {
                     matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound)
                 });
                 if dead {
@@ -302,35 +320,44 @@ async fn serve_loop(
     }
 }
 
-/// Sends every held socket to the agent on `stream`, if it runs with our user id.
-/// Returns how many, and its pid.
-fn hand_over(stream: &UnixStream, sockets: &Sockets) -> io::Result<(usize, i32)> {
+/// Sends every held socket to the agent on `stream`, if it runs with our user id and asks.
+/// Returns how many, and its pid; `None` for a probe of the path.
+fn hand_over(stream: &UnixStream, sockets: &Sockets) -> io::Result<Option<(usize, i32)>> {
     stream.set_write_timeout(Some(EXCHANGE_DEADLINE))?;
     stream.set_read_timeout(Some(EXCHANGE_DEADLINE))?;
     let peer = same_user(stream)?;
+    let mut asked = [0u8; 1];
+    match io::Read::read(&mut &*stream, &mut asked)? {
+        1 if asked[0] == ASK => {}
+        // A probe of the path, or a peer that closed: nothing to hand over.
+        _ => return Ok(None),
+    }
     let fds = sockets.held_copies()?;
     for fd in &fds {
         send(stream, SOCKET, Some(fd))?;
     }
     send(stream, END, None)?;
-    Ok((fds.len(), peer))
+    Ok(Some((fds.len(), peer)))
 }
 
-/// The peer's pid, if it runs with this process's effective user id; else an error.
+/// The peer's pid (0 when it runs in a PID namespace this process cannot see, as another
+/// pod's agent does), if it runs with this process's effective user id; else an error.
 fn same_user(stream: &UnixStream) -> io::Result<i32> {
-    let cred = sockopt::socket_peercred(stream)?;
+    // nix's credentials, not rustix's: rustix holds the pid as non-zero, and across PID
+    // namespaces the kernel reports 0.
+    let cred = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials)?;
     let ours = nix::unistd::geteuid().as_raw();
-    if cred.uid.as_raw() != ours {
+    if cred.uid() != ours {
         return Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
             format!(
                 "the peer (pid {}) runs as uid {}, not {ours}",
-                cred.pid.as_raw_nonzero(),
-                cred.uid.as_raw()
+                cred.pid(),
+                cred.uid()
             ),
         ));
     }
-    Ok(cred.pid.as_raw_nonzero().get())
+    Ok(cred.pid())
 }
 
 fn send(stream: &UnixStream, what: u8, fd: Option<&OwnedFd>) -> io::Result<()> {
@@ -356,17 +383,34 @@ fn send(stream: &UnixStream, what: u8, fd: Option<&OwnedFd>) -> io::Result<()> {
     Ok(())
 }
 
+/// A connection to the agent at `path`, refused at once rather than waited for when its
+/// queue is full (a hung agent). Blocking afterwards.
+fn connect(path: &Path) -> io::Result<UnixStream> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, socket_with};
+    let fd = socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )?;
+    rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)?;
+    let stream = UnixStream::from(fd);
+    stream.set_nonblocking(false)?;
+    Ok(stream)
+}
+
 /// Takes every socket the agent at `path` hands over, checked and keyed by what it is.
 fn receive(path: &Path) -> io::Result<HashMap<(Kind, SocketAddr), OwnedFd>> {
-    let stream = UnixStream::connect(path)?;
-    stream.set_read_timeout(Some(EXCHANGE_DEADLINE))?;
+    let stream = connect(path)?;
     stream.set_write_timeout(Some(EXCHANGE_DEADLINE))?;
     let deadline = std::time::Instant::now() + EXCHANGE_DEADLINE;
     let pid = same_user(&stream)?;
+    send(&stream, ASK, None)?;
     let mut got = HashMap::new();
     let mut refused = 0usize;
     loop {
-        if std::time::Instant::now() > deadline {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
             return Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 format!(
@@ -375,6 +419,7 @@ fn receive(path: &Path) -> io::Result<HashMap<(Kind, SocketAddr), OwnedFd>> {
                 ),
             ));
         }
+        stream.set_read_timeout(Some(left))?;
         let mut byte = [0u8; 1];
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
@@ -460,6 +505,19 @@ fn classify(fd: &OwnedFd) -> io::Result<(Kind, SocketAddr)> {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!("{addr}: protocol {protocol:?}, not {want:?}"),
+        ));
+    }
+    // Shared sockets are what the handover replaces; a connected UDP socket hears one peer.
+    if sockopt::socket_reuseport(fd)? {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{addr}: SO_REUSEPORT is set (another process could share it)"),
+        ));
+    }
+    if kind == Kind::Udp && rustix::net::getpeername(fd).is_ok_and(|a| a.is_some()) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{addr}: a connected UDP socket"),
         ));
     }
     Ok((kind, addr))

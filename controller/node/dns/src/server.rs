@@ -613,11 +613,13 @@ enum Parsed {
 
 fn parse(message: Vec<u8>, peer: SocketAddr, protocol: Protocol) -> Parsed {
     let id = (message.len() >= 12).then(|| u16::from_be_bytes([message[0], message[1]]));
+    let is_response = message.get(2).is_some_and(|b| b & 0x80 != 0);
     match Request::from_bytes(message, peer, protocol) {
         Ok(r) if r.metadata.message_type == MessageType::Query => Parsed::Query(Box::new(r)),
         Ok(_) => Parsed::Drop,
         Err(_) => {
-            let Some(id) = id else {
+            // No header, or one that says it is a response (QR): nothing is sent.
+            let Some(id) = id.filter(|_| !is_response) else {
                 return Parsed::Drop;
             };
             let mut m = Message::new(id, MessageType::Response, OpCode::Query);
@@ -687,8 +689,13 @@ async fn serve_udp(
                     .await;
             }
             Parsed::FormErr(bytes) => {
-                let _ = socket.send_to(&bytes, peer).await;
-                handler.count(None, ResponseCode::FormErr, started);
+                // Within the client's rate, as any answer.
+                if handler.limit.allow(peer.ip()) {
+                    let _ = socket.send_to(&bytes, peer).await;
+                    handler.count(None, ResponseCode::FormErr, started);
+                } else {
+                    handler.metrics.rate_limited.inc();
+                }
             }
             Parsed::Drop => {}
         }
@@ -785,7 +792,13 @@ async fn tcp_connection(
         // to), is answered first.
         let first = tokio::select! {
             biased;
-            () = until_stopped(&mut stop), if answered > 0 => return,
+            () = until_stopped(&mut stop), if answered > 0 => {
+                // A query already sent (pipelined) is answered; else the connection ends.
+                match tokio::time::timeout(Duration::ZERO, stream.peek(&mut len[..1])).await {
+                    Ok(Ok(n)) if n > 0 => Ok(Ok(n)),
+                    _ => return,
+                }
+            }
             first = timeout_at(idle_end, stream.peek(&mut len[..1])) => first,
         };
         match first {
@@ -875,9 +888,8 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 
 impl DnsServer {
     /// Binds every address (UDP and TCP; port 0 picks one, the same for both), or takes
-    /// the socket `sockets` inherited from the node's running agent, and serves `zone`.
-    /// An inherited socket is read from when the agent is ready (the running agent answers
-    /// it meanwhile; this one would answer SERVFAIL). Must run inside the tokio runtime.
+    /// the socket `sockets` inherited from the node's running agent, and serves `zone`
+    /// ([`DnsServer::prepare`], then [`Unbound::bind`]). Must run inside the tokio runtime.
     pub async fn start(
         zone: Arc<mcs_model::dns::Zone>,
         config: &DnsConfig,
@@ -885,7 +897,18 @@ impl DnsServer {
         health: Health,
         sockets: &mcs_runtime::handover::Sockets,
     ) -> anyhow::Result<Self> {
-        use mcs_runtime::handover::Kind;
+        Self::prepare(zone, config, registry, health)
+            .bind(sockets)
+            .await
+    }
+
+    /// The server's answers and metrics (registered in `registry`), not bound yet.
+    pub fn prepare(
+        zone: Arc<mcs_model::dns::Zone>,
+        config: &DnsConfig,
+        registry: &mut Registry,
+        health: Health,
+    ) -> Unbound {
         let handler = Arc::new(Handler {
             answerer: Answerer::new(zone, config.ttl),
             health,
@@ -899,10 +922,46 @@ impl DnsServer {
             limits: config.tcp,
             open: Mutex::new((0, HashMap::new())),
         });
+        Unbound {
+            handler,
+            table,
+            listen: config.listen.clone(),
+        }
+    }
+}
+
+/// A DNS server whose answers and metrics exist, not bound yet ([`DnsServer::prepare`]).
+pub struct Unbound {
+    handler: Arc<Handler>,
+    table: Arc<TcpConnections>,
+    listen: Vec<SocketAddr>,
+}
+
+impl std::fmt::Debug for Unbound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Unbound")
+            .field("listen", &self.listen)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Unbound {
+    /// Binds every address, or takes the socket `sockets` inherited from the node's running
+    /// agent (an address in use is tried again every second, for at most
+    /// [`mcs_runtime::http::BIND_PATIENCE`]), and serves. An inherited socket is read from
+    /// when the agent is ready (the running agent answers it meanwhile; this one would
+    /// answer SERVFAIL).
+    pub async fn bind(self, sockets: &mcs_runtime::handover::Sockets) -> anyhow::Result<DnsServer> {
+        use mcs_runtime::handover::Kind;
+        let Self {
+            handler,
+            table,
+            listen,
+        } = self;
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let mut addrs = Vec::new();
         let mut tasks = Vec::new();
-        for addr in &config.listen {
+        for addr in &listen {
             let tcp_inherited = sockets.inherits(Kind::TcpListener, *addr);
             // Not shared with any other process: the next agent of the node takes these
             // sockets from this one (`sockets`).
@@ -936,9 +995,11 @@ impl DnsServer {
             }
             addrs.push(bound);
         }
-        Ok(Self { stop, tasks, addrs })
+        Ok(DnsServer { stop, tasks, addrs })
     }
+}
 
+impl DnsServer {
     /// Stops reading queries, answers those in hand (for at most [`STOP_GRACE`]) and
     /// returns. The sockets close with this agent's copies: what waits in them is for
     /// whoever else holds them (the node's next agent).
