@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Day 2 under load, on the real ClusterSet of scripts/clusterset.sh (up, with mcs-dataplane
 # installed on eBPF): each step runs while a probe in a client pod on every node of c1 opens
-# new TCP connections to the ClusterSetIP of `web` (exported by c1 and c2) at --rate per second
-# and sends UDP requests at the same rate on one flow (mcs-bench probe: every reply checked
-# whole), and counts tried / failed / cut / longest gap. The steps:
+# new TCP connections to the ClusterSetIP of `web` (exported by c1 and c2) at --rate per second,
+# sends UDP requests at the same rate on one flow (mcs-bench probe: every reply checked
+# whole) and asks its node's agent `dns-version.clusterset.local` at the same rate (UDP,
+# NOERROR required, 2 s wait), and counts tried / failed / cut / longest gap. The steps:
 #
 #   upgrade-ebpf      helm upgrade to a new image (the same binaries, another tag: deploy/image.sh
 #                     with MCS_IMAGE_TAG), agents and controllers; 0 failed required. The
@@ -13,8 +14,9 @@
 #   agents-deleted    every agent pod of c1 deleted at once (eBPF); 0 failed required.
 #   to-userspace      helm upgrade --set dataplane=userspace (eBPF -> userspace); counted.
 #   upgrade-userspace helm upgrade to the new image on the userspace dataplane (the chart rolls
-#                     it with maxSurge: the next agent listens beside the old one, which waits
-#                     for it before closing); 0 TCP failed required. UDP is counted: a reply
+#                     it with maxSurge: the next agent takes the old one's DNS and metrics
+#                     sockets and listens beside it on the frontends; the old one waits for it
+#                     before closing); 0 TCP and 0 DNS failed required. UDP is counted: a reply
 #                     in flight to the old agent when it closes its flow is lost.
 #   rollback-userspace the same, back to the release before.
 #   to-ebpf           back to eBPF; counted.
@@ -67,6 +69,9 @@ need_clusterset lifecycle
 
 STEPS=upgrade-ebpf,rollback-ebpf,agents-deleted,drain-ebpf,blackhole-ebpf,node-dark-ebpf,to-userspace,upgrade-userspace,rollback-userspace,drain-userspace,blackhole-userspace,node-dark-userspace,to-ebpf,crd-upgrade,crd-not-served
 RATE=50
+# The agents' clusterset.local DNS port on each node's address (the chart's dns.port, which
+# scripts/clusterset.sh keeps).
+AGENT_DNS_PORT=10053
 SOAK=0
 while (($#)); do
   case $1 in
@@ -286,11 +291,12 @@ with_import_checks() {
 late_exports=0
 
 {
-  echo "| step | dataplane | TCP tried | failed | cut | longest gap (ms) | UDP tried | lost / refused / wrong | longest gap (ms) | took (s) | required |"
-  echo "|---|---|---|---|---|---|---|---|---|---|---|"
+  echo "| step | dataplane | TCP tried | failed | cut | longest gap (ms) | UDP tried | lost / refused / wrong | longest gap (ms) | DNS tried | failed | took (s) | required |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 } >"$TABLE"
 # step NAME DATAPLANE REQUIRED(zero|tcp-zero|measured) ACTION...: the action under load from
-# every probe (tcp-zero: no TCP connection may fail or be cut; UDP is measured).
+# every probe (tcp-zero: no TCP connection may fail or be cut, no DNS query fail; UDP is
+# measured; DNS is measured in the other steps).
 step() {
   local name=$1 dp=$2 required=$3; shift 3
   say "$name ($dp): under load"
@@ -298,6 +304,7 @@ step() {
   local n pids=()
   for n in $nodes_c1; do
     kc c1 -n "$NS" exec "probe-$n" -- /opt/bench/mcs-bench probe --tcp "$vip:80" --udp "$vip:9000" \
+      --dns "$(cs_nodes c1 | awk -v n="$n" '$2 == n { print $4 }'):$AGENT_DNS_PORT" \
       --rate "$RATE" --stop-file /run/life/stop --max-seconds $((900 + 60 * SOAK)) >"$RUN/$name-$n.json" 2>"$RUN/$name-$n.err" &
     pids+=($!)
   done
@@ -317,6 +324,7 @@ import json, sys
 name, dp, took, required, files = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
 t = dict(tried=0, failed=0, cut=0, gap=0.0)
 u = dict(tried=0, lost=0, refused=0, wrong=0, gap=0.0)
+d = dict(tried=0, failed=0)
 errors = []
 for f in files:
     r = json.load(open(f))
@@ -325,11 +333,14 @@ for f in files:
     t["gap"] = max(t["gap"], tcp["longest_gap_ms"])
     u["tried"] += udp["tried"]; u["lost"] += udp["lost"]; u["refused"] += udp["refused"]; u["wrong"] += udp["wrong"]
     u["gap"] = max(u["gap"], udp["longest_gap_ms"])
-    for e in (tcp.get("first_error"), udp.get("first_error")):
+    dns = r.get("dns") or {}
+    d["tried"] += dns.get("tried", 0)
+    d["failed"] += dns.get("lost", 0) + dns.get("refused", 0) + dns.get("wrong", 0)
+    for e in (tcp.get("first_error"), udp.get("first_error"), dns.get("first_error")):
         if e: errors.append(e)
-bad = t["failed"] + t["cut"] + (0 if required == "tcp-zero" else u["lost"] + u["refused"] + u["wrong"])
-gate = {"zero": "0 failed", "tcp-zero": "0 TCP failed"}.get(required, "measured")
-print(f'| {name} | {dp} | {t["tried"]} | {t["failed"]} | {t["cut"]} | {t["gap"]:.0f} | {u["tried"]} | {u["lost"]} / {u["refused"]} / {u["wrong"]} | {u["gap"]:.0f} | {took} | {gate} |')
+bad = t["failed"] + t["cut"] + (d["failed"] if required == "tcp-zero" else u["lost"] + u["refused"] + u["wrong"])
+gate = {"zero": "0 failed (TCP, UDP)", "tcp-zero": "0 TCP, 0 DNS failed"}.get(required, "measured")
+print(f'| {name} | {dp} | {t["tried"]} | {t["failed"]} | {t["cut"]} | {t["gap"]:.0f} | {u["tried"]} | {u["lost"]} / {u["refused"]} / {u["wrong"]} | {u["gap"]:.0f} | {d["tried"]} | {d["failed"]} | {took} | {gate} |')
 print(bad)
 print("; ".join(errors[:3]))
 PYEOF

@@ -1,8 +1,9 @@
 //! The lifecycle suite's load (`scripts/clusterset-lifecycle.sh`), run inside the pods of the
 //! real ClusterSet. `mcs-bench probe` opens new TCP connections to a service at a fixed rate
-//! (each one request, the whole reply checked, as the fault suite's) and sends UDP requests on
-//! one flow at the same rate, until a stop file appears or a time bound passes, and prints one
-//! JSON line: what the client saw on each. `mcs-bench serve` is the service's backend (the
+//! (each one request, the whole reply checked, as the fault suite's), sends UDP requests on
+//! one flow at the same rate and asks a node agent's `clusterset.local` DNS at the same rate,
+//! until a stop file appears or a time bound passes, and prints one JSON line: what the client
+//! saw on each. `mcs-bench serve` is the service's backend (the
 //! fault suite's request/reply backend, in the pod's own network namespace).
 
 use std::{
@@ -18,6 +19,14 @@ use crate::faults::LoadResult;
 /// How long a UDP request waits for its answer before it counts as lost.
 pub const UDP_WAIT: Duration = Duration::from_millis(500);
 
+/// How long a DNS query waits for its answer before it counts as lost (a stub resolver asks
+/// again after 5 s by default; a query waiting in the socket for an agent becoming ready is
+/// answered, not lost).
+pub const DNS_WAIT: Duration = Duration::from_secs(2);
+
+/// What the DNS side asks: always answered (NOERROR, TXT `1.0.0`) by a ready agent.
+const DNS_QUESTION: &str = "dns-version.clusterset.local";
+
 /// What to probe and for how long.
 #[derive(Clone, Debug)]
 pub struct Probe {
@@ -25,6 +34,8 @@ pub struct Probe {
     pub tcp: Option<SocketAddr>,
     /// UDP service address (one connected flow).
     pub udp: Option<SocketAddr>,
+    /// A `clusterset.local` DNS server (an agent's DNS address), asked over UDP.
+    pub dns: Option<SocketAddr>,
     /// Requests per second, each of TCP and UDP.
     pub rate: f64,
     /// Stop once this file exists.
@@ -61,6 +72,10 @@ pub struct ProbeReport {
     pub tcp: Option<LoadResult>,
     /// The UDP side (one flow).
     pub udp: Option<UdpResult>,
+    /// The DNS side: `wrong` counts answers other than NOERROR (SERVFAIL from an agent not
+    /// ready, ...).
+    #[serde(default)]
+    pub dns: Option<UdpResult>,
 }
 
 /// Fixed-rate ticks; a late tick is not made up for by a burst.
@@ -96,24 +111,102 @@ impl Probe {
     /// Runs the probe to its stop and reports.
     pub fn run(&self) -> anyhow::Result<ProbeReport> {
         anyhow::ensure!(
-            self.tcp.is_some() || self.udp.is_some(),
-            "probe needs --tcp or --udp"
+            self.tcp.is_some() || self.udp.is_some() || self.dns.is_some(),
+            "probe needs --tcp, --udp or --dns"
         );
         let start = Instant::now();
         let end = start + Duration::from_secs_f64(self.max_seconds);
-        let (tcp, udp) = std::thread::scope(|s| {
+        let (tcp, udp, dns) = std::thread::scope(|s| {
             let tcp = self.tcp.map(|to| s.spawn(move || self.tcp_side(to, end)));
             let udp = self.udp.map(|to| s.spawn(move || self.udp_side(to, end)));
+            let dns = self.dns.map(|to| s.spawn(move || self.dns_side(to, end)));
             (
                 tcp.map(|h| h.join().expect("tcp side")),
                 udp.map(|h| h.join().expect("udp side")),
+                dns.map(|h| h.join().expect("dns side")),
             )
         });
         Ok(ProbeReport {
             seconds: start.elapsed().as_secs_f64(),
             tcp,
             udp: udp.transpose()?,
+            dns: dns.transpose()?,
         })
+    }
+
+    /// One query a tick, each with a new id from one socket; an answer counts when it has the
+    /// query's id and NOERROR.
+    fn dns_side(&self, to: SocketAddr, end: Instant) -> anyhow::Result<UdpResult> {
+        let any: SocketAddr = if to.is_ipv4() {
+            "0.0.0.0:0".parse()?
+        } else {
+            "[::]:0".parse()?
+        };
+        let sock = UdpSocket::bind(any)?;
+        let mut r = UdpResult::default();
+        let mut pace = Pace::new(self.rate);
+        let mut last_ok = Instant::now();
+        let mut buf = [0u8; 1500];
+        while !self.stopped(end) {
+            pace.wait();
+            r.tried += 1;
+            // Ids cycle through 65,536; an answer is matched by its id.
+            let id = (r.tried % 65_536) as u16;
+            if let Err(e) = sock.send_to(&dns_query(id), to) {
+                r.refused += 1;
+                r.first_error.get_or_insert(format!("dns send: {e}"));
+                continue;
+            }
+            let deadline = Instant::now() + DNS_WAIT;
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    r.lost += 1;
+                    r.first_error
+                        .get_or_insert(format!("dns query {id}: no answer"));
+                    break;
+                }
+                sock.set_read_timeout(Some(left))?;
+                match sock.recv_from(&mut buf) {
+                    Ok((n, from)) if from == to && n >= 4 => {
+                        if u16::from_be_bytes([buf[0], buf[1]]) != id {
+                            // A late answer to an earlier query: keep waiting.
+                            continue;
+                        }
+                        let rcode = buf[3] & 0x0f;
+                        if buf[2] & 0x80 != 0 && rcode == 0 {
+                            r.answered += 1;
+                            let now = Instant::now();
+                            let gap = now.duration_since(last_ok).as_secs_f64() * 1e3;
+                            r.longest_gap_ms = r.longest_gap_ms.max(gap);
+                            last_ok = now;
+                        } else {
+                            r.wrong += 1;
+                            r.first_error
+                                .get_or_insert(format!("dns query {id}: rcode {rcode}"));
+                        }
+                        break;
+                    }
+                    Ok(_) => continue,
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) =>
+                    {
+                        continue;
+                    }
+                    Err(e) => {
+                        r.refused += 1;
+                        r.first_error.get_or_insert(format!("dns query {id}: {e}"));
+                        break;
+                    }
+                }
+            }
+        }
+        let tail = Instant::now().duration_since(last_ok).as_secs_f64() * 1e3;
+        r.longest_gap_ms = r.longest_gap_ms.max(tail);
+        Ok(r)
     }
 
     fn tcp_side(&self, to: SocketAddr, end: Instant) -> LoadResult {
@@ -201,9 +294,33 @@ impl Probe {
     }
 }
 
+/// A query for [`DNS_QUESTION`] TXT, class IN, recursion desired, with `id`.
+fn dns_query(id: u16) -> Vec<u8> {
+    let mut q = Vec::with_capacity(64);
+    q.extend_from_slice(&id.to_be_bytes());
+    // Flags (RD), one question, no other records.
+    q.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]);
+    for label in DNS_QUESTION.split('.') {
+        q.push(label.len() as u8);
+        q.extend_from_slice(label.as_bytes());
+    }
+    // The root, TXT (16), IN (1).
+    q.extend_from_slice(&[0, 0, 16, 0, 1]);
+    q
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_dns_query_is_one_well_formed_question() {
+        let q = dns_query(0x1234);
+        assert_eq!(&q[..4], &[0x12, 0x34, 0x01, 0x00]);
+        assert_eq!(u16::from_be_bytes([q[4], q[5]]), 1);
+        assert_eq!(q.len(), 12 + DNS_QUESTION.len() + 2 + 4);
+        assert!(q.ends_with(&[0, 0, 16, 0, 1]));
+    }
 
     #[test]
     fn pace_does_not_burst_after_a_stall() {

@@ -205,15 +205,19 @@ enum Tool {
         #[arg(long, default_value_t = 2_000_000)]
         max: u64,
     },
-    /// (internal) The lifecycle suite's load, inside a pod: new TCP connections and UDP
-    /// requests on one flow at a fixed rate, until --stop-file exists; prints one JSON line.
+    /// (internal) The lifecycle suite's load, inside a pod: new TCP connections, UDP
+    /// requests on one flow and `clusterset.local` DNS queries at a fixed rate, until
+    /// --stop-file exists; prints one JSON line.
     #[command(hide = true)]
     Probe {
         #[arg(long)]
         tcp: Option<SocketAddr>,
         #[arg(long)]
         udp: Option<SocketAddr>,
-        /// Requests per second, each of TCP and UDP.
+        /// An agent's DNS address: asked `dns-version.clusterset.local` TXT over UDP.
+        #[arg(long)]
+        dns: Option<SocketAddr>,
+        /// Requests per second, each of TCP, UDP and DNS.
         #[arg(long, default_value_t = 50.0)]
         rate: f64,
         #[arg(long)]
@@ -375,12 +379,14 @@ fn main() -> ExitCode {
         Some(Tool::Probe {
             tcp,
             udp,
+            dns,
             rate,
             stop_file,
             max_seconds,
         }) => mcs_bench::lifecycle::Probe {
             tcp,
             udp,
+            dns,
             rate,
             stop_file,
             max_seconds,
