@@ -182,23 +182,29 @@ impl Agent {
             running.dns,
             running.metrics,
         );
-        let deadline = Instant::now() + WAIT;
-        while !agent
-            .logged()
-            .contains("first full table programmed; ready")
-        {
-            assert!(
-                Instant::now() < deadline && agent.child_alive(),
-                "the next agent never became ready: {}",
-                agent.logged()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        agent.wait_logged(
+            "first full table programmed; ready",
+            "the next agent never became ready",
+        );
         agent
     }
 
     fn logged(&self) -> String {
         std::fs::read_to_string(self.log.path()).unwrap_or_default()
+    }
+
+    /// Waits (at most [`WAIT`], while the agent lives) until its log says `text`; else fails
+    /// with `what` and the log.
+    fn wait_logged(&self, text: &str, what: &str) {
+        let deadline = Instant::now() + WAIT;
+        while !self.logged().contains(text) {
+            assert!(
+                Instant::now() < deadline && self.child_alive(),
+                "{what}: {}",
+                self.logged()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     fn spawn_on(
@@ -1706,18 +1712,10 @@ fn an_address_held_by_another_process_keeps_only_its_listener_waiting() {
         dns,
         free_port(),
     );
-    let deadline = Instant::now() + WAIT;
-    while !agent
-        .logged()
-        .contains("first full table programmed; ready")
-    {
-        assert!(
-            Instant::now() < deadline && agent.child_alive(),
-            "the table waited for the DNS address: {}",
-            agent.logged()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    agent.wait_logged(
+        "first full table programmed; ready",
+        "the table waited for the DNS address",
+    );
     assert!(
         agent.logged().contains("address in use"),
         "{}",
@@ -1725,11 +1723,7 @@ fn an_address_held_by_another_process_keeps_only_its_listener_waiting() {
     );
     assert_eq!(agent.http("/readyz").map(|(c, _)| c), Some(200));
     drop(held);
-    let deadline = Instant::now() + WAIT;
-    while !agent.logged().contains("serving clusterset.local DNS") {
-        assert!(Instant::now() < deadline, "{}", agent.logged());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    agent.wait_logged("serving clusterset.local DNS", "DNS was never served");
     assert_eq!(
         ask(agent.dns, "web.shop.svc.clusterset.local.", RecordType::A),
         ["198.18.100.10"]

@@ -134,79 +134,27 @@ impl Probe {
         })
     }
 
-    /// One query a tick, each with a new id from one socket; an answer counts when it has the
-    /// query's id and NOERROR.
+    /// One query a tick, each with a new id; an answer counts when it has the query's id
+    /// and NOERROR.
     fn dns_side(&self, to: SocketAddr, end: Instant) -> anyhow::Result<UdpResult> {
-        let any: SocketAddr = if to.is_ipv4() {
-            "0.0.0.0:0".parse()?
-        } else {
-            "[::]:0".parse()?
-        };
-        let sock = UdpSocket::bind(any)?;
-        let mut r = UdpResult::default();
-        let mut pace = Pace::new(self.rate);
-        let mut last_ok = Instant::now();
-        let mut buf = [0u8; 1500];
-        while !self.stopped(end) {
-            pace.wait();
-            r.tried += 1;
+        self.exchange_side(to, end, DNS_WAIT, |n| {
             // Ids cycle through 65,536; an answer is matched by its id.
-            let id = (r.tried % 65_536) as u16;
-            if let Err(e) = sock.send_to(&dns_query(id), to) {
-                r.refused += 1;
-                r.first_error.get_or_insert(format!("dns send: {e}"));
-                continue;
-            }
-            let deadline = Instant::now() + DNS_WAIT;
-            loop {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    r.lost += 1;
-                    r.first_error
-                        .get_or_insert(format!("dns query {id}: no answer"));
-                    break;
-                }
-                sock.set_read_timeout(Some(left))?;
-                match sock.recv_from(&mut buf) {
-                    Ok((n, from)) if from == to && n >= 4 => {
-                        if u16::from_be_bytes([buf[0], buf[1]]) != id {
-                            // A late answer to an earlier query: keep waiting.
-                            continue;
-                        }
-                        let rcode = buf[3] & 0x0f;
-                        if buf[2] & 0x80 != 0 && rcode == 0 {
-                            r.answered += 1;
-                            let now = Instant::now();
-                            let gap = now.duration_since(last_ok).as_secs_f64() * 1e3;
-                            r.longest_gap_ms = r.longest_gap_ms.max(gap);
-                            last_ok = now;
-                        } else {
-                            r.wrong += 1;
-                            r.first_error
-                                .get_or_insert(format!("dns query {id}: rcode {rcode}"));
-                        }
-                        break;
-                    }
-                    Ok(_) => continue,
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                        ) =>
-                    {
-                        continue;
-                    }
-                    Err(e) => {
-                        r.refused += 1;
-                        r.first_error.get_or_insert(format!("dns query {id}: {e}"));
-                        break;
+            let id = (n % 65_536) as u16;
+            let request = dns_query(id);
+            let judge = move |got: &[u8]| match got {
+                [a, b, flags, codes, ..] if u16::from_be_bytes([*a, *b]) == id => {
+                    let rcode = codes & 0x0f;
+                    if flags & 0x80 != 0 && rcode == 0 {
+                        Answer::Mine
+                    } else {
+                        Answer::Wrong(format!("dns query {id}: rcode {rcode}"))
                     }
                 }
-            }
-        }
-        let tail = Instant::now().duration_since(last_ok).as_secs_f64() * 1e3;
-        r.longest_gap_ms = r.longest_gap_ms.max(tail);
-        Ok(r)
+                // A late answer to an earlier query (or too short to be one).
+                _ => Answer::Earlier,
+            };
+            (request, judge)
+        })
     }
 
     fn tcp_side(&self, to: SocketAddr, end: Instant) -> LoadResult {
@@ -222,6 +170,35 @@ impl Probe {
     }
 
     fn udp_side(&self, to: SocketAddr, end: Instant) -> anyhow::Result<UdpResult> {
+        self.exchange_side(to, end, UDP_WAIT, |n| {
+            let req = format!("q{n}");
+            let bytes = req.clone().into_bytes();
+            let mine = format!(" {req}\n");
+            let judge = move |got: &[u8]| {
+                let got = String::from_utf8_lossy(got);
+                if got.starts_with("backend ") && got.ends_with(&mine) {
+                    Answer::Mine
+                } else if got.starts_with("backend ") && got.contains(" q") {
+                    // A late answer to an earlier request of this flow: keep waiting.
+                    Answer::Earlier
+                } else {
+                    Answer::Wrong(format!("{req}: answer {got:?}"))
+                }
+            };
+            (bytes, judge)
+        })
+    }
+
+    /// One flow (a connected UDP socket to `to`): a request a tick, made by `request` from
+    /// its number (from 1) with the judge of its answers; each waits at most `wait` for an
+    /// answer the judge calls its own, past answers to earlier requests.
+    fn exchange_side<J: Fn(&[u8]) -> Answer>(
+        &self,
+        to: SocketAddr,
+        end: Instant,
+        wait: Duration,
+        request: impl Fn(u64) -> (Vec<u8>, J),
+    ) -> anyhow::Result<UdpResult> {
         let any: SocketAddr = if to.is_ipv4() {
             "0.0.0.0:0".parse()?
         } else {
@@ -232,30 +209,29 @@ impl Probe {
         let mut r = UdpResult::default();
         let mut pace = Pace::new(self.rate);
         let mut last_ok = Instant::now();
-        let mut buf = [0u8; 1024];
+        let mut buf = [0u8; 1500];
         while !self.stopped(end) {
             pace.wait();
             r.tried += 1;
-            let req = format!("q{}", r.tried);
-            if let Err(e) = sock.send(req.as_bytes()) {
+            let (req, judge) = request(r.tried);
+            let name = format!("request {}", r.tried);
+            if let Err(e) = sock.send(&req) {
                 r.refused += 1;
                 r.first_error.get_or_insert(format!("send: {e}"));
                 continue;
             }
-            let mine = format!(" {req}\n");
-            let deadline = Instant::now() + UDP_WAIT;
+            let deadline = Instant::now() + wait;
             loop {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     r.lost += 1;
-                    r.first_error.get_or_insert(format!("{req}: no answer"));
+                    r.first_error.get_or_insert(format!("{name}: no answer"));
                     break;
                 }
                 sock.set_read_timeout(Some(left))?;
                 match sock.recv(&mut buf) {
-                    Ok(n) => {
-                        let got = String::from_utf8_lossy(&buf[..n]);
-                        if got.starts_with("backend ") && got.ends_with(&mine) {
+                    Ok(n) => match judge(&buf[..n]) {
+                        Answer::Mine => {
                             r.answered += 1;
                             let now = Instant::now();
                             let gap = now.duration_since(last_ok).as_secs_f64() * 1e3;
@@ -263,15 +239,13 @@ impl Probe {
                             last_ok = now;
                             break;
                         }
-                        // A late answer to an earlier request of this flow: keep waiting.
-                        if got.starts_with("backend ") && got.contains(" q") {
-                            continue;
+                        Answer::Earlier => continue,
+                        Answer::Wrong(why) => {
+                            r.wrong += 1;
+                            r.first_error.get_or_insert(why);
+                            break;
                         }
-                        r.wrong += 1;
-                        r.first_error
-                            .get_or_insert(format!("{req}: answer {got:?}"));
-                        break;
-                    }
+                    },
                     Err(e)
                         if matches!(
                             e.kind(),
@@ -282,7 +256,7 @@ impl Probe {
                     }
                     Err(e) => {
                         r.refused += 1;
-                        r.first_error.get_or_insert(format!("{req}: {e}"));
+                        r.first_error.get_or_insert(format!("{name}: {e}"));
                         break;
                     }
                 }
@@ -292,6 +266,16 @@ impl Probe {
         r.longest_gap_ms = r.longest_gap_ms.max(tail);
         Ok(r)
     }
+}
+
+/// What an answer on a flow is to the request waiting for one.
+enum Answer {
+    /// Its own answer.
+    Mine,
+    /// An answer to an earlier request: keep waiting.
+    Earlier,
+    /// Not an answer it may get (said why).
+    Wrong(String),
 }
 
 /// A query for [`DNS_QUESTION`] TXT, class IN, recursion desired, with `id`.
